@@ -1,0 +1,24 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.bootstrap-stamp
+
+.PHONY: demo test bench clean-venv
+
+$(STAMP): setup.cfg pyproject.toml scripts/bootstrap.sh
+	bash scripts/bootstrap.sh $(VENV)
+	touch $(STAMP)
+
+## make demo: the Open-SWE workflow on a LocalCluster with a real vLLM CPU engine
+demo: $(STAMP)
+	$(PY) -m examples.swe --requests 8
+
+## make test: the test suite
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+## make bench: the overhead benchmark (quick)
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py --quick --json benchmarks/results/overhead.json
+
+clean-venv:
+	rm -rf $(VENV)

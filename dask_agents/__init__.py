@@ -1,0 +1,48 @@
+"""dask-agents: agent, tool and LLM calls as workflow-aware Dask futures.
+
+    import dask_agents as da
+
+    @da.agent(model="coder")
+    class Developer:
+        def implement(self, subtask): ...
+
+    client = Client(LocalCluster(...)); da.install(client)
+    dev = da.stub(Developer)
+    with da.session(client):
+        patch = dev.implement("fix the bug")   # AgentFuture, returned at once
+"""
+
+from __future__ import annotations
+
+import dask_agents.config  # noqa: F401  (registers agents.* defaults)
+from dask_agents.client_api import session_graph, telemetry, workflow_graph
+from dask_agents.components import ComponentSpec, agent, spec_of, tool
+from dask_agents.errors import (
+    AgentsError,
+    CallFailedError,
+    CallTimeoutError,
+    HintError,
+    NoClientError,
+    NotAComponentError,
+    NotInstalledError,
+    PromptTooLongError,
+    UnknownModelError,
+)
+from dask_agents.futures import AgentFuture
+from dask_agents.hints import BatchingHint, ComponentHints, ToolHints
+from dask_agents.install import install, installed
+from dask_agents.llm import LLM, llm
+from dask_agents.models import CallMeta, LLMResult, SessionGraph, WorkflowGraph
+from dask_agents.session import Session, session
+from dask_agents.stubs import FunctionStub, Stub, stub
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgentFuture", "AgentsError", "BatchingHint", "CallFailedError", "CallMeta", "CallTimeoutError",
+    "ComponentHints", "ComponentSpec", "FunctionStub", "HintError", "LLM", "LLMResult",
+    "NoClientError", "NotAComponentError", "NotInstalledError", "PromptTooLongError", "Session",
+    "SessionGraph", "Stub", "ToolHints", "UnknownModelError", "WorkflowGraph", "agent", "install",
+    "installed", "llm", "session", "session_graph", "spec_of", "stub", "telemetry", "tool",
+    "workflow_graph",
+]

@@ -1,0 +1,102 @@
+"""The client side of a call: build its metadata and key, tag it, submit it, return an AgentFuture."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import dask
+from distributed import Client, Future
+
+from dask_agents import context
+from dask_agents.components import ComponentSpec
+from dask_agents.errors import NoClientError, where
+from dask_agents.futures import AgentFuture
+from dask_agents.models import CallMeta
+
+ANNOTATION = "agents"
+"""Name of the Dask annotation that carries call metadata to the scheduler and workers."""
+
+
+def new_key(component: str) -> str:
+    """A unique Dask key that starts with the component name (per-component Dask statistics)."""
+    return f"{component}-{uuid.uuid4().hex}"
+
+
+def find_client(spec: ComponentSpec, method: str | None) -> Client:
+    """The client of the active session, else Dask's current/default client."""
+    s = context.current_session.get()
+    if s is not None and s.client is not None:
+        return s.client
+    try:
+        from distributed import get_client
+
+        return get_client()
+    except ValueError:
+        raise NoClientError(
+            f"{where(spec.name, method, context.session_id())} was called with no Dask client: "
+            "create a distributed.Client first, or call it inside `with da.session(client):`"
+        ) from None
+
+
+def _dependencies(args: tuple, kwargs: dict) -> list[str]:
+    deps: list[str] = []
+
+    def scan(x: Any) -> None:
+        if isinstance(x, Future):
+            deps.append(x.key)
+        elif type(x) in (list, tuple, set, frozenset):
+            for y in x:
+                scan(y)
+        elif type(x) is dict:
+            for y in x.values():
+                scan(y)
+
+    scan(args)
+    scan(kwargs)
+    return deps
+
+
+def submit_call(
+    spec: ComponentSpec,
+    method: str | None,
+    runner: Any,
+    target: Any,
+    args: tuple,
+    kwargs: dict,
+    extra: dict | None = None,
+) -> AgentFuture:
+    """Submit ``runner(header, target, args, kwargs)`` as one call of ``spec``; return its future.
+
+    ``header`` is the metadata the worker runtime needs (component, method, session, key).
+    Futures anywhere in ``args``/``kwargs`` become Dask dependencies of the call. The user's
+    arguments travel as one tuple and one dict so that none of them collides with
+    ``client.submit``'s own keywords (``key``, ``priority``, ``resources``...).
+    """
+    client = find_client(spec, method)
+    s = context.current_session.get()
+    sid = s.id if s is not None else None
+    key = new_key(spec.name)
+    creator = context.creator()
+    deps = _dependencies(args, kwargs)
+    meta = CallMeta(
+        call_id=key, component=spec.name, method=method, kind=spec.kind, session=sid,
+        creator=creator, dependencies=deps, created=time.time(),
+    )
+    hints = spec.hints
+    ann = {
+        "call": key, "component": spec.name, "method": method, "kind": spec.kind,
+        "session": sid, "tenant": s.tenant if s is not None else None, "creator": creator,
+        "deps": deps, "created": meta.created, "stateful": hints.stateful,
+        "model": hints.model,
+    }
+    if extra:
+        ann.update(extra)
+    header = (spec.name, method, sid, key, hints.stateful)
+    with dask.annotate(**{ANNOTATION: ann}):
+        fut = client.submit(
+            runner, header, target, args, kwargs, key=key, pure=False,
+            resources=dict(hints.resources) or None,
+        )
+    return AgentFuture.adopt(fut, meta)

@@ -1,0 +1,163 @@
+"""``AgentFuture``: a ``distributed.Future`` that carries call metadata and materializes on use.
+
+Identity semantics (``__hash__``/``__eq__``) are Dask's, so futures keep working in dicts and
+sets. Value-consuming operations block until the result is there (implicit materialization):
+
+    len(f), iter(f), f[i], x in f, bool(f), str(f), int(f), float(f), f.__index__(),
+    arithmetic (+ - * / // % ** and their reflected forms, unary - + abs), ordering (< <= > >=)
+
+``repr(f)`` never blocks. ``available()`` never blocks. ``value(timeout)`` raises
+:class:`~dask_agents.errors.CallTimeoutError` naming the call when time runs out.
+Waiting inside a running component first secedes from the worker's thread pool, so a
+waiting call does not hold a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+from typing import Any
+
+from distributed import Future
+
+from dask_agents.errors import CallTimeoutError, where
+from dask_agents.models import CallMeta
+
+
+def release_worker_slot() -> None:
+    """If running in a worker task thread, secede once so waiting frees the slot."""
+    from worker_plugin import dask_compat
+
+    dask_compat.secede_if_in_task()
+
+
+class AgentFuture(Future):
+    """A future for one agent, tool or LLM call. ``meta`` holds its :class:`CallMeta`."""
+
+    meta: CallMeta
+
+    @classmethod
+    def adopt(cls, fut: Future, meta: CallMeta) -> "AgentFuture":
+        """Turn the Future that ``client.submit`` returned into an AgentFuture (no new ref)."""
+        fut.__class__ = cls
+        fut.meta = meta
+        return fut  # type: ignore[return-value]
+
+    def __reduce__(self):
+        return Future, (self.key,)
+
+    def __repr__(self) -> str:
+        m = self.meta
+        return f"<AgentFuture {where(m.component, m.method, m.session)} {self.status} key={self.key}>"
+
+    # -- explicit API --------------------------------------------------------------
+    def available(self) -> bool:
+        """True once the call has finished (with a result or an error). Never blocks."""
+        return self.done()
+
+    def value(self, timeout: float | None = None) -> Any:
+        """The result; blocks up to ``timeout`` seconds, then raises CallTimeoutError."""
+        return self.result(timeout=timeout)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Like ``Future.result``, but secedes inside a component and names the call on timeout."""
+        if self.client.asynchronous:
+            return super().result(timeout=timeout)
+        if not self.done():
+            release_worker_slot()
+        try:
+            return super().result(timeout=timeout)
+        except TimeoutError as e:
+            if isinstance(e, CallTimeoutError):
+                raise
+            m = self.meta
+            raise CallTimeoutError(
+                f"{where(m.component, m.method, m.session)} did not finish within {timeout}s "
+                f"(status: {self.status}, key: {self.key})"
+            ) from None
+
+    def _materialize(self) -> Any:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self.result()
+        raise RuntimeError(
+            f"{self!r} cannot be materialized on a running event loop; use `await future`"
+        )
+
+    # -- implicit materialization ------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._materialize())
+
+    def __iter__(self):
+        return iter(self._materialize())
+
+    def __getitem__(self, item: Any) -> Any:
+        return self._materialize()[item]
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._materialize()
+
+    def __bool__(self) -> bool:
+        return bool(self._materialize())
+
+    def __str__(self) -> str:
+        try:
+            asyncio.get_running_loop()
+            return repr(self)
+        except RuntimeError:
+            return str(self.result())
+
+    def __int__(self) -> int:
+        return int(self._materialize())
+
+    def __float__(self) -> float:
+        return float(self._materialize())
+
+    def __index__(self) -> int:
+        return operator.index(self._materialize())
+
+    def __neg__(self) -> Any:
+        return -self._materialize()
+
+    def __pos__(self) -> Any:
+        return +self._materialize()
+
+    def __abs__(self) -> Any:
+        return abs(self._materialize())
+
+
+def _value(x: Any) -> Any:
+    return x._materialize() if isinstance(x, AgentFuture) else x
+
+
+def _binary(op):
+    def fwd(self, other):
+        return op(self._materialize(), _value(other))
+
+    def rev(self, other):
+        return op(_value(other), self._materialize())
+
+    return fwd, rev
+
+
+for _name, _op in [
+    ("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
+    ("truediv", operator.truediv), ("floordiv", operator.floordiv), ("mod", operator.mod),
+    ("pow", operator.pow),
+]:
+    _f, _r = _binary(_op)
+    setattr(AgentFuture, f"__{_name}__", _f)
+    setattr(AgentFuture, f"__r{_name}__", _r)
+
+for _name, _op in [("lt", operator.lt), ("le", operator.le), ("gt", operator.gt), ("ge", operator.ge)]:
+    setattr(AgentFuture, f"__{_name}__", _binary(_op)[0])
+
+MATERIALIZING = (
+    "__len__", "__iter__", "__getitem__", "__contains__", "__bool__", "__str__", "__int__",
+    "__float__", "__index__", "__neg__", "__pos__", "__abs__", "__add__", "__radd__", "__sub__",
+    "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__",
+    "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__rpow__", "__lt__", "__le__", "__gt__",
+    "__ge__",
+)
+"""The operations that materialize an AgentFuture (documented in the README)."""

@@ -1,0 +1,85 @@
+"""What runs inside a Dask task for each call (the worker side of a stub call).
+
+Sets the session/creator context so nested calls inherit them, finds the component instance
+through the worker plugin, and turns a component's exception into a CallFailedError that
+names the component, method and session.
+"""
+
+from __future__ import annotations
+
+import pickle
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import dask
+
+from dask_agents import context
+from dask_agents.calls import ANNOTATION
+from dask_agents.errors import CallFailedError, where
+
+Header = tuple  # (component, method, session, key, stateful)
+
+
+@contextmanager
+def call_context(header: Header) -> Iterator[None]:
+    """Make ``header``'s session and call current for the code that runs inside."""
+    _component, _method, sid, key, _stateful = header
+    tok_s = context.current_session.set(context.SessionContext(sid) if sid else None)
+    tok_c = context.current_call.set(key)
+    try:
+        with dask.annotate(**{ANNOTATION: {"session": sid, "creator": key}}):
+            yield
+    finally:
+        context.current_call.reset(tok_c)
+        context.current_session.reset(tok_s)
+
+
+def _fail(header: Header, exc: Exception) -> CallFailedError:
+    component, method, sid, key, _ = header
+    try:
+        pickle.dumps(exc)
+        original: BaseException | None = exc
+    except Exception:
+        original = None
+    return CallFailedError(
+        f"{where(component, method, sid)} raised {type(exc).__name__}: {exc} (call {key})", original
+    )
+
+
+def _plugin():
+    from worker_plugin.plugin import get_plugin
+
+    return get_plugin()
+
+
+def run_method(header: Header, cls: type, args: tuple, kwargs: dict) -> Any:
+    """Run ``cls.<method>(*args, **kwargs)`` on the instance the worker plugin hosts."""
+    component, method, sid, key, stateful = header
+    plugin = _plugin()
+    with call_context(header):
+        if stateful:
+            with plugin.instances.turn(component, sid, key, cls) as instance:
+                return _invoke(header, getattr(instance, method), args, kwargs)
+        instance = plugin.instances.shared(component, cls)
+        return _invoke(header, getattr(instance, method), args, kwargs)
+
+
+def run_function(header: Header, fn: Any, args: tuple, kwargs: dict) -> Any:
+    """Run a function component."""
+    _plugin()
+    with call_context(header):
+        return _invoke(header, fn, args, kwargs)
+
+
+def _invoke(header: Header, fn: Any, args: tuple, kwargs: dict) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        raise _fail(header, e) from e
+
+
+def run_llm(header: Header, model: str, args: tuple, kwargs: dict) -> Any:
+    """Generate with the engine this worker hosts for ``model``."""
+    plugin = _plugin()
+    with call_context(header):
+        return plugin.engines.generate(header, model, *args, **kwargs)

@@ -1,0 +1,74 @@
+"""Sessions: one user request's calls, grouped.
+
+``with da.session(client) as s:`` makes every stub call *and* every plain ``client.submit``
+inside the block carry ``s.id`` (a context variable plus ``dask.annotate``). Leaving the block
+tells the scheduler the driver is done; the session completes once its last call finishes,
+and stateful instances are released then.
+"""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import ExitStack
+from typing import Any
+
+import dask
+from distributed import Client
+
+from dask_agents import context
+from dask_agents.calls import ANNOTATION
+
+
+class Session:
+    """A session bound to a client. Use it as a context manager (sync only)."""
+
+    def __init__(self, client: Client | None = None, *, name: str | None = None, tenant: str | None = None):
+        if client is None:
+            from distributed import get_client
+
+            client = get_client()
+        if not isinstance(client, Client):
+            raise TypeError(f"da.session() needs a distributed.Client, got {type(client).__name__}")
+        self.client = client
+        self.id = f"{name or 'session'}-{uuid.uuid4().hex[:16]}"
+        self.tenant = tenant
+        self._stack: ExitStack | None = None
+        self._token: Any = None
+
+    def __enter__(self) -> "Session":
+        if self._stack is not None:
+            raise RuntimeError(f"session {self.id} is already active")
+        self._stack = ExitStack()
+        self._token = context.current_session.set(
+            context.SessionContext(self.id, self.tenant, self.client)
+        )
+        ann = {"session": self.id, "tenant": self.tenant, "creator": context.creator()}
+        self._stack.enter_context(dask.annotate(**{ANNOTATION: ann}))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+        context.current_session.reset(self._token)
+        self.end()
+
+    def end(self) -> None:
+        """Tell the scheduler that the driver made its last call in this session."""
+        from dask_agents import client_api
+
+        client_api.end_session(self.client, self.id)
+
+    def graph(self):
+        """This session's call graph as the scheduler sees it (:class:`SessionGraph`)."""
+        from dask_agents import client_api
+
+        return client_api.session_graph(self.client, self.id)
+
+    def __repr__(self) -> str:
+        return f"<Session {self.id}>"
+
+
+def session(client: Client | None = None, *, name: str | None = None, tenant: str | None = None) -> Session:
+    """Start a session on ``client`` (default: the current client). ``name`` prefixes the id."""
+    return Session(client, name=name, tenant=tenant)

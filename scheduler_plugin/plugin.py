@@ -1,0 +1,205 @@
+"""The global controller, first part: a SchedulerPlugin that records every call and keeps the
+workflow view (per-session live graphs, flattened workflow graph, per-component durations).
+
+It also places the calls that must go to a particular worker, while they are still
+``released`` in ``update_graph``:
+
+- stateful components: every call of a (session, component) goes to one worker, where the
+  worker plugin keeps the session's instance;
+- LLM calls: to a worker hosting the model, preferring the one that already served the
+  session (its KV is there: session affinity).
+
+Everything on the event loop is O(1) per task; housekeeping (retention) runs periodically.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+from distributed import Scheduler, SchedulerPlugin
+
+import dask_agents.config as agents_config
+from dask_agents.calls import ANNOTATION
+from scheduler_plugin import dask_compat
+from scheduler_plugin.state import WorkflowState
+
+logger = logging.getLogger(__name__)
+
+NAME = "dask-agents"
+REPORT_OP = "agents-report"
+
+
+class AgentsSchedulerPlugin(SchedulerPlugin):
+    """Records calls and sessions; routes stateful and LLM calls; serves the client API."""
+
+    name = NAME
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.scheduler: Scheduler | None = None
+        self.state = WorkflowState()
+        self.ready_workers: dict[str, dict] = {}  # address -> hello info
+        self.model_workers: dict[str, set[str]] = defaultdict(set)
+        self.bindings: dict[tuple[str, str], str] = {}  # (session, component or llm:model) -> worker
+        self.session_workers: dict[str, set[str]] = defaultdict(set)  # stateful hosts per session
+        self.client_sessions: dict[str, set[str]] = defaultdict(set)
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        dask_compat.add_stream_handler(scheduler, REPORT_OP, self._on_reports)
+        for name, handler in {
+            "agents_worker_hello": self._hello,
+            "agents_session_end": self._session_end,
+            "agents_session_graph": self._session_graph,
+            "agents_telemetry": self._telemetry,
+            "agents_workflow_graph": self._workflow_graph,
+            "agents_models": self._models,
+            "agents_ping": self._ping,
+        }.items():
+            dask_compat.add_rpc_handler(scheduler, name, handler)
+        dask_compat.set_worker_stream_interval(
+            scheduler, dask_compat.worker_addresses(scheduler), agents_config.seconds("scheduler.batched-send-interval")
+        )
+        dask_compat.add_periodic(
+            scheduler, "dask-agents-housekeeping", self.housekeeping, agents_config.seconds("scheduler.housekeeping-interval")
+        )
+
+    async def close(self) -> None:
+        if self.scheduler is not None:
+            dask_compat.remove_periodic(self.scheduler, "dask-agents-housekeeping")
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        dask_compat.set_worker_stream_interval(scheduler, [worker], agents_config.seconds("scheduler.batched-send-interval"))
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        self.ready_workers.pop(worker, None)
+        for ws in self.model_workers.values():
+            ws.discard(worker)
+        for k in [k for k, w in self.bindings.items() if w == worker]:
+            del self.bindings[k]
+
+    def remove_client(self, scheduler: Scheduler, client: str) -> None:
+        now = time.time()
+        for sid in self.client_sessions.pop(client, ()):
+            self._close(sid, now)
+
+    # -- fast path ------------------------------------------------------------------------
+    def update_graph(self, scheduler: Scheduler, *, client: str, keys: Any, tasks: Any,
+                     annotations: dict, **kwargs: Any) -> None:
+        ann_by_key = annotations.get(ANNOTATION)
+        if not ann_by_key:
+            return
+        now = time.time()
+        for key, ann in ann_by_key.items():
+            ts = dask_compat.task(scheduler, key)
+            if ts is None:
+                continue
+            rec = self.state.add_call(key, ann, dask_compat.dependency_keys(ts), now)
+            if rec is None:
+                continue
+            if rec.session is not None:
+                self.client_sessions[client].add(rec.session)
+            if ann.get("stateful"):
+                self._place(ts, rec.session, rec.component, self._candidates(None))
+            elif rec.kind == "llm":
+                model = ann.get("llm_model")
+                self._place(ts, rec.session, f"llm:{model}", self._candidates(model))
+
+    def _candidates(self, model: str | None) -> list[str]:
+        pool = self.model_workers.get(model) if model is not None else None
+        if not pool:
+            pool = self.ready_workers.keys() or dask_compat.worker_addresses(self.scheduler)
+        return [w for w in pool if dask_compat.has_worker(self.scheduler, w)]
+
+    def _place(self, ts: Any, session: str | None, what: str, candidates: list[str]) -> None:
+        if not candidates:
+            return  # nothing to choose from yet: let Dask place it (lazy engine start there)
+        bound = self.bindings.get((session, what)) if session is not None else None
+        if bound is None or bound not in candidates:
+            bound = min(candidates, key=lambda w: dask_compat.load(self.scheduler, w))
+            if session is not None:
+                self.bindings[(session, what)] = bound
+                if not what.startswith("llm:"):
+                    self.session_workers[session].add(bound)
+        dask_compat.restrict_to_worker(ts, bound)
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        rec = self.state.calls.get(key)
+        if rec is None:
+            return
+        worker = None
+        if finish == "processing":
+            ts = dask_compat.task(self.scheduler, key)
+            worker = dask_compat.processing_on(ts) if ts is not None else None
+        if self.state.on_transition(key, finish, time.time(), worker) and rec.session is not None:
+            s = self.state.sessions.get(rec.session)
+            if s is not None and s.state == "completed":
+                self._on_session_completed(rec.session)
+
+    def _on_reports(self, worker: str | None = None, reports: list | None = None, **kw: Any) -> None:
+        for r in reports or ():
+            self.state.on_report(r["key"], r["started"], r["finished"], worker, r.get("metrics"))
+
+    # -- sessions -------------------------------------------------------------------------
+    def _close(self, sid: str, now: float) -> None:
+        s = self.state.close_session(sid, now)
+        if s.state == "completed":
+            self._on_session_completed(sid)
+
+    def _on_session_completed(self, sid: str) -> None:
+        for key in [k for k in self.bindings if k[0] == sid]:
+            del self.bindings[key]
+        for addr in self.session_workers.pop(sid, ()):
+            if dask_compat.has_worker(self.scheduler, addr):
+                self.scheduler.loop.add_callback(self._end_on_worker, addr, sid)
+
+    async def _end_on_worker(self, addr: str, sid: str) -> None:
+        try:
+            await self.scheduler.rpc(addr).agents_end_session(session=sid)
+        except Exception as e:  # the worker left: its instances went with it
+            logger.debug("dask-agents: end_session on %s failed: %s", addr, e)
+
+    def housekeeping(self) -> None:
+        """Drop completed sessions past retention (bounded memory)."""
+        self.state.expire(
+            time.time(), agents_config.seconds("scheduler.session-retention"),
+            int(agents_config.get("scheduler.max-retained-sessions")),
+        )
+
+    # -- RPC handlers (client API) ---------------------------------------------------------
+    def _hello(self, worker: str, models: list[str] | None = None, pid: int | None = None) -> dict:
+        self.ready_workers[worker] = {"models": list(models or []), "pid": pid, "since": time.time()}
+        for m in models or ():
+            self.model_workers[m].add(worker)
+        return {"ok": True}
+
+    def _session_end(self, session: str) -> dict:
+        self._close(session, time.time())
+        return {"state": self.state.sessions[session].state}
+
+    def _session_graph(self, session: str) -> dict | None:
+        if session not in self.state.sessions:
+            return None
+        return self.state.session_graph(session).model_dump(mode="json")
+
+    def _telemetry(self, session: str | None = None) -> list[dict]:
+        return self.state.rows(session)
+
+    def _workflow_graph(self) -> dict:
+        return self.state.workflow_graph().model_dump(mode="json")
+
+    def _models(self) -> dict:
+        return {m: sorted(ws) for m, ws in self.model_workers.items() if ws}
+
+    def _ping(self) -> dict:
+        return {"ok": True, "workers": sorted(self.ready_workers)}

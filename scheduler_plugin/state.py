@@ -1,0 +1,275 @@
+"""Workflow state the global controller keeps: every call, each session's live graph, and the
+flattened workflow graph. Plain Python, no Dask: the plugin feeds it events, tests can too.
+
+All ``on_*`` methods are O(1) (amortized) because they run on the scheduler's event loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from dask_agents.models import CallMeta, ComponentStats, GraphEdge, SessionGraph, WorkflowGraph
+
+TERMINAL = frozenset({"finished", "erred", "cancelled"})
+# scheduler task state -> call state
+_STATE = {
+    "waiting": "waiting",
+    "queued": "queued",
+    "no-worker": "queued",
+    "processing": "processing",
+    "memory": "finished",
+    "erred": "erred",
+}
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One call as the scheduler sees it."""
+
+    key: str
+    component: str
+    method: str | None
+    kind: str
+    session: str | None
+    creator: str
+    dependencies: list[str]
+    created: float
+    consumers: list[str] = field(default_factory=list)
+    state: str = "pending"
+    ready: float | None = None
+    started: float | None = None
+    finished: float | None = None
+    worker: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+    def meta(self) -> CallMeta:
+        """As the shared pydantic model."""
+        return CallMeta(
+            call_id=self.key, component=self.component, method=self.method, kind=self.kind,
+            session=self.session, creator=self.creator, dependencies=list(self.dependencies),
+            consumers=list(self.consumers), executor=self.worker, state=self.state,
+            created=self.created, ready=self.ready, started=self.started, finished=self.finished,
+        )
+
+    def row(self) -> dict:
+        """One telemetry row."""
+        m = self.metrics
+        return {
+            "key": self.key, "session": self.session, "component": self.component,
+            "method": self.method, "kind": self.kind, "creator": self.creator, "state": self.state,
+            "worker": self.worker, "created": self.created, "ready": self.ready,
+            "started": self.started, "finished": self.finished,
+            "n_dependencies": len(self.dependencies),
+            "prompt_tokens": m.get("prompt_tokens"), "cached_tokens": m.get("cached_tokens"),
+            "output_tokens": m.get("output_tokens"),
+        }
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    """One session: its calls in creation order and its lifecycle."""
+
+    id: str
+    tenant: str | None
+    created: float
+    calls: dict[str, CallRecord] = field(default_factory=dict)
+    state: str = "active"  # active -> closing (driver done) -> completed (no open calls)
+    open_calls: int = 0
+    progress: int = 0
+    completed_at: float | None = None
+
+
+@dataclass(slots=True)
+class _Running:
+    """Running mean/variance (Welford)."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        d = x - self.mean
+        self.mean += d / self.n
+        self.m2 += d * (x - self.mean)
+
+    def std(self) -> float | None:
+        return math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else None
+
+
+class WorkflowState:
+    """Calls, sessions and the flattened workflow graph."""
+
+    def __init__(self, max_loose_calls: int = 100_000):
+        self.calls: dict[str, CallRecord] = {}
+        self.sessions: dict[str, SessionRecord] = {}
+        self.completed: OrderedDict[str, float] = OrderedDict()  # session -> completed_at
+        self.loose: OrderedDict[str, None] = OrderedDict()  # calls outside any session
+        self.max_loose_calls = max_loose_calls
+        self.calls_per_component: Counter[str] = Counter()
+        self.sessions_seen = 0
+        self.durations: dict[str, _Running] = {}
+        self.edges: Counter[tuple[str, str]] = Counter()
+
+    # -- events -----------------------------------------------------------------------
+    def session(self, sid: str, tenant: str | None, now: float) -> SessionRecord:
+        """The record of ``sid``, created on first sight."""
+        s = self.sessions.get(sid)
+        if s is None:
+            s = self.sessions[sid] = SessionRecord(sid, tenant, now)
+            self.sessions_seen += 1
+        return s
+
+    def add_call(self, key: str, ann: dict, dependency_keys: Iterable[str], now: float) -> CallRecord | None:
+        """Record a call from its ``agents`` annotation (plain submits carry only the session)."""
+        if key in self.calls:
+            return None
+        sid = ann.get("session")
+        deps = [d for d in dependency_keys if d in self.calls]
+        for d in ann.get("deps") or ():
+            if d not in deps and d in self.calls:
+                deps.append(d)
+        from dask.utils import key_split
+
+        rec = CallRecord(
+            key=key, component=ann.get("component") or key_split(key), method=ann.get("method"),
+            kind=ann.get("kind") or "task", session=sid, creator=ann.get("creator") or "driver",
+            dependencies=deps, created=ann.get("created") or now,
+        )
+        self.calls[key] = rec
+        self.calls_per_component[rec.component] += 1
+        for d in deps:
+            dep = self.calls[d]
+            dep.consumers.append(key)
+            self.edges[(dep.component, rec.component)] += 1
+        parent = self.calls.get(rec.creator)
+        if parent is not None:
+            self.edges[(parent.component, rec.component)] += 1
+        if sid is None:
+            self.loose[key] = None
+            while len(self.loose) > self.max_loose_calls:
+                old, _ = self.loose.popitem(last=False)
+                self.calls.pop(old, None)
+        else:
+            s = self.session(sid, ann.get("tenant"), now)
+            s.calls[key] = rec
+            s.open_calls += 1
+            if s.state == "completed":  # a late call reopens a completed session
+                s.state = "closing"
+                s.completed_at = None
+                self.completed.pop(sid, None)
+        return rec
+
+    def on_transition(self, key: str, finish: str, now: float, worker: str | None = None) -> bool:
+        """Apply a scheduler transition; returns True if the call became terminal."""
+        rec = self.calls.get(key)
+        if rec is None or rec.state in TERMINAL:
+            return False
+        state = _STATE.get(finish)
+        if state is None:
+            if finish not in ("released", "forgotten"):
+                return False
+            state = "cancelled"
+        if state in ("queued", "processing") and rec.ready is None:
+            rec.ready = now
+        if worker is not None:
+            rec.worker = worker
+        if rec.state == "running" and state == "processing":
+            return False  # the worker's start report arrived first
+        rec.state = state
+        if state in TERMINAL:
+            if rec.finished is None and state != "cancelled":
+                rec.finished = now
+            self._terminal(rec, now)
+            return True
+        return False
+
+    def on_report(self, key: str, started: float, finished: float, worker: str, metrics: dict | None) -> None:
+        """Apply a worker's exact start/finish report."""
+        rec = self.calls.get(key)
+        if rec is None:
+            return
+        rec.started = started
+        rec.finished = finished
+        rec.worker = worker
+        if metrics:
+            rec.metrics.update(metrics)
+        self.durations.setdefault(rec.component, _Running()).add(finished - started)
+
+    def _terminal(self, rec: CallRecord, now: float) -> None:
+        if rec.session is None:
+            return
+        s = self.sessions.get(rec.session)
+        if s is None:
+            return
+        s.open_calls -= 1
+        if rec.state == "finished":
+            s.progress += 1
+        self._maybe_complete(s, now)
+
+    def close_session(self, sid: str, now: float) -> SessionRecord:
+        """The driver left the session: it completes once its last call is terminal."""
+        s = self.session(sid, None, now)
+        if s.state == "active":
+            s.state = "closing"
+        self._maybe_complete(s, now)
+        return s
+
+    def _maybe_complete(self, s: SessionRecord, now: float) -> None:
+        if s.state == "closing" and s.open_calls <= 0:
+            s.state = "completed"
+            s.completed_at = now
+            self.completed[s.id] = now
+            self.completed.move_to_end(s.id)
+
+    def expire(self, now: float, retention: float, max_retained: int) -> list[str]:
+        """Drop completed sessions older than ``retention`` or beyond ``max_retained``."""
+        dropped = []
+        while self.completed:
+            sid, t = next(iter(self.completed.items()))
+            if now - t < retention and len(self.completed) <= max_retained:
+                break
+            self.completed.popitem(last=False)
+            s = self.sessions.pop(sid, None)
+            if s is not None:
+                for k in s.calls:
+                    self.calls.pop(k, None)
+            dropped.append(sid)
+        return dropped
+
+    # -- views --------------------------------------------------------------------------
+    def session_graph(self, sid: str) -> SessionGraph:
+        """The live graph of one session (KeyError if unknown or expired)."""
+        s = self.sessions[sid]
+        nodes = [r.meta() for r in s.calls.values()]
+        edges = []
+        for r in s.calls.values():
+            edges.extend(GraphEdge(src=d, dst=r.key, kind="dependency") for d in r.dependencies)
+            if r.creator in s.calls:
+                edges.append(GraphEdge(src=r.creator, dst=r.key, kind="created"))
+        return SessionGraph(session=sid, state=s.state, progress=s.progress, nodes=nodes, edges=edges)
+
+    def workflow_graph(self) -> WorkflowGraph:
+        """The flattened graph: visits per session per component, component edges, durations."""
+        n = max(self.sessions_seen, 1)
+        comps = []
+        for c, count in sorted(self.calls_per_component.items()):
+            d = self.durations.get(c)
+            comps.append(ComponentStats(
+                component=c, calls=count, visits_per_session=count / n,
+                mean_duration=d.mean if d and d.n else None, std_duration=d.std() if d else None,
+            ))
+        return WorkflowGraph(
+            sessions=self.sessions_seen, components=comps,
+            edges={f"{a}->{b}": k for (a, b), k in self.edges.items()},
+        )
+
+    def rows(self, session: str | None = None) -> list[dict]:
+        """Telemetry rows for every retained call (or one session's)."""
+        if session is not None:
+            s = self.sessions.get(session)
+            return [r.row() for r in s.calls.values()] if s else []
+        return [r.row() for r in self.calls.values()]

@@ -1,0 +1,76 @@
+"""Every Dask *worker* internal that dask-agents relies on, in one place.
+
+Each function here is exercised by ``tests/test_dask_compat.py`` against the pinned
+distributed range (setup.cfg), so an upgrade that breaks one fails loudly there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distributed import Worker
+from distributed.threadpoolexecutor import secede as _tpe_secede  # noqa: F401  (import check)
+from distributed.worker import thread_state
+
+
+def in_task_thread() -> bool:
+    """True inside a task running on a worker's thread pool (and not yet seceded)."""
+    return (
+        getattr(thread_state, "key", None) is not None
+        and getattr(thread_state, "executor", None) is not None
+        and getattr(thread_state, "proceed", False)
+    )
+
+
+def secede_if_in_task() -> bool:
+    """Secede the current task from the worker's pool once; returns True if it seceded.
+
+    The thread then finishes its task outside the pool and exits (Dask's secede semantics),
+    so a call that waits on other calls never holds a worker slot. We never rejoin: a
+    second secede of the same task is not a valid worker transition.
+    """
+    if not in_task_thread():
+        return False
+    from distributed import secede
+
+    secede()
+    return True
+
+
+def task_annotations(worker: Worker, key: Any) -> dict:
+    """Annotations of a task the worker knows (empty if unknown)."""
+    ts = worker.state.tasks.get(key)
+    return (ts.annotations or {}) if ts is not None else {}
+
+
+def set_batched_send_interval(worker: Worker, seconds: float) -> None:
+    """Shorten the worker -> scheduler batching window (``BatchedSend.interval``)."""
+    bs = getattr(worker, "batched_stream", None)
+    if bs is not None and hasattr(bs, "interval"):
+        bs.interval = seconds
+
+
+def send_to_scheduler(worker: Worker, msg: dict) -> None:
+    """Send a stream message to the scheduler (only ops the scheduler registered)."""
+    worker.batched_send(msg)
+
+
+def add_rpc_handler(worker: Worker, name: str, handler: Any) -> None:
+    """Register an RPC handler (``await rpc(worker).name(...)``) on the worker."""
+    worker.handlers[name] = handler
+
+
+def add_periodic(worker: Worker, name: str, callback: Any, seconds: float) -> None:
+    """Run ``callback`` every ``seconds`` on the worker's event loop."""
+    from tornado.ioloop import PeriodicCallback
+
+    pc = PeriodicCallback(callback, seconds * 1000)
+    worker.periodic_callbacks[name] = pc
+    pc.start()
+
+
+def remove_periodic(worker: Worker, name: str) -> None:
+    """Stop and forget a periodic callback added with :func:`add_periodic`."""
+    pc = worker.periodic_callbacks.pop(name, None)
+    if pc is not None:
+        pc.stop()

@@ -1,0 +1,289 @@
+"""LLM engines hosted by a worker: vLLM in-process, stepped by one thread, many callers.
+
+Why in-process: vLLM's default engine core is a child process, which daemonic Dask workers
+(under a Nanny) cannot start; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps it in this process.
+Why one stepping thread: concurrent calls are added to the same engine and batched by its
+scheduler (continuous batching) instead of each holding a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from dask.utils import parse_bytes
+from pydantic import BaseModel, ConfigDict, Field
+
+from worker_plugin.tokenizer import ByteTokenizer
+
+logger = logging.getLogger(__name__)
+BUILTIN = {"tiny-llama": os.path.join(os.path.dirname(__file__), "models", "tiny-llama")}
+
+
+class ModelSettings(BaseModel):
+    """One entry of ``agents.llm.models`` (keys as in the yaml, dashes allowed)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+    model: str
+    load_format: str = Field("auto", alias="load-format")
+    tokenizer: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int = Field(2048, alias="max-model-len", ge=16)
+    kv_cache_memory_bytes: int | str = Field("256 MiB", alias="kv-cache-memory-bytes")
+    enable_prefix_caching: bool = Field(True, alias="enable-prefix-caching")
+
+    def model_path(self) -> str:
+        """A local path for ``builtin:NAME`` models, the name itself otherwise."""
+        if self.model.startswith("builtin:"):
+            name = self.model.split(":", 1)[1]
+            if name not in BUILTIN:
+                raise ValueError(f"unknown builtin model {name!r} (have: {', '.join(BUILTIN)})")
+            return BUILTIN[name]
+        return self.model
+
+    def kv_bytes(self) -> int:
+        """KV cache budget in bytes."""
+        v = self.kv_cache_memory_bytes
+        return int(v) if isinstance(v, int) else int(parse_bytes(v))
+
+
+@dataclass
+class _Request:
+    request_id: str
+    token_ids: list[int]
+    params: Any
+    session: str | None
+    future: Future
+
+
+class EngineHost:
+    """One vLLM engine and the thread that steps it."""
+
+    def __init__(self, name: str, settings: ModelSettings):
+        self.name = name
+        self.settings = settings
+        self.tokenizer = ByteTokenizer() if settings.tokenizer == "byte" else None
+        self.max_model_len = settings.max_model_len
+        self.loaded = threading.Event()
+        self.load_error: BaseException | None = None
+        self._inbox: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._pending: dict[str, _Request] = {}
+        self._engine: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"dask-agents-engine-{name}", daemon=True)
+        self._closed = False
+        self.steps = 0
+        self.started_at: float | None = None
+
+    def start(self) -> None:
+        """Start loading the engine in the background (idempotent)."""
+        if not self._thread.is_alive() and self.started_at is None:
+            self.started_at = time.time()
+            self._thread.start()
+
+    def wait_loaded(self, timeout: float | None = None) -> None:
+        """Block until the engine is ready; re-raise a load failure."""
+        if not self.loaded.wait(timeout):
+            raise TimeoutError(f"engine for model {self.name!r} did not load within {timeout}s")
+        if self.load_error is not None:
+            raise RuntimeError(f"engine for model {self.name!r} failed to load: {self.load_error}")
+
+    def _load(self) -> Any:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import EngineArgs, LLMEngine
+
+        s = self.settings
+        args = EngineArgs(
+            model=s.model_path(),
+            load_format=s.load_format,
+            skip_tokenizer_init=self.tokenizer is not None,
+            dtype=s.dtype,
+            max_model_len=s.max_model_len,
+            enable_prefix_caching=s.enable_prefix_caching,
+            enforce_eager=True,
+            kv_cache_memory_bytes=s.kv_bytes(),
+        )
+        return LLMEngine.from_engine_args(args)
+
+    def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
+        """Queue a request; the returned future resolves to vLLM's final RequestOutput."""
+        fut: Future = Future()
+        if self._closed:
+            fut.set_exception(RuntimeError(f"engine {self.name!r} is closed"))
+            return fut
+        self._inbox.put(_Request(request_id, token_ids, params, session, fut))
+        return fut
+
+    def _admit(self, req: _Request) -> None:
+        from vllm.inputs import TokensPrompt
+
+        try:
+            self._engine.add_request(req.request_id, TokensPrompt(prompt_token_ids=req.token_ids), req.params)
+            self._pending[req.request_id] = req
+        except Exception as e:  # bad request: fail this call only
+            req.future.set_exception(e)
+
+    def _take(self, item: _Request | None) -> None:
+        if item is not None:
+            self._admit(item)
+
+    def _run(self) -> None:
+        try:
+            self._engine = self._load()
+        except BaseException as e:  # reported to every caller by wait_loaded
+            logger.exception("loading engine %s failed", self.name)
+            self.load_error = e
+            self.loaded.set()
+            return
+        self.loaded.set()
+        while not self._closed:
+            if not self._engine.has_unfinished_requests():
+                try:  # idle: sleep until a request (or close) arrives
+                    self._take(self._inbox.get(timeout=0.5))
+                except queue.Empty:
+                    continue
+            while True:  # admit everything that is waiting: it joins the next step's batch
+                try:
+                    self._take(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if self._closed:
+                break
+            if self._engine.has_unfinished_requests():
+                try:
+                    outputs = self._engine.step()
+                except Exception as e:  # an engine failure fails what is in flight, not the worker
+                    logger.exception("engine %s step failed", self.name)
+                    for req in self._pending.values():
+                        req.future.set_exception(e)
+                    self._pending.clear()
+                    continue
+                self.steps += 1
+                for out in outputs:
+                    if out.finished:
+                        req = self._pending.pop(out.request_id, None)
+                        if req is not None:
+                            req.future.set_result(out)
+        for req in self._pending.values():
+            req.future.set_exception(RuntimeError(f"engine {self.name!r} closed"))
+
+    def close(self) -> None:
+        """Stop the stepping thread; in-flight requests fail with a clear error."""
+        self._closed = True
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self._engine = None
+
+
+def registry() -> dict[str, ModelSettings]:
+    """The model registry from ``agents.llm.models`` config, validated."""
+    import dask.config
+
+    out = {}
+    for name, raw in (dask.config.get("agents.llm.models", default={}) or {}).items():
+        try:
+            out[name] = ModelSettings(**raw)
+        except Exception as e:
+            raise ValueError(f"invalid settings for model {name!r} in agents.llm.models: {e}") from None
+    return out
+
+
+class Engines:
+    """The engines of one worker, by model name; started eagerly for hosted models, lazily otherwise."""
+
+    def __init__(self, worker_address: str, hosted: list[str]):
+        self.worker_address = worker_address
+        self._lock = threading.Lock()
+        self._hosts: dict[str, EngineHost] = {}
+        self.hosted = list(hosted)
+        self.on_new_model: Any = None  # set by the plugin: announce a lazily started model
+
+    def start(self, name: str) -> EngineHost:
+        """The engine for ``name``, starting it if needed."""
+        host = self._hosts.get(name)
+        if host is not None:
+            return host
+        with self._lock:
+            host = self._hosts.get(name)
+            if host is None:
+                models = registry()
+                if name not in models:
+                    from dask_agents.errors import UnknownModelError
+
+                    raise UnknownModelError(
+                        f"model {name!r} is not in agents.llm.models on worker {self.worker_address} "
+                        f"(known: {', '.join(sorted(models)) or 'none'})"
+                    )
+                host = EngineHost(name, models[name])
+                host.start()
+                self._hosts[name] = host
+                if name not in self.hosted:
+                    self.hosted.append(name)
+                    if self.on_new_model is not None:
+                        self.on_new_model(name)
+        return host
+
+    def generate(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None = None,
+                 temperature: float = 0.0, seed: int | None = None) -> Any:
+        """Run one generation for a call (``header`` from the runtime) and return an LLMResult."""
+        import dask.config
+        from vllm import SamplingParams
+
+        from dask_agents.errors import PromptTooLongError, where
+        from dask_agents.models import LLMResult
+        from worker_plugin.dask_compat import secede_if_in_task
+        from worker_plugin.plugin import get_plugin
+
+        component, method, sid, key, _ = header
+        if max_tokens is None:
+            max_tokens = int(dask.config.get("agents.llm.default-max-tokens"))
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"{where(component, method, sid)}: max_tokens must be a positive int, got {max_tokens!r}")
+        host = self.start(model)
+        if not host.loaded.is_set():
+            secede_if_in_task()
+        host.wait_loaded()
+        if isinstance(prompt, str):
+            if host.tokenizer is None:
+                raise TypeError(f"{where(component, method, sid)}: model {model!r} takes token ids here")
+            ids = host.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise ValueError(f"{where(component, method, sid)}: empty prompt")
+        if len(ids) + max_tokens > host.max_model_len:
+            raise PromptTooLongError(
+                f"{where(component, method, sid)}: prompt of {len(ids)} tokens + max_tokens={max_tokens} "
+                f"exceeds model {model!r}'s context of {host.max_model_len} tokens (call {key})"
+            )
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                ignore_eos=True, detokenize=False)
+        fut = host.submit(key, ids, params, sid)
+        secede_if_in_task()  # the engine works for us; free the worker slot meanwhile
+        out = fut.result()
+        comp = out.outputs[0]
+        toks = list(comp.token_ids)
+        cached = int(out.num_cached_tokens or 0)
+        get_plugin().record_metrics(key, prompt_tokens=len(ids), cached_tokens=cached,
+                                    output_tokens=len(toks), model=model)
+        return LLMResult(
+            model=model, text=host.tokenizer.decode(toks) if host.tokenizer else "",
+            token_ids=toks, prompt_tokens=len(ids), cached_tokens=cached, output_tokens=len(toks),
+            worker=self.worker_address, finish_reason=comp.finish_reason,
+        )
+
+    def loaded_models(self) -> list[str]:
+        """Models whose engine finished loading."""
+        return [n for n, h in self._hosts.items() if h.loaded.is_set() and h.load_error is None]
+
+    def close(self) -> None:
+        """Close every engine."""
+        for host in list(self._hosts.values()):
+            host.close()
+        self._hosts.clear()

@@ -1,0 +1,163 @@
+"""The component controller: a WorkerPlugin that hosts instances and engines and reports timings.
+
+Lifecycle: ``setup`` creates the instance table and engine table, starts loading hosted
+models in the background, then *announces readiness* to the scheduler plugin (an RPC, so a
+scheduler without dask-agents only answers with an error and nothing breaks). Only after that
+does it stream reports. ``transition`` records exact start/finish per call from the worker's
+own state machine; reports go to the scheduler in batches every ``agents.worker.report-interval``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from distributed import Worker, WorkerPlugin
+from distributed.worker import get_worker
+
+import dask_agents.config as agents_config
+from dask_agents.errors import NotInstalledError
+from worker_plugin import dask_compat
+from worker_plugin.engine import Engines
+from worker_plugin.instances import Instances
+
+logger = logging.getLogger(__name__)
+
+NAME = "dask-agents"
+REPORT_OP = "agents-report"
+_END = ("memory", "error", "released", "cancelled", "forgotten", "rescheduled")
+
+
+def get_plugin(worker: Worker | None = None) -> "AgentsWorkerPlugin":
+    """The plugin on this worker, once it is ready (raises NotInstalledError if absent)."""
+    worker = worker or get_worker()
+    plugin = worker.plugins.get(NAME)
+    if not isinstance(plugin, AgentsWorkerPlugin):
+        raise NotInstalledError(
+            f"the dask-agents worker plugin is not installed on worker {worker.address}: "
+            "call da.install(client), or start workers with --preload dask_agents.preload"
+        )
+    if not plugin.ready.wait(timeout=60):
+        raise NotInstalledError(f"the dask-agents worker plugin on {worker.address} did not become ready")
+    return plugin
+
+
+class AgentsWorkerPlugin(WorkerPlugin):
+    """Hosts component instances and LLM engines on one worker; reports per-call timings.
+
+    ``models``: model names (from ``agents.llm.models``) to load at start; default
+    ``agents.worker.models``. Other models load lazily on their first call.
+    """
+
+    name = NAME
+    idempotent = True
+
+    def __init__(self, models: list[str] | None = None):
+        self.models = list(models) if models is not None else None
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self.ready = threading.Event()
+        self.worker: Worker | None = None
+        self.instances = Instances()
+        self.engines: Engines | None = None
+        self.scheduler_ok = False
+        self._lock = threading.Lock()
+        self._started: dict[Any, float] = {}
+        self._metrics: dict[Any, dict] = {}
+        self._reports: list[dict] = []
+
+    def __getstate__(self) -> dict:
+        return {"models": self.models}
+
+    def __setstate__(self, state: dict) -> None:
+        self.models = state["models"]
+        self._init_runtime()
+
+    async def setup(self, worker: Worker) -> None:
+        self.worker = worker
+        models = self.models if self.models is not None else list(agents_config.get("worker.models") or [])
+        self.engines = Engines(worker.address, models)
+        self.engines.on_new_model = self._announce_model
+        for m in models:
+            self.engines.start(m)  # loads in its own thread; calls wait for it
+        dask_compat.set_batched_send_interval(worker, agents_config.seconds("worker.batched-send-interval"))
+        dask_compat.add_rpc_handler(worker, "agents_end_session", self._end_session_handler)
+        dask_compat.add_rpc_handler(worker, "agents_worker_info", self._info_handler)
+        self.ready.set()
+        await self._hello(models)
+        dask_compat.add_periodic(worker, "dask-agents-report", self.flush, agents_config.seconds("worker.report-interval"))
+
+    async def _hello(self, models: list[str]) -> None:
+        try:
+            await self.worker.scheduler.agents_worker_hello(worker=self.worker.address, models=models, pid=os.getpid())
+            self.scheduler_ok = True
+        except Exception as e:
+            logger.warning("dask-agents: the scheduler has no dask-agents plugin (%s); per-call telemetry is off", e)
+
+    def _announce_model(self, model: str) -> None:
+        worker = self.worker
+        if worker is not None and self.scheduler_ok:
+            worker.loop.add_callback(self._hello, list(self.engines.hosted))
+
+    async def teardown(self, worker: Worker) -> None:
+        dask_compat.remove_periodic(worker, "dask-agents-report")
+        self.flush()
+        if self.engines is not None:
+            self.engines.close()
+
+    # -- fast path: called by the worker state machine on its event loop -------------
+    def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
+        if finish == "executing":
+            ann = self._agents_annotation(key)
+            if ann is None:
+                return
+            self._started[key] = time.time()
+            if ann.get("stateful"):
+                self.instances.ticket(ann["component"], ann.get("session"), key)
+        elif start in ("executing", "long-running") and finish in _END:
+            t0 = self._started.pop(key, None)
+            if t0 is None:
+                return
+            ann = self._agents_annotation(key) or {}
+            if ann.get("stateful"):
+                self.instances.done(ann["component"], ann.get("session"), key)
+            report = {"key": key, "started": t0, "finished": time.time(), "state": finish}
+            m = self._metrics.pop(key, None)
+            if m:
+                report["metrics"] = m
+            self._reports.append(report)
+
+    def _agents_annotation(self, key: Any) -> dict | None:
+        if self.worker is None:
+            return None
+        return dask_compat.task_annotations(self.worker, key).get("agents")
+
+    def record_metrics(self, key: Any, **metrics: Any) -> None:
+        """Attach metrics (LLM tokens...) to a call; they travel with its finish report."""
+        with self._lock:
+            self._metrics.setdefault(key, {}).update(metrics)
+
+    def flush(self) -> None:
+        """Send pending reports to the scheduler plugin (one batched message)."""
+        if not self._reports or not self.scheduler_ok or self.worker is None:
+            return
+        reports, self._reports = self._reports, []
+        try:
+            dask_compat.send_to_scheduler(self.worker, {"op": REPORT_OP, "worker": self.worker.address, "reports": reports})
+        except Exception as e:  # disconnected: these reports are lost, the calls are not
+            logger.debug("dask-agents: could not send reports: %s", e)
+
+    # -- handlers ---------------------------------------------------------------------
+    def _end_session_handler(self, session: str) -> int:
+        return self.instances.end_session(session)
+
+    def _info_handler(self) -> dict:
+        return {
+            "models": list(self.engines.hosted) if self.engines else [],
+            "loaded": self.engines.loaded_models() if self.engines else [],
+            "stateful_instances": self.instances.stateful_count(),
+        }
