@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from distributed import Client
 
@@ -10,23 +10,44 @@ from dask_agents.errors import NotInstalledError
 from dask_agents.models import SessionGraph, WorkflowGraph
 
 
-def _call(client: Client, op: str, **kwargs: Any) -> Any:
+def _not_installed(e: Exception) -> bool:
+    return "agents_" in str(e) or "unknown operation" in str(e).lower()
+
+
+_NOT_INSTALLED = (
+    "the scheduler has no dask-agents plugin: call da.install(client), "
+    "or start the scheduler with --preload dask_agents.preload"
+)
+
+
+def _call(client: Client, op: str, then: Callable[[Any], Any] = lambda x: x, **kwargs: Any) -> Any:
+    """Call scheduler handler ``op``; returns ``then(reply)``, or a coroutine for async clients."""
+
     async def go() -> Any:
-        return await getattr(client.scheduler, op)(**kwargs)
+        try:
+            return then(await getattr(client.scheduler, op)(**kwargs))
+        except Exception as e:
+            if _not_installed(e):
+                raise NotInstalledError(_NOT_INSTALLED) from None
+            raise
 
-    try:
-        return client.sync(go)
-    except Exception as e:
-        if "agents_" in str(e) or "unknown operation" in str(e).lower():
-            raise NotInstalledError(
-                "the scheduler has no dask-agents plugin: call da.install(client), "
-                "or start the scheduler with --preload dask_agents.preload"
-            ) from None
-        raise
+    if client.asynchronous:
+        return go()
+    return client.sync(go)
 
 
-def end_session(client: Client, session: str) -> None:
-    """Tell the scheduler the driver is done with ``session`` (best effort when not installed)."""
+def end_session(client: Client, session: str) -> Any:
+    """Tell the scheduler the driver is done with ``session`` (no-op when not installed).
+
+    With an asynchronous client this returns a coroutine."""
+    if client.asynchronous:
+        async def go() -> None:
+            try:
+                await _call(client, "agents_session_end", session=session)
+            except NotInstalledError:
+                pass
+
+        return go()
     try:
         _call(client, "agents_session_end", session=session)
     except NotInstalledError:
@@ -36,15 +57,18 @@ def end_session(client: Client, session: str) -> None:
 def session_graph(client: Client, session: Any) -> SessionGraph:
     """The live call graph of a session (a Session or its id) as the scheduler rebuilt it."""
     sid = getattr(session, "id", session)
-    data = _call(client, "agents_session_graph", session=sid)
-    if data is None:
-        raise KeyError(f"unknown or expired session {sid!r}")
-    return SessionGraph.model_validate(data)
+
+    def parse(data: Any) -> SessionGraph:
+        if data is None:
+            raise KeyError(f"unknown or expired session {sid!r}")
+        return SessionGraph.model_validate(data)
+
+    return _call(client, "agents_session_graph", parse, session=sid)
 
 
 def workflow_graph(client: Client) -> WorkflowGraph:
     """The flattened workflow graph (visits per session per component, edges, durations)."""
-    return WorkflowGraph.model_validate(_call(client, "agents_workflow_graph"))
+    return _call(client, "agents_workflow_graph", WorkflowGraph.model_validate)
 
 
 COLUMNS = [
@@ -58,8 +82,7 @@ def telemetry(client: Client, session: Any = None):
     import pandas as pd
 
     sid = getattr(session, "id", session)
-    rows = _call(client, "agents_telemetry", session=sid)
-    return pd.DataFrame(rows, columns=COLUMNS)
+    return _call(client, "agents_telemetry", lambda rows: pd.DataFrame(rows, columns=COLUMNS), session=sid)
 
 
 def hosted_models(client: Client) -> dict[str, list[str]]:

@@ -22,9 +22,29 @@ with open(DEFAULTS_PATH) as _f:
 dask.config.update_defaults(DEFAULTS)
 
 
+_MISSING = object()
+
+
+def _default(key: str) -> Any:
+    node: Any = DEFAULTS["agents"]
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
 def get(key: str, default: Any = None) -> Any:
-    """Return ``agents.<key>`` from dask config (``default`` when unset)."""
-    return dask.config.get(f"agents.{key}", default=default)
+    """Return ``agents.<key>`` from dask config.
+
+    Falls back to the shipped default when the key is absent (code that resets
+    ``dask.config.config``, such as Dask's test utilities, drops registered defaults),
+    then to ``default``.
+    """
+    value = dask.config.get(f"agents.{key}", default=_MISSING)
+    if value is _MISSING:
+        value = _default(key)
+    return default if value is _MISSING else value
 
 
 def seconds(key: str) -> float:

@@ -38,3 +38,8 @@ def session_id() -> str | None:
 def creator() -> str:
     """The key of the running call, or ``"driver"`` outside any component."""
     return current_call.get() or DRIVER
+
+
+def call_id() -> str | None:
+    """The key of the call running here (inside a component), or None on the driver."""
+    return current_call.get()

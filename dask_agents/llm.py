@@ -7,11 +7,13 @@ The result is an :class:`~dask_agents.models.LLMResult`.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
-import dask.config
 from distributed import Client
+
+import dask_agents.config as agents_config
 
 from dask_agents import runtime
 from dask_agents.calls import find_client, submit_call
@@ -25,9 +27,9 @@ _known_lock = threading.Lock()
 
 
 def _check_model(client: Client, model: str) -> None:
-    configured = dask.config.get("agents.llm.models", default={}) or {}
-    if model in configured or model in _known.get(id(client), ()):
-        return
+    configured = agents_config.get("llm.models") or {}
+    if model in configured or model in _known.get(id(client), ()) or client.asynchronous:
+        return  # async clients: the worker checks (and fails the call clearly)
     from dask_agents.client_api import hosted_models
     from dask_agents.errors import NotInstalledError
 
@@ -48,8 +50,11 @@ class LLM:
     """A handle on one model of the cluster."""
 
     def __init__(self, model: str | None = None):
-        self.model = model or dask.config.get("agents.llm.default-model")
-        self._spec = make_spec(runtime.run_llm, "llm", f"llm.{self.model}", ComponentHints(model=self.model))
+        self.model = model or agents_config.get("llm.default-model")
+        # Model names often hold '-' (which Dask's key_split treats as a separator): the
+        # component name keeps letters, digits, '_' and '.' so keys split back to it exactly.
+        component = "llm." + re.sub(r"[^A-Za-z0-9_.]", "_", self.model)
+        self._spec = make_spec(runtime.run_llm, "llm", component, ComponentHints(model=self.model))
 
     def generate(self, prompt: str | list[int], *, max_tokens: int | None = None,
                  temperature: float = 0.0, seed: int | None = None) -> AgentFuture:

@@ -20,7 +20,7 @@ from dask_agents.calls import ANNOTATION
 
 
 class Session:
-    """A session bound to a client. Use it as a context manager (sync only)."""
+    """A session bound to a client: ``with`` (or ``async with`` for asynchronous clients)."""
 
     def __init__(self, client: Client | None = None, *, name: str | None = None, tenant: str | None = None):
         if client is None:
@@ -47,17 +47,35 @@ class Session:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._leave()
+        ended = self.end()
+        if ended is not None:  # asynchronous client: do not leave the coroutine unawaited
+            import asyncio
+
+            asyncio.ensure_future(ended)
+
+    async def __aenter__(self) -> "Session":
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._leave()
+        ended = self.end()
+        if ended is not None:
+            await ended
+
+    def _leave(self) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
         context.current_session.reset(self._token)
-        self.end()
 
-    def end(self) -> None:
-        """Tell the scheduler that the driver made its last call in this session."""
+    def end(self) -> Any:
+        """Tell the scheduler that the driver made its last call in this session.
+
+        Returns a coroutine with an asynchronous client."""
         from dask_agents import client_api
 
-        client_api.end_session(self.client, self.id)
+        return client_api.end_session(self.client, self.id)
 
     def graph(self):
         """This session's call graph as the scheduler sees it (:class:`SessionGraph`)."""

@@ -24,7 +24,7 @@ class Stub:
     def __init__(self, spec: ComponentSpec):
         self._spec = spec
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> AgentFuture:
+    def _call(self, method: str, /, *args: Any, **kwargs: Any) -> AgentFuture:
         """Submit ``method(*args, **kwargs)`` on the component's instance."""
         if method not in self._spec.methods:
             raise AttributeError(
@@ -60,7 +60,7 @@ class FunctionStub:
         self.__doc__ = spec.target.__doc__
         self.__name__ = spec.name
 
-    def __call__(self, *args: Any, **kwargs: Any) -> AgentFuture:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> AgentFuture:
         return submit_call(self._spec, None, runtime.run_function, self._spec.target, args, kwargs)
 
     def __repr__(self) -> str:

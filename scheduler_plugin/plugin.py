@@ -45,6 +45,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.model_workers: dict[str, set[str]] = defaultdict(set)
         self.bindings: dict[tuple[str, str], str] = {}  # (session, component or llm:model) -> worker
         self.session_workers: dict[str, set[str]] = defaultdict(set)  # stateful hosts per session
+        self.bound: dict[str, int] = defaultdict(int)  # worker -> live sessions bound to it (KV/instances held)
+        self.assigned: dict[str, int] = defaultdict(int)  # worker -> sessions ever bound (round-robin tie-break)
         self.client_sessions: dict[str, set[str]] = defaultdict(set)
 
     def __getstate__(self) -> dict:
@@ -87,6 +89,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             ws.discard(worker)
         for k in [k for k, w in self.bindings.items() if w == worker]:
             del self.bindings[k]
+        self.bound.pop(worker, None)
+        self.assigned.pop(worker, None)
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         now = time.time()
@@ -126,9 +130,13 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             return  # nothing to choose from yet: let Dask place it (lazy engine start there)
         bound = self.bindings.get((session, what)) if session is not None else None
         if bound is None or bound not in candidates:
-            bound = min(candidates, key=lambda w: dask_compat.load(self.scheduler, w))
+            # least loaded now; among equals, the one holding the fewest live sessions, then
+            # the one given the fewest sessions so far (spreads sessions, and their KV, evenly)
+            bound = min(candidates, key=lambda w: (dask_compat.load(self.scheduler, w), self.bound[w], self.assigned[w]))
             if session is not None:
                 self.bindings[(session, what)] = bound
+                self.bound[bound] += 1
+                self.assigned[bound] += 1
                 if not what.startswith("llm:"):
                     self.session_workers[session].add(bound)
         dask_compat.restrict_to_worker(ts, bound)
@@ -158,7 +166,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
 
     def _on_session_completed(self, sid: str) -> None:
         for key in [k for k in self.bindings if k[0] == sid]:
-            del self.bindings[key]
+            w = self.bindings.pop(key)
+            if self.bound.get(w, 0) > 0:
+                self.bound[w] -= 1
         for addr in self.session_workers.pop(sid, ()):
             if dask_compat.has_worker(self.scheduler, addr):
                 self.scheduler.loop.add_callback(self._end_on_worker, addr, sid)

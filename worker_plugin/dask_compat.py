@@ -9,16 +9,20 @@ from __future__ import annotations
 from typing import Any
 
 from distributed import Worker
-from distributed.threadpoolexecutor import secede as _tpe_secede  # noqa: F401  (import check)
-from distributed.worker import thread_state
+from distributed.threadpoolexecutor import thread_state as pool_state
+from distributed.worker import thread_state as task_state
 
 
 def in_task_thread() -> bool:
-    """True inside a task running on a worker's thread pool (and not yet seceded)."""
+    """True inside a task running on a worker's thread pool (and not yet seceded).
+
+    Two thread-locals: distributed's ``thread_state`` (the running task's key) and the
+    thread pool's own (``executor``, and ``proceed`` which secede sets to False).
+    """
     return (
-        getattr(thread_state, "key", None) is not None
-        and getattr(thread_state, "executor", None) is not None
-        and getattr(thread_state, "proceed", False)
+        getattr(task_state, "key", None) is not None
+        and getattr(pool_state, "executor", None) is not None
+        and getattr(pool_state, "proceed", False)
     )
 
 

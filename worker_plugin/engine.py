@@ -23,6 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from worker_plugin.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
+# vLLM initialises process-global state (parallel groups) while building an engine: two
+# engines built at once in one process (in-process workers, or two models) race on it.
+_LOAD_LOCK = threading.Lock()
 BUILTIN = {"tiny-llama": os.path.join(os.path.dirname(__file__), "models", "tiny-llama")}
 
 
@@ -134,7 +137,8 @@ class EngineHost:
 
     def _run(self) -> None:
         try:
-            self._engine = self._load()
+            with _LOAD_LOCK:
+                self._engine = self._load()
         except BaseException as e:  # reported to every caller by wait_loaded
             logger.exception("loading engine %s failed", self.name)
             self.load_error = e
@@ -183,10 +187,10 @@ class EngineHost:
 
 def registry() -> dict[str, ModelSettings]:
     """The model registry from ``agents.llm.models`` config, validated."""
-    import dask.config
+    import dask_agents.config as agents_config
 
     out = {}
-    for name, raw in (dask.config.get("agents.llm.models", default={}) or {}).items():
+    for name, raw in (agents_config.get("llm.models") or {}).items():
         try:
             out[name] = ModelSettings(**raw)
         except Exception as e:
@@ -232,8 +236,9 @@ class Engines:
     def generate(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None = None,
                  temperature: float = 0.0, seed: int | None = None) -> Any:
         """Run one generation for a call (``header`` from the runtime) and return an LLMResult."""
-        import dask.config
         from vllm import SamplingParams
+
+        import dask_agents.config as agents_config
 
         from dask_agents.errors import PromptTooLongError, where
         from dask_agents.models import LLMResult
@@ -242,7 +247,7 @@ class Engines:
 
         component, method, sid, key, _ = header
         if max_tokens is None:
-            max_tokens = int(dask.config.get("agents.llm.default-max-tokens"))
+            max_tokens = int(agents_config.get("llm.default-max-tokens"))
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"{where(component, method, sid)}: max_tokens must be a positive int, got {max_tokens!r}")
         host = self.start(model)

@@ -1,0 +1,80 @@
+"""The LLM path against a real vLLM engine (CPU build, tiny dummy-weight model, in-process)."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_agents as da
+from tests.conftest import wait_for
+
+SYSTEM = "You are a careful software engineer. Read the issue and answer with a patch. " * 4
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(n_workers=2, threads_per_worker=4, processes=False, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            da.install(c, models=["coder"])
+            yield c
+
+
+def test_generate_and_prefix_cache_hit_in_same_session(client):
+    coder = da.llm("coder")
+    with da.session(client) as s:
+        first = coder.generate(SYSTEM + "Issue: the parser drops the last line.", max_tokens=8)
+        r1 = first.value(300)
+        second = coder.generate(SYSTEM + "Issue: the parser drops the last line. Now add a test.", max_tokens=8)
+        r2 = second.value(120)
+    assert isinstance(r1, da.LLMResult) and r1.model == "coder"
+    assert r1.output_tokens == 8 and len(r1.token_ids) == 8 and r1.prompt_tokens == len(first.meta and (SYSTEM + "Issue: the parser drops the last line.").encode())
+    assert r2.cached_tokens > 0  # the session's prefix stayed in vLLM's prefix cache
+    assert r2.worker == r1.worker  # session affinity: the worker that holds its KV
+    assert first.meta.component == "llm.coder" and first.key.startswith("llm.coder-")
+
+    def tokens_reported():
+        df = da.telemetry(client, s.id)
+        return (df,) if df["cached_tokens"].notna().sum() == 2 else None
+
+    (df,) = wait_for(tokens_reported)
+    assert list(df["prompt_tokens"]) == [r1.prompt_tokens, r2.prompt_tokens]
+    assert list(df["cached_tokens"]) == [r1.cached_tokens, r2.cached_tokens]
+
+
+def test_greedy_generation_is_deterministic_and_batches(client):
+    coder = da.llm("coder")
+    with da.session(client):
+        futs = [coder.generate(f"{SYSTEM} request {i}", max_tokens=6) for i in range(6)]
+        again = coder.generate(f"{SYSTEM} request 0", max_tokens=6)
+        results = [f.value(300) for f in futs]
+        assert again.value(120).token_ids == results[0].token_ids
+    assert all(r.output_tokens == 6 for r in results)
+
+
+def test_sessions_spread_over_engine_workers(client):
+    coder = da.llm("coder")
+    workers = set()
+    for i in range(4):
+        with da.session(client):
+            workers.add(coder.generate(f"session {i} " + SYSTEM, max_tokens=2).value(300).worker)
+    assert len(workers) == 2  # each session is pinned, new sessions go to the less loaded engine
+
+
+def test_unknown_model_is_an_error(client):
+    with da.session(client):
+        with pytest.raises(da.UnknownModelError, match="'gpt-huge'.*coder"):
+            da.llm("gpt-huge").generate("hi")
+
+
+def test_prompt_longer_than_context_is_an_error_and_session_goes_on(client):
+    coder = da.llm("coder")
+    with da.session(client) as s:
+        too_long = coder.generate("x" * 5000, max_tokens=4)
+        with pytest.raises(da.PromptTooLongError) as info:
+            too_long.value(300)
+        msg = str(info.value)
+        assert "llm.coder.generate" in msg and s.id in msg and "5000 tokens" in msg and "2048" in msg
+        assert coder.generate("short prompt", max_tokens=2).value(120).output_tokens == 2
+    with da.session(client):
+        with pytest.raises(ValueError, match="max_tokens"):
+            coder.generate("hi", max_tokens=0).value(120)
