@@ -64,7 +64,7 @@ class CallRecord:
             "started": self.started, "finished": self.finished,
             "n_dependencies": len(self.dependencies),
             "prompt_tokens": m.get("prompt_tokens"), "cached_tokens": m.get("cached_tokens"),
-            "output_tokens": m.get("output_tokens"),
+            "output_tokens": m.get("output_tokens"), "kv_bytes": m.get("kv_bytes"),
         }
 
 

@@ -27,7 +27,8 @@ def test_generate_and_prefix_cache_hit_in_same_session(client):
         second = coder.generate(SYSTEM + "Issue: the parser drops the last line. Now add a test.", max_tokens=8)
         r2 = second.value(120)
     assert isinstance(r1, da.LLMResult) and r1.model == "coder"
-    assert r1.output_tokens == 8 and len(r1.token_ids) == 8 and r1.prompt_tokens == len(first.meta and (SYSTEM + "Issue: the parser drops the last line.").encode())
+    assert r1.output_tokens == 8 and len(r1.token_ids) == 8
+    assert r1.prompt_tokens == len((SYSTEM + "Issue: the parser drops the last line.").encode())
     assert r2.cached_tokens > 0  # the session's prefix stayed in vLLM's prefix cache
     assert r2.worker == r1.worker  # session affinity: the worker that holds its KV
     assert first.meta.component == "llm.coder" and first.key.startswith("llm.coder-")
@@ -39,6 +40,8 @@ def test_generate_and_prefix_cache_hit_in_same_session(client):
     (df,) = wait_for(tokens_reported)
     assert list(df["prompt_tokens"]) == [r1.prompt_tokens, r2.prompt_tokens]
     assert list(df["cached_tokens"]) == [r1.cached_tokens, r2.cached_tokens]
+    # KV footprint in whole 128-token blocks of 128 KiB (the tiny model's geometry)
+    assert list(df["kv_bytes"]) == [-(-(r.prompt_tokens + 8) // 128) * 128 * 1024 for r in (r1, r2)]
 
 
 def test_greedy_generation_is_deterministic_and_batches(client):

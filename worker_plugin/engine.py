@@ -82,6 +82,7 @@ class EngineHost:
         self._closed = False
         self.steps = 0
         self.started_at: float | None = None
+        self.geometry: Any = None  # kv.KVGeometry once loaded (None for models without a local config)
 
     def start(self) -> None:
         """Start loading the engine in the background (idempotent)."""
@@ -113,6 +114,16 @@ class EngineHost:
         )
         return LLMEngine.from_engine_args(args)
 
+    def _geometry(self) -> Any:
+        from kv import KVGeometry
+
+        path = self.settings.model_path()
+        if not os.path.isdir(path):
+            return None
+        block = self._engine.vllm_config.cache_config.block_size
+        dtype = self.settings.dtype if self.settings.dtype != "auto" else "auto"
+        return KVGeometry.from_model_dir(path, dtype, block)
+
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Queue a request; the returned future resolves to vLLM's final RequestOutput."""
         fut: Future = Future()
@@ -139,6 +150,7 @@ class EngineHost:
         try:
             with _LOAD_LOCK:
                 self._engine = self._load()
+            self.geometry = self._geometry()
         except BaseException as e:  # reported to every caller by wait_loaded
             logger.exception("loading engine %s failed", self.name)
             self.load_error = e
@@ -275,8 +287,9 @@ class Engines:
         comp = out.outputs[0]
         toks = list(comp.token_ids)
         cached = int(out.num_cached_tokens or 0)
+        kv_bytes = host.geometry.bytes_for(len(ids) + len(toks)) if host.geometry else None
         get_plugin().record_metrics(key, prompt_tokens=len(ids), cached_tokens=cached,
-                                    output_tokens=len(toks), model=model)
+                                    output_tokens=len(toks), model=model, kv_bytes=kv_bytes)
         return LLMResult(
             model=model, text=host.tokenizer.decode(toks) if host.tokenizer else "",
             token_ids=toks, prompt_tokens=len(ids), cached_tokens=cached, output_tokens=len(toks),

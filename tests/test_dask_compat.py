@@ -1,0 +1,160 @@
+"""One test per Dask internal dask-agents relies on (scheduler_plugin/ and worker_plugin/ dask_compat).
+
+If a distributed upgrade changes one of them, the failure points here, not at a symptom.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import dask
+from distributed import Client, Scheduler, SchedulerPlugin, Worker, WorkerPlugin
+from distributed.utils_test import gen_cluster
+
+from scheduler_plugin import dask_compat as sc
+from tests.conftest import async_wait_for
+from worker_plugin import dask_compat as wc
+
+
+def inc(x):
+    return x + 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)])
+async def test_task_state_accessors(c: Client, s: Scheduler, a: Worker, b: Worker):
+    with dask.annotate(agents={"call": "x"}):
+        x = c.submit(inc, 1, key="x-1")
+    y = c.submit(inc, x, key="y-1")
+    await y
+    ts = sc.task(s, "y-1")
+    assert sc.dependency_keys(ts) == ["x-1"]
+    assert sc.annotations(sc.task(s, "x-1")) == {"agents": {"call": "x"}}
+    assert sc.task(s, "nope") is None
+    assert sorted(sc.worker_addresses(s)) == sorted([a.address, b.address])
+    assert sc.has_worker(s, a.address) and not sc.has_worker(s, "tcp://127.0.0.1:1")
+    assert sc.load(s, a.address) == 0 and sc.load(s, "tcp://127.0.0.1:1") > 10**6
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)])
+async def test_restriction_set_in_update_graph_is_honoured(c: Client, s: Scheduler, a: Worker, b: Worker):
+    seen = {}
+
+    class Pin(SchedulerPlugin):
+        def update_graph(self, scheduler, *, keys, **kw):
+            for k in keys:
+                ts = sc.task(scheduler, k)
+                seen[k] = ts.state  # still released: placement has not happened
+                sc.restrict_to_worker(ts, b.address)
+
+    s.add_plugin(Pin())
+    futs = c.map(inc, range(10))
+    await c.gather(futs)
+    assert set(seen.values()) == {"released"}
+    assert all(k in b.data for k in seen) and not any(k in a.data for k in seen)
+
+
+EV = threading.Event()  # in-process workers: tasks see this module's globals
+EVENTS: list = []
+
+
+def wait_ev():
+    return EV.wait(30)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_processing_on(c: Client, s: Scheduler, a: Worker):
+    EV.clear()
+    ev = EV
+    fut = c.submit(wait_ev)
+    await async_wait_for(lambda: sc.task(s, fut.key) is not None and sc.task(s, fut.key).state == "processing")
+    assert sc.processing_on(sc.task(s, fut.key)) == a.address
+    ev.set()
+    await fut
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_handlers_and_periodic_callbacks(c: Client, s: Scheduler, a: Worker):
+    got = []
+    sc.add_stream_handler(s, "compat-op", lambda worker=None, value=None, **kw: got.append((worker, value)))
+    sc.add_rpc_handler(s, "compat_rpc", lambda value=None: value * 2)
+    assert await c.scheduler.compat_rpc(value=21) == 42
+    wc.send_to_scheduler(a, {"op": "compat-op", "value": 7})
+    await async_wait_for(lambda: got == [(a.address, 7)])
+    wc.add_rpc_handler(a, "compat_worker_rpc", lambda value=None: value + 1)
+    assert await s.rpc(a.address).compat_worker_rpc(value=1) == 2
+    ticks = []
+    sc.add_periodic(s, "compat-tick", lambda: ticks.append(1), 0.01)
+    wc.add_periodic(a, "compat-tick", lambda: ticks.append(2), 0.01)
+    await async_wait_for(lambda: 1 in ticks and 2 in ticks)
+    sc.remove_periodic(s, "compat-tick")
+    wc.remove_periodic(a, "compat-tick")
+    assert "compat-tick" not in s.periodic_callbacks and "compat-tick" not in a.periodic_callbacks
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_batched_send_intervals_are_settable(c: Client, s: Scheduler, a: Worker):
+    sc.set_worker_stream_interval(s, [a.address], 0.001)
+    assert s.stream_comms[a.address].interval == 0.001
+    wc.set_batched_send_interval(a, 0.0005)
+    assert a.batched_stream.interval == 0.0005
+    sc.set_client_stream_interval(c, 0.002)
+    assert c.scheduler_comm.interval == 0.002
+    assert await c.submit(inc, 1) == 2  # still delivers
+
+
+def in_task():
+    return wc.in_task_thread()
+
+
+def secede_twice():
+    first = wc.secede_if_in_task()
+    second = wc.secede_if_in_task()  # a second secede would be an invalid transition: must be a no-op
+    return first, second, wc.in_task_thread()
+
+
+def wait_seceded():
+    wc.secede_if_in_task()
+    return EV.wait(30)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_secede_once_frees_the_slot(c: Client, s: Scheduler, a: Worker):
+    assert not wc.in_task_thread()
+    assert await c.submit(in_task) is True
+    assert await c.submit(secede_twice) == (True, False, False)
+    EV.clear()
+    ev = EV
+    blocker = c.submit(wait_seceded)
+    other = c.submit(inc, 1)  # the single slot was freed: this runs while the first waits
+    assert await other == 2
+    ev.set()
+    assert await blocker
+
+
+class Spy(WorkerPlugin):
+    def setup(self, worker):
+        self.worker = worker
+
+    def transition(self, key, start, finish, **kw):
+        if finish == "executing":
+            EVENTS.append(("executing", key, wc.task_annotations(self.worker, key)))
+
+
+def body():
+    EVENTS.append(("body",))
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_worker_annotations_and_transition_hook_order(c: Client, s: Scheduler, a: Worker):
+    events = EVENTS
+    events.clear()
+    await c.register_plugin(Spy(), name="spy")
+
+    with dask.annotate(agents={"component": "X"}):
+        fut = c.submit(body, key="X-1")
+    await fut
+    assert events[0] == ("executing", "X-1", {"agents": {"component": "X"}})  # before the function runs
+    assert events[1] == ("body",)
+    assert wc.task_annotations(a, "unknown") == {}
