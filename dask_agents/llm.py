@@ -26,7 +26,7 @@ _known: dict[int, set[str]] = {}  # id(client) -> models the scheduler reported 
 _known_lock = threading.Lock()
 
 
-def _check_model(client: Client, model: str) -> None:
+def _check_model(client: Client, model: str, component: str) -> None:
     configured = agents_config.get("llm.models") or {}
     if model in configured or model in _known.get(id(client), ()) or client.asynchronous:
         return  # async clients: the worker checks (and fails the call clearly)
@@ -40,8 +40,11 @@ def _check_model(client: Client, model: str) -> None:
     with _known_lock:
         _known[id(client)] = set(hosted)
     if model not in hosted:
+        from dask_agents.context import session_id
+        from dask_agents.errors import where
+
         raise UnknownModelError(
-            f"unknown model {model!r}: not in agents.llm.models ({', '.join(sorted(configured)) or 'none'}) "
+            f"{where(component, 'generate', session_id())}: unknown model {model!r}: not in agents.llm.models ({', '.join(sorted(configured)) or 'none'}) "
             f"and no worker hosts it ({', '.join(sorted(hosted)) or 'none'})"
         )
 
@@ -59,7 +62,7 @@ class LLM:
     def generate(self, prompt: str | list[int], *, max_tokens: int | None = None,
                  temperature: float = 0.0, seed: int | None = None) -> AgentFuture:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (text or token ids)."""
-        _check_model(find_client(self._spec, "generate"), self.model)
+        _check_model(find_client(self._spec, "generate"), self.model, self._spec.name)
         kwargs = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
         return submit_call(self._spec, "generate", runtime.run_llm, self.model, (prompt,), kwargs,
                            extra={"llm_model": self.model})

@@ -64,9 +64,10 @@ def test_sessions_spread_over_engine_workers(client):
 
 
 def test_unknown_model_is_an_error(client):
-    with da.session(client):
-        with pytest.raises(da.UnknownModelError, match="'gpt-huge'.*coder"):
+    with da.session(client) as s:
+        with pytest.raises(da.UnknownModelError, match="'gpt-huge'.*coder") as info:
             da.llm("gpt-huge").generate("hi")
+    assert f"llm.gpt_huge.generate (session {s.id})" in str(info.value)
 
 
 def test_prompt_longer_than_context_is_an_error_and_session_goes_on(client):
