@@ -314,6 +314,14 @@ def _check_names(c: _Callable, filename: str) -> None:
             )
 
 
+def _forward_lines(callee: str, lead: list[str], fwd: str | None, indent: str) -> list[str]:
+    """The body that calls ``callee(*lead, ...)`` with the arguments the caller really passed."""
+    if fwd is None:
+        return [f"{indent}return {callee}({', '.join(lead)})"]
+    args = ", ".join(lead + ["*_da_args", "**_da_kwargs"])
+    return [f"{indent}_da_args, _da_kwargs = {fwd}", f"{indent}return {callee}({args})"]
+
+
 def _method_source(comp: _Component, m: _Callable, filename: str) -> str:
     _check_names(m, filename)
     self_name = "_da_self" if any(p.name == "self" for p in m.params) else "self"
@@ -323,11 +331,7 @@ def _method_source(comp: _Component, m: _Callable, filename: str) -> str:
     doc += f"\n\nComponent signature: ``{_source_signature(m)}``"
     fwd = _forward_expr(m, m.owner)
     lines = [f"    def {m.name}({sig}) -> _da.AgentFuture:", _doc_literal(doc, " " * 8)]
-    if fwd is None:
-        lines.append(f"        return {self_name}._call({m.name!r})")
-    else:
-        lines.append(f"        _da_args, _da_kwargs = {fwd}")
-        lines.append(f"        return {self_name}._call({m.name!r}, *_da_args, **_da_kwargs)")
+    lines += _forward_lines(f"{self_name}._call", [repr(m.name)], fwd, " " * 8)
     return "\n".join(lines)
 
 
@@ -361,11 +365,7 @@ def _function_source(comp: _Component, filename: str) -> str:
     doc += f"\n\nComponent signature: ``{_source_signature(f)}``"
     fwd = _forward_expr(f, None)
     lines = [f"def {f.name}({_stub_parameters(f)}) -> _da.AgentFuture:", _doc_literal(doc, "    ")]
-    if fwd is None:
-        lines.append(f"    return _da_function_stub({f.name!r})()")
-    else:
-        lines.append(f"    _da_args, _da_kwargs = {fwd}")
-        lines.append(f"    return _da_function_stub({f.name!r})(*_da_args, **_da_kwargs)")
+    lines += _forward_lines(f"_da_function_stub({f.name!r})", [], fwd, "    ")
     return "\n".join(lines)
 
 

@@ -69,21 +69,21 @@ def add_rpc_handler(scheduler: Scheduler, name: str, handler: Callable) -> None:
     scheduler.handlers[name] = handler
 
 
-def add_periodic(scheduler: Scheduler, name: str, callback: Callable, seconds: float) -> None:
-    """Run ``callback`` every ``seconds`` on the scheduler's event loop (keep it short)."""
+def add_periodic(server: Any, name: str, callback: Callable, seconds: float) -> None:
+    """Run ``callback`` every ``seconds`` on a scheduler's or worker's event loop (keep it short).
+
+    Replaces a callback of the same name (re-installing a plugin must not double it)."""
     from tornado.ioloop import PeriodicCallback
 
-    old = scheduler.periodic_callbacks.pop(name, None)
-    if old is not None:
-        old.stop()
+    remove_periodic(server, name)
     pc = PeriodicCallback(callback, seconds * 1000)
-    scheduler.periodic_callbacks[name] = pc
+    server.periodic_callbacks[name] = pc
     pc.start()
 
 
-def remove_periodic(scheduler: Scheduler, name: str) -> None:
+def remove_periodic(server: Any, name: str) -> None:
     """Stop and forget a periodic callback."""
-    pc = scheduler.periodic_callbacks.pop(name, None)
+    pc = server.periodic_callbacks.pop(name, None)
     if pc is not None:
         pc.stop()
 

@@ -12,6 +12,9 @@ from distributed import Worker
 from distributed.threadpoolexecutor import thread_state as pool_state
 from distributed.worker import thread_state as task_state
 
+# Workers and schedulers are both distributed Servers: one implementation serves both sides.
+from scheduler_plugin.dask_compat import add_periodic, remove_periodic  # noqa: F401
+
 
 def in_task_thread() -> bool:
     """True inside a task running on a worker's thread pool (and not yet seceded).
@@ -63,18 +66,3 @@ def add_rpc_handler(worker: Worker, name: str, handler: Any) -> None:
     """Register an RPC handler (``await rpc(worker).name(...)``) on the worker."""
     worker.handlers[name] = handler
 
-
-def add_periodic(worker: Worker, name: str, callback: Any, seconds: float) -> None:
-    """Run ``callback`` every ``seconds`` on the worker's event loop."""
-    from tornado.ioloop import PeriodicCallback
-
-    pc = PeriodicCallback(callback, seconds * 1000)
-    worker.periodic_callbacks[name] = pc
-    pc.start()
-
-
-def remove_periodic(worker: Worker, name: str) -> None:
-    """Stop and forget a periodic callback added with :func:`add_periodic`."""
-    pc = worker.periodic_callbacks.pop(name, None)
-    if pc is not None:
-        pc.stop()
