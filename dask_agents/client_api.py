@@ -10,26 +10,32 @@ from dask_agents.errors import NotInstalledError
 from dask_agents.models import SessionGraph, WorkflowGraph
 
 
-def _not_installed(e: Exception) -> bool:
-    return "agents_" in str(e) or "unknown operation" in str(e).lower()
-
-
 _NOT_INSTALLED = (
     "the scheduler has no dask-agents plugin: call da.install(client), "
     "or start the scheduler with --preload dask_agents.preload"
 )
+# Clients whose scheduler was seen with the plugin. Checked once per client because a
+# scheduler without our handlers does not answer an unknown RPC at all (it only logs), so
+# calling one blindly would hang.
+_verified: set[tuple[str, str]] = set()
+
+
+def _ident(client: Client) -> tuple[str, str]:
+    return (client.id, str(client.scheduler.address))
 
 
 def _call(client: Client, op: str, then: Callable[[Any], Any] = lambda x: x, **kwargs: Any) -> Any:
-    """Call scheduler handler ``op``; returns ``then(reply)``, or a coroutine for async clients."""
+    """Call scheduler handler ``op``; returns ``then(reply)``, or a coroutine for async clients.
+
+    Raises NotInstalledError (instead of hanging) when the scheduler lacks the plugin."""
+    from dask_agents.install import _has_plugin
 
     async def go() -> Any:
-        try:
-            return then(await getattr(client.scheduler, op)(**kwargs))
-        except Exception as e:
-            if _not_installed(e):
-                raise NotInstalledError(_NOT_INSTALLED) from None
-            raise
+        if _ident(client) not in _verified:
+            if not await client.run_on_scheduler(_has_plugin):
+                raise NotInstalledError(_NOT_INSTALLED)
+            _verified.add(_ident(client))
+        return then(await getattr(client.scheduler, op)(**kwargs))
 
     if client.asynchronous:
         return go()

@@ -44,6 +44,17 @@ def load(scheduler: Scheduler, address: str) -> int:
     return len(ws.processing) if ws is not None else 1 << 30
 
 
+def priority(ts: Any) -> tuple:
+    """The task's scheduling priority (smaller runs first)."""
+    return ts.priority
+
+
+def set_priority(ts: Any, value: tuple) -> None:
+    """Set the priority of a task that is not queued or placed yet (call in ``update_graph``,
+    which Dask runs after its own ``_set_priorities``)."""
+    ts.priority = value
+
+
 def processing_on(ts: Any) -> str | None:
     """Address of the worker a task is assigned to, if any."""
     ws = ts.processing_on

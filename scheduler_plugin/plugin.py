@@ -14,6 +14,7 @@ Everything on the event loop is O(1) per task; housekeeping (retention) runs per
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import defaultdict
@@ -48,6 +49,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.bound: dict[str, int] = defaultdict(int)  # worker -> live sessions bound to it (KV/instances held)
         self.assigned: dict[str, int] = defaultdict(int)  # worker -> sessions ever bound (round-robin tie-break)
         self.client_sessions: dict[str, set[str]] = defaultdict(set)
+        self.arrivals = itertools.count()
 
     def __getstate__(self) -> dict:
         return {}
@@ -111,6 +113,10 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             rec = self.state.add_call(key, ann, dask_compat.dependency_keys(ts), now)
             if rec is None:
                 continue
+            # FIFO among equals: Dask gives graphs submitted within its fifo_timeout (100 ms)
+            # the same priority, and workers run equal priorities LIFO.
+            p = dask_compat.priority(ts)
+            dask_compat.set_priority(ts, (p[0], p[1], next(self.arrivals)))
             if rec.session is not None:
                 self.client_sessions[client].add(rec.session)
             if ann.get("stateful"):

@@ -167,3 +167,18 @@ def test_stub_without_client_is_an_error():
 def test_session_requires_a_client():
     with pytest.raises(TypeError, match="distributed.Client"):
         da.session("not a client")
+
+
+@pytest.mark.timeout(60)
+def test_without_the_plugins_calls_fail_clearly_and_nothing_hangs():
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            assert not da.installed(c)
+            with da.session(c) as s:  # leaving the session must not hang either
+                fut = da.stub(make)(1)
+                with pytest.raises(da.NotInstalledError, match="worker plugin is not installed"):
+                    fut.value(30)
+            with pytest.raises(da.NotInstalledError, match="da.install"):
+                da.telemetry(c)
+            with pytest.raises(da.NotInstalledError):
+                da.session_graph(c, s.id)

@@ -256,3 +256,37 @@ async def test_install_is_idempotent(c: Client, s: Scheduler, a: Worker) -> None
     assert isinstance(s.plugins[NAME], AgentsSchedulerPlugin)
     assert isinstance(a.plugins[NAME], AgentsWorkerPlugin)
     assert list(s.plugins).count(NAME) == 1
+
+
+ORDER: list[int] = []
+GATE = threading.Event()
+
+
+@da.tool
+def ordered(i: int) -> int:
+    if i == -1:
+        GATE.wait(30)  # hold the only thread while the others queue up
+    ORDER.append(i)
+    return i
+
+
+@pytest.mark.parametrize("saturation", [1.1, float("inf")])  # queued on the scheduler / on the worker
+def test_calls_run_first_in_first_out(saturation):
+    gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60,
+                config={"distributed.scheduler.worker-saturation": saturation})(_fifo)()
+
+
+async def _fifo(c: Client, s: Scheduler, a: Worker) -> None:
+    await install(c)
+    ORDER.clear()
+    GATE.clear()
+    async with da.session(c):
+        blocker = da.stub(ordered)(-1)
+        await async_wait_for(lambda: a.state.executing_count == 1)
+        futs = [da.stub(ordered)(i) for i in range(10)]  # all within Dask's 100 ms fifo window
+        # queued on the scheduler (root-ish tasks) or on the worker's ready heap: all known, none run
+        await async_wait_for(lambda: all(f.key in s.tasks and s.tasks[f.key].state in ("queued", "processing")
+                                         for f in futs))
+        GATE.set()
+        await c.gather([blocker, *futs])
+    assert ORDER == [-1, *range(10)]

@@ -158,3 +158,9 @@ async def test_worker_annotations_and_transition_hook_order(c: Client, s: Schedu
     assert events[0] == ("executing", "X-1", {"agents": {"component": "X"}})  # before the function runs
     assert events[1] == ("body",)
     assert wc.task_annotations(a, "unknown") == {}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_worker_asks_scheduler_for_a_handler(c: Client, s: Scheduler, a: Worker):
+    assert await wc.scheduler_has_handler(a, "run_function")
+    assert not await wc.scheduler_has_handler(a, "agents_no_such_handler")

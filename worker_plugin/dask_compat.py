@@ -57,6 +57,22 @@ def set_batched_send_interval(worker: Worker, seconds: float) -> None:
         bs.interval = seconds
 
 
+async def scheduler_has_handler(worker: Worker, op: str) -> bool:
+    """True if the scheduler serves RPC ``op``.
+
+    Asked through the scheduler's ``run_function`` handler (what ``Client.run_on_scheduler``
+    uses): a scheduler answers nothing to an unknown RPC, so we must not send one blindly."""
+    from distributed.protocol.pickle import dumps
+
+    def check(op: str, dask_scheduler: Any = None) -> bool:  # dask passes the scheduler by keyword
+        return op in dask_scheduler.handlers
+
+    response = await worker.scheduler.run_function(
+        function=dumps(check), args=dumps((op,)), kwargs=dumps({}), wait=True
+    )
+    return response.get("status") == "OK" and bool(response.get("result"))
+
+
 def send_to_scheduler(worker: Worker, msg: dict) -> None:
     """Send a stream message to the scheduler (only ops the scheduler registered)."""
     worker.batched_send(msg)

@@ -93,10 +93,13 @@ class AgentsWorkerPlugin(WorkerPlugin):
 
     async def _hello(self, models: list[str]) -> None:
         try:
+            if not await dask_compat.scheduler_has_handler(self.worker, "agents_worker_hello"):
+                logger.warning("dask-agents: the scheduler has no dask-agents plugin; per-call telemetry is off")
+                return
             await self.worker.scheduler.agents_worker_hello(worker=self.worker.address, models=models, pid=os.getpid())
             self.scheduler_ok = True
         except Exception as e:
-            logger.warning("dask-agents: the scheduler has no dask-agents plugin (%s); per-call telemetry is off", e)
+            logger.warning("dask-agents: could not announce this worker to the scheduler (%s); telemetry is off", e)
 
     def _announce_model(self, model: str) -> None:
         worker = self.worker
