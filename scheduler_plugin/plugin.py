@@ -45,6 +45,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.ready_workers: dict[str, dict] = {}  # address -> hello info
         self.model_workers: dict[str, set[str]] = defaultdict(set)
         self.bindings: dict[tuple[str, str], str] = {}  # (session, component or llm:model) -> worker
+        self.session_bindings: dict[str, list[tuple[str, str]]] = defaultdict(list)  # index by session
         self.session_workers: dict[str, set[str]] = defaultdict(set)  # stateful hosts per session
         self.bound: dict[str, int] = defaultdict(int)  # worker -> live sessions bound to it (KV/instances held)
         self.assigned: dict[str, int] = defaultdict(int)  # worker -> sessions ever bound (round-robin tie-break)
@@ -140,6 +141,11 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             # the one given the fewest sessions so far (spreads sessions, and their KV, evenly)
             bound = min(candidates, key=lambda w: (dask_compat.load(self.scheduler, w), self.bound[w], self.assigned[w]))
             if session is not None:
+                old = self.bindings.get((session, what))
+                if old is None:
+                    self.session_bindings[session].append((session, what))
+                elif self.bound.get(old, 0) > 0:
+                    self.bound[old] -= 1
                 self.bindings[(session, what)] = bound
                 self.bound[bound] += 1
                 self.assigned[bound] += 1
@@ -171,9 +177,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             self._on_session_completed(sid)
 
     def _on_session_completed(self, sid: str) -> None:
-        for key in [k for k in self.bindings if k[0] == sid]:
-            w = self.bindings.pop(key)
-            if self.bound.get(w, 0) > 0:
+        for key in self.session_bindings.pop(sid, ()):
+            w = self.bindings.pop(key, None)
+            if w is not None and self.bound.get(w, 0) > 0:
                 self.bound[w] -= 1
         for addr in self.session_workers.pop(sid, ()):
             if dask_compat.has_worker(self.scheduler, addr):
