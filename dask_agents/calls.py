@@ -91,7 +91,7 @@ def submit_call(
         "call": key, "component": spec.name, "method": method, "kind": spec.kind,
         "session": sid, "tenant": s.tenant if s is not None else None, "creator": creator,
         "deps": deps, "created": meta.created, "stateful": hints.stateful,
-        "model": hints.model,
+        "model": hints.model, "tool_kind": getattr(hints, "kind", None),
     }
     if extra:
         ann.update(extra)

@@ -64,10 +64,7 @@ def _declare(target: Any, kind: Kind, name: str | None, hints: dict) -> Componen
         hints=validate_hints(hint_cls, cname, hints),
         methods=_public_methods(target) if inspect.isclass(target) else (),
     )
-    if kind == "agent" and not spec.is_class:
-        # Functions as agents are allowed: they behave as stateless single-call components.
-        pass
-    return spec
+    return spec  # functions declared as agents behave as stateless single-call components
 
 
 def agent(cls: T | None = None, *, name: str | None = None, **hints: Any) -> Any:
