@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from dask.utils import parse_bytes
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,6 +34,11 @@ class ModelSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
     model: str
+    # "vllm": a real engine. "emulated": worker_plugin/emulated.py, a cost model of an engine
+    # (batch capacity, per-token prefill/decode cost, KV memory with prefix reuse) for
+    # experiments at scale on CPUs; its numbers are always labeled emulated.
+    engine: Literal["vllm", "emulated"] = "vllm"
+    emulation: dict[str, Any] = Field(default_factory=dict)
     load_format: str = Field("auto", alias="load-format")
     tokenizer: str = "auto"
     dtype: str = "auto"
@@ -124,6 +129,13 @@ class EngineHost:
         dtype = self.settings.dtype if self.settings.dtype != "auto" else "auto"
         return KVGeometry.from_model_dir(path, dtype, block)
 
+    def sampling_params(self, max_tokens: int, temperature: float, seed: int | None) -> Any:
+        """vLLM sampling parameters for one call (EOS ignored: agents ask for a token budget)."""
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                              ignore_eos=True, detokenize=False)
+
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Queue a request; the returned future resolves to vLLM's final RequestOutput."""
         fut: Future = Future()
@@ -197,6 +209,15 @@ class EngineHost:
         self._engine = None
 
 
+def make_host(name: str, settings: ModelSettings) -> Any:
+    """An engine host for ``settings``: vLLM, or the emulated engine."""
+    if settings.engine == "emulated":
+        from worker_plugin.emulated import EmulatedEngineHost
+
+        return EmulatedEngineHost(name, settings)
+    return EngineHost(name, settings)
+
+
 def registry() -> dict[str, ModelSettings]:
     """The model registry from ``agents.llm.models`` config, validated."""
     import dask_agents.config as agents_config
@@ -236,7 +257,7 @@ class Engines:
                         f"model {name!r} is not in agents.llm.models on worker {self.worker_address} "
                         f"(known: {', '.join(sorted(models)) or 'none'})"
                     )
-                host = EngineHost(name, models[name])
+                host = make_host(name, models[name])
                 host.start()
                 self._hosts[name] = host
                 if name not in self.hosted:
@@ -248,8 +269,6 @@ class Engines:
     def generate(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None = None,
                  temperature: float = 0.0, seed: int | None = None) -> Any:
         """Run one generation for a call (``header`` from the runtime) and return an LLMResult."""
-        from vllm import SamplingParams
-
         import dask_agents.config as agents_config
 
         from dask_agents.errors import PromptTooLongError, where
@@ -279,9 +298,7 @@ class Engines:
                 f"{where(component, method, sid)}: prompt of {len(ids)} tokens + max_tokens={max_tokens} "
                 f"exceeds model {model!r}'s context of {host.max_model_len} tokens (call {key})"
             )
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                ignore_eos=True, detokenize=False)
-        fut = host.submit(key, ids, params, sid)
+        fut = host.submit(key, ids, host.sampling_params(max_tokens, temperature, seed), sid)
         secede_if_in_task()  # the engine works for us; free the worker slot meanwhile
         out = fut.result()
         comp = out.outputs[0]
