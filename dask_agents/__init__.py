@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dask_agents.config  # noqa: F401  (registers agents.* defaults)
 from dask_agents.client_api import session_graph, telemetry, workflow_graph
+from dask_agents.control import Control, control
 from dask_agents.context import call_id as current_call
 from dask_agents.context import session_id as current_session
 from dask_agents.components import ComponentSpec, agent, spec_of, tool
@@ -42,7 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgentFuture", "AgentsError", "BatchingHint", "CallFailedError", "CallMeta", "CallTimeoutError",
-    "ComponentHints", "ComponentSpec", "FunctionStub", "HintError", "LLM", "LLMResult",
+    "ComponentHints", "ComponentSpec", "Control", "control", "FunctionStub", "HintError", "LLM", "LLMResult",
     "NoClientError", "NotAComponentError", "NotInstalledError", "PromptTooLongError", "Session",
     "SessionGraph", "Stub", "ToolHints", "UnknownModelError", "WorkflowGraph", "agent", "current_call", "current_session", "install",
     "installed", "llm", "session", "session_graph", "spec_of", "stub", "telemetry", "tool",

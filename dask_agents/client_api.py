@@ -80,6 +80,7 @@ def workflow_graph(client: Client) -> WorkflowGraph:
 COLUMNS = [
     "key", "session", "component", "method", "kind", "creator", "state", "worker", "created",
     "ready", "started", "finished", "n_dependencies", "prompt_tokens", "cached_tokens", "output_tokens", "kv_bytes",
+    "emulated", "migrations", "priority_changes",
 ]
 
 

@@ -89,3 +89,4 @@ class LLMResult(BaseModel):
     output_tokens: int
     worker: str
     finish_reason: str | None = None
+    emulated: bool = False  # produced by the emulated engine: a cost model, not a real LLM

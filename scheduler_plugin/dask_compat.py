@@ -112,3 +112,110 @@ def set_client_stream_interval(client: Any, seconds: float) -> None:
     bs = getattr(client, "scheduler_comm", None)
     if bs is not None and hasattr(bs, "interval"):
         bs.interval = seconds
+
+
+# -- control plane: reading load, moving and re-prioritizing work -----------------------------
+
+def workers(scheduler: Scheduler) -> list[Any]:
+    """WorkerState objects of running workers."""
+    return list(scheduler.running)
+
+
+def worker_summary(ws: Any) -> tuple[str, int, int, int]:
+    """(address, nthreads, tasks assigned, tasks running: executing or seceded)."""
+    return ws.address, ws.nthreads, len(ws.processing), len(ws.executing) + len(ws.long_running)
+
+
+def waiting_on_worker(ws: Any) -> list[Any]:
+    """Tasks assigned to ``ws`` that have not started there (as far as the scheduler knows)."""
+    running = ws.executing.keys() | ws.long_running
+    return [ts for ts in ws.processing if ts not in running]
+
+
+def queued_on_scheduler(scheduler: Scheduler, limit: int) -> list[Any]:
+    """Up to ``limit`` root-ish tasks the scheduler holds back (best priority first)."""
+    return list(scheduler.queued.peekn(limit)) if limit > 0 else []
+
+
+def input_bytes(ts: Any) -> int:
+    """Bytes of the task's dependencies' results (what moving it may transfer)."""
+    return sum(dts.nbytes for dts in ts.dependencies if dts.nbytes and dts.nbytes > 0)
+
+
+def has_foreign_restrictions(ts: Any) -> bool:
+    """Resource or host restrictions: moving those would corrupt Dask's resource accounting."""
+    return bool(ts.resource_restrictions or ts.host_restrictions)
+
+
+def has_strict_worker_restriction(ts: Any) -> bool:
+    """Pinned to specific workers with no fallback (``workers=`` without ``allow_other_workers``)."""
+    return bool(ts.worker_restrictions) and not ts.loose_restrictions
+
+
+def state(ts: Any) -> str:
+    """The task's scheduler state."""
+    return ts.state
+
+
+def is_queued_on_scheduler(scheduler: Scheduler, ts: Any) -> bool:
+    """True if the scheduler holds the task in its root-ish queue."""
+    return ts in scheduler.queued
+
+
+def requeue_with_priority(scheduler: Scheduler, ts: Any, priority: tuple) -> None:
+    """Change the priority of a task held in the scheduler's queue.
+
+    HeapSet cannot demote an entry in place (its stale heap entry would still be popped at
+    the old priority): take the task out, change it, and put it back."""
+    scheduler.queued.discard(ts)
+    ts.priority = priority
+    scheduler.queued.add(ts)
+
+
+def send_to_worker(scheduler: Scheduler, address: str, msg: dict) -> None:
+    """Stream a message to a worker. Only ops the worker registered: an unknown op closes the
+    comm and the scheduler loses the worker."""
+    scheduler.worker_send(address, msg)
+
+
+def stealing(scheduler: Scheduler) -> Any:
+    """Dask's work-stealing extension used as a move engine (created if absent, never started)."""
+    ext = scheduler.extensions.get("stealing")
+    if ext is None:
+        from distributed.stealing import WorkStealing
+
+        ext = WorkStealing(scheduler)
+        scheduler.extensions["stealing"] = ext
+    return ext
+
+
+async def stop_builtin_balancing(scheduler: Scheduler) -> bool:
+    """Stop Dask's own stealing loop (ours replaces it); returns True if it was running."""
+    ext = scheduler.extensions.get("stealing")
+    if ext is None or "stealing" not in scheduler.periodic_callbacks:
+        return False
+    await ext.stop()
+    return True
+
+
+async def start_builtin_balancing(scheduler: Scheduler) -> None:
+    """Give Dask its stealing loop back."""
+    ext = scheduler.extensions.get("stealing")
+    if ext is not None:
+        await ext.start()
+
+
+def move_task(scheduler: Scheduler, ts: Any, victim: str, thief: str) -> str:
+    """Ask ``victim`` to give up ``ts`` (if it has not started) and send it to ``thief``.
+
+    Returns Dask's request id, ``"in-flight"`` or ``"comm-closed"``. The victim refuses if the
+    task already runs, so a call never runs twice. Dask's confirm ignores restrictions, so a
+    task pinned by us is re-pinned to the thief first."""
+    if ts.worker_restrictions:
+        ts.worker_restrictions = {thief}
+    return stealing(scheduler).move_task_request(ts, scheduler.workers[victim], scheduler.workers[thief])
+
+
+def add_event(scheduler: Scheduler, topic: str, msg: dict) -> None:
+    """Record ``msg`` on a scheduler event topic (``client.get_events(topic)``)."""
+    scheduler.log_event(topic, msg)

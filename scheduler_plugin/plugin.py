@@ -25,6 +25,9 @@ from distributed import Scheduler, SchedulerPlugin
 import dask_agents.config as agents_config
 from dask_agents.calls import ANNOTATION
 from scheduler_plugin import dask_compat
+from scheduler_plugin.actions import Kill, Provision
+from scheduler_plugin.control import ControlLoop
+from scheduler_plugin.policies import prioritize
 from scheduler_plugin.state import WorkflowState
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.assigned: dict[str, int] = defaultdict(int)  # worker -> sessions ever bound (round-robin tie-break)
         self.client_sessions: dict[str, set[str]] = defaultdict(set)
         self.arrivals = itertools.count()
+        self.control: ControlLoop | None = None
+        self.prioritizing = False
+        self._stopped_stealing = False
 
     def __getstate__(self) -> dict:
         return {}
@@ -70,6 +76,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             "agents_workflow_graph": self._workflow_graph,
             "agents_models": self._models,
             "agents_ping": self._ping,
+            "agents_control": self._control,
         }.items():
             dask_compat.add_rpc_handler(scheduler, name, handler)
         dask_compat.set_worker_stream_interval(
@@ -78,10 +85,21 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         dask_compat.add_periodic(
             scheduler, "dask-agents-housekeeping", self.housekeeping, agents_config.seconds("scheduler.housekeeping-interval")
         )
+        # A bad policy configuration fails here, loudly (register_plugin / scheduler start-up).
+        self.control = ControlLoop(self)
+        self.prioritizing = any(isinstance(p, prioritize.Prioritize) for p in self.control.policies.values())
+        if agents_config.get("control.replace-stealing"):
+            self._stopped_stealing = await dask_compat.stop_builtin_balancing(scheduler)
+        if agents_config.get("control.enabled"):
+            self.control.start()
 
     async def close(self) -> None:
         if self.scheduler is not None:
             dask_compat.remove_periodic(self.scheduler, "dask-agents-housekeeping")
+            if self.control is not None:
+                self.control.stop()
+            if self._stopped_stealing:
+                await dask_compat.start_builtin_balancing(self.scheduler)
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         dask_compat.set_worker_stream_interval(scheduler, [worker], agents_config.seconds("scheduler.batched-send-interval"))
@@ -114,22 +132,32 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             rec = self.state.add_call(key, ann, dask_compat.dependency_keys(ts), now)
             if rec is None:
                 continue
-            # FIFO among equals: Dask gives graphs submitted within its fifo_timeout (100 ms)
-            # the same priority, and workers run equal priorities LIFO.
-            p = dask_compat.priority(ts)
-            dask_compat.set_priority(ts, (p[0], p[1], next(self.arrivals)))
+            # Priority at creation: session progress first (when prioritizing), then arrival.
+            # Arrival gives FIFO among equals: Dask gives graphs submitted within its
+            # fifo_timeout (100 ms) the same priority, and workers run equal priorities LIFO.
+            user = dask_compat.priority(ts)[0]
+            if self.prioritizing and rec.session is not None:
+                progress = self.state.sessions[rec.session].progress
+                dask_compat.set_priority(ts, prioritize.priority(user, progress, next(self.arrivals)))
+            else:
+                dask_compat.set_priority(ts, prioritize.fifo(user, next(self.arrivals)))
             if rec.session is not None:
                 self.client_sessions[client].add(rec.session)
             if ann.get("stateful"):
-                self._place(ts, rec.session, rec.component, self._candidates(None))
+                self._place(ts, rec.session, rec.component, self._candidates(None, rec.component))
             elif rec.kind == "llm":
                 model = ann.get("llm_model")
-                self._place(ts, rec.session, f"llm:{model}", self._candidates(model))
+                self._place(ts, rec.session, f"llm:{model}", self._candidates(model, rec.component))
+            elif self.control is not None and rec.component in self.control.enforcer.routes:
+                self._place(ts, None, rec.component, self._candidates(None, rec.component))
 
-    def _candidates(self, model: str | None) -> list[str]:
+    def _candidates(self, model: str | None, component: str) -> list[str]:
         pool = self.model_workers.get(model) if model is not None else None
         if not pool:
             pool = self.ready_workers.keys() or dask_compat.worker_addresses(self.scheduler)
+        routed = self.control.enforcer.routes.get(component) if self.control is not None else None
+        if routed:
+            pool = [w for w in pool if w in routed] or pool
         return [w for w in pool if dask_compat.has_worker(self.scheduler, w)]
 
     def _place(self, ts: Any, session: str | None, what: str, candidates: list[str]) -> None:
@@ -169,6 +197,20 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
     def _on_reports(self, worker: str | None = None, reports: list | None = None, **kw: Any) -> None:
         for r in reports or ():
             self.state.on_report(r["key"], r["started"], r["finished"], worker, r.get("metrics"))
+
+    # -- called by the enforcement layer ---------------------------------------------------
+    def on_migrated(self, key: str, source: str, target: str) -> None:
+        """A call moved to ``target``: record it (its session's other bindings stay)."""
+        self.state.on_migrated(key, target)
+
+    def scale(self, action: Provision | Kill) -> str | None:
+        """Provision/kill workers; returns why not (None when done)."""
+        if isinstance(action, Kill):
+            if not dask_compat.has_worker(self.scheduler, action.worker):
+                return "unknown worker"
+            self.scheduler.loop.add_callback(self.scheduler.retire_workers, workers=[action.worker])
+            return None
+        return "provisioning needs a cluster manager (not reachable from the scheduler yet)"
 
     # -- sessions -------------------------------------------------------------------------
     def _close(self, sid: str, now: float) -> None:
@@ -222,6 +264,20 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
 
     def _models(self) -> dict:
         return {m: sorted(ws) for m, ws in self.model_workers.items() if ws}
+
+    def _control(self, action: str = "stats") -> dict:
+        loop = self.control
+        if loop is None:
+            return {"error": "the control loop is not initialised"}
+        if action == "start":
+            loop.start()
+        elif action == "stop":
+            loop.stop()
+        elif action == "run_once":
+            return {"pass": loop.tick(), **loop.stats()}
+        elif action != "stats":
+            return {"error": f"unknown control action {action!r} (start, stop, run_once, stats)"}
+        return loop.stats()
 
     def _ping(self) -> dict:
         return {"ok": True, "workers": sorted(self.ready_workers)}

@@ -44,6 +44,10 @@ class CallRecord:
     finished: float | None = None
     worker: str | None = None
     metrics: dict = field(default_factory=dict)
+    stateful: bool = False
+    model: str | None = None  # for LLM calls: the model
+    migrations: int = 0
+    priority_changes: int = 0
 
     def meta(self) -> CallMeta:
         """As the shared pydantic model."""
@@ -65,6 +69,8 @@ class CallRecord:
             "n_dependencies": len(self.dependencies),
             "prompt_tokens": m.get("prompt_tokens"), "cached_tokens": m.get("cached_tokens"),
             "output_tokens": m.get("output_tokens"), "kv_bytes": m.get("kv_bytes"),
+            "emulated": m.get("emulated"),
+            "migrations": self.migrations, "priority_changes": self.priority_changes,
         }
 
 
@@ -138,6 +144,7 @@ class WorkflowState:
             key=key, component=ann.get("component") or key_split(key), method=ann.get("method"),
             kind=ann.get("kind") or "task", session=sid, creator=ann.get("creator") or "driver",
             dependencies=deps, created=ann.get("created") or now,
+            stateful=bool(ann.get("stateful")), model=ann.get("llm_model"),
         )
         self.calls[key] = rec
         self.calls_per_component[rec.component] += 1
@@ -199,6 +206,19 @@ class WorkflowState:
             rec.metrics.update(metrics)
         self.durations.setdefault(rec.component, _Running()).add(finished - started)
 
+    def on_priority(self, key: str, priority: tuple) -> None:
+        """A policy changed the call's priority."""
+        rec = self.calls.get(key)
+        if rec is not None:
+            rec.priority_changes += 1
+
+    def on_migrated(self, key: str, target: str) -> None:
+        """A policy moved the call to another worker."""
+        rec = self.calls.get(key)
+        if rec is not None:
+            rec.migrations += 1
+            rec.worker = target
+
     def _terminal(self, rec: CallRecord, now: float) -> None:
         if rec.session is None:
             return
@@ -251,6 +271,15 @@ class WorkflowState:
             if r.creator in s.calls:
                 edges.append(GraphEdge(src=r.creator, dst=r.key, kind="created"))
         return SessionGraph(session=sid, state=s.state, progress=s.progress, nodes=nodes, edges=edges)
+
+    def component_stats(self) -> dict[str, tuple[float | None, int, float]]:
+        """component -> (mean duration or None, calls, visits per session)."""
+        n = max(self.sessions_seen, 1)
+        out = {}
+        for c, count in self.calls_per_component.items():
+            d = self.durations.get(c)
+            out[c] = (d.mean if d and d.n else None, count, count / n)
+        return out
 
     def workflow_graph(self) -> WorkflowGraph:
         """The flattened graph: visits per session per component, component edges, durations."""

@@ -82,3 +82,30 @@ def add_rpc_handler(worker: Worker, name: str, handler: Any) -> None:
     """Register an RPC handler (``await rpc(worker).name(...)``) on the worker."""
     worker.handlers[name] = handler
 
+
+
+def reprioritize(worker: Worker, priorities: dict) -> int:
+    """Give tasks waiting on this worker new priorities; returns how many changed.
+
+    The worker's ready/constrained queues are HeapSets keyed by ``ts.priority``, and the worker
+    appends its own arrival counter to the scheduler's priority. A HeapSet cannot demote in
+    place, so each touched queue is rebuilt (small: tasks waiting on one worker)."""
+    st = worker.state
+    changed = 0
+    for heap in (st.ready, st.constrained):
+        members = [ts for ts in heap if ts.key in priorities]
+        if not members:
+            continue
+        everything = list(heap)
+        heap.clear()
+        for ts in members:
+            ts.priority = tuple(priorities[ts.key]) + (ts.priority[-1],)
+            changed += 1
+        for ts in everything:
+            heap.add(ts)
+    return changed
+
+
+def add_stream_handler(worker: Worker, op: str, handler: Any) -> None:
+    """Register a scheduler -> worker stream op (before the scheduler may send it)."""
+    worker.stream_handlers[op] = handler

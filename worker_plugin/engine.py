@@ -237,7 +237,7 @@ class Engines:
     def __init__(self, worker_address: str, hosted: list[str]):
         self.worker_address = worker_address
         self._lock = threading.Lock()
-        self._hosts: dict[str, EngineHost] = {}
+        self._hosts: dict[str, Any] = {}  # EngineHost or EmulatedEngineHost
         self.hosted = list(hosted)
         self.on_new_model: Any = None  # set by the plugin: announce a lazily started model
 
@@ -305,12 +305,14 @@ class Engines:
         toks = list(comp.token_ids)
         cached = int(out.num_cached_tokens or 0)
         kv_bytes = host.geometry.bytes_for(len(ids) + len(toks)) if host.geometry else None
+        emulated = bool(getattr(out, "emulated", False))
         get_plugin().record_metrics(key, prompt_tokens=len(ids), cached_tokens=cached,
-                                    output_tokens=len(toks), model=model, kv_bytes=kv_bytes)
+                                    output_tokens=len(toks), model=model, kv_bytes=kv_bytes,
+                                    emulated=emulated)
         return LLMResult(
             model=model, text=host.tokenizer.decode(toks) if host.tokenizer else "",
             token_ids=toks, prompt_tokens=len(ids), cached_tokens=cached, output_tokens=len(toks),
-            worker=self.worker_address, finish_reason=comp.finish_reason,
+            worker=self.worker_address, finish_reason=comp.finish_reason, emulated=emulated,
         )
 
     def loaded_models(self) -> list[str]:

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 NAME = "dask-agents"
 REPORT_OP = "agents-report"
+REPRIORITIZE_OP = "agents-reprioritize"  # scheduler_plugin.enforce.REPRIORITIZE_OP
 _END = ("memory", "error", "released", "cancelled", "forgotten", "rescheduled")
 
 
@@ -87,6 +88,8 @@ class AgentsWorkerPlugin(WorkerPlugin):
         dask_compat.set_batched_send_interval(worker, agents_config.seconds("worker.batched-send-interval"))
         dask_compat.add_rpc_handler(worker, "agents_end_session", self._end_session_handler)
         dask_compat.add_rpc_handler(worker, "agents_worker_info", self._info_handler)
+        # Registered before the hello: the scheduler only streams this op to workers that said hello.
+        dask_compat.add_stream_handler(worker, REPRIORITIZE_OP, self._reprioritize)
         self.ready.set()
         await self._hello(models)
         dask_compat.add_periodic(worker, "dask-agents-report", self.flush, agents_config.seconds("worker.report-interval"))
@@ -157,6 +160,9 @@ class AgentsWorkerPlugin(WorkerPlugin):
     # -- handlers ---------------------------------------------------------------------
     def _end_session_handler(self, session: str) -> int:
         return self.instances.end_session(session)
+
+    def _reprioritize(self, priorities: dict | None = None, **kw: Any) -> None:
+        dask_compat.reprioritize(self.worker, priorities or {})
 
     def _info_handler(self) -> dict:
         return {

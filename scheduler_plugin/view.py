@@ -1,0 +1,99 @@
+"""The read-only view policies decide from, built once per control tick.
+
+Everything is a frozen dataclass or a tuple/mapping the policy must not mutate; policies are
+small pure functions of a view, so they test without a cluster (build a view by hand).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker: capacity, load, and the calls waiting in its ready queue (not started)."""
+
+    address: str
+    nthreads: int
+    processing: int  # assigned and not finished (queued on the worker + running)
+    running: int  # executing or seceded (long-running)
+    queued: tuple[str, ...]  # keys of agents calls waiting on this worker, best priority first
+    models: tuple[str, ...] = ()
+    idle_since: float | None = None  # when it last became idle (no processing), None if busy
+    agents_ready: bool = True  # its worker plugin announced itself (safe to message)
+
+    @property
+    def queue_length(self) -> int:
+        """Tasks waiting beyond what its threads run at once."""
+        return max(self.processing - self.nthreads, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class CallView:
+    """One waiting call."""
+
+    key: str
+    component: str
+    kind: str
+    session: str | None
+    tenant: str | None
+    worker: str | None  # assigned worker (None: held on the scheduler)
+    priority: tuple
+    created: float
+    ready: float | None
+    stateful: bool = False
+    model: str | None = None
+    restricted: bool = False  # has worker/resource restrictions set by someone else
+    input_bytes: int = 0  # bytes of its dependencies' results (what a migration moves)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    """One live session."""
+
+    id: str
+    tenant: str | None
+    created: float
+    progress: int  # completed calls
+    open_calls: int
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentView:
+    """Per-component statistics (flattened workflow graph)."""
+
+    name: str
+    mean_duration: float | None
+    calls: int
+    visits_per_session: float
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """Everything a policy sees at one tick."""
+
+    now: float
+    workers: Mapping[str, WorkerView]
+    calls: Mapping[str, CallView]  # waiting calls only
+    sessions: Mapping[str, SessionView]
+    components: Mapping[str, ComponentView]
+    kv_affinity: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (session, model) -> worker
+    truncated: bool = False  # the call set was cut to the per-tick bound
+
+    @staticmethod
+    def freeze(now: float, workers: dict, calls: dict, sessions: dict, components: dict,
+               kv_affinity: dict | None = None, truncated: bool = False) -> "ClusterView":
+        """Wrap plain dicts read-only."""
+        return ClusterView(
+            now=now, workers=MappingProxyType(workers), calls=MappingProxyType(calls),
+            sessions=MappingProxyType(sessions), components=MappingProxyType(components),
+            kv_affinity=MappingProxyType(dict(kv_affinity or {})), truncated=truncated,
+        )
+
+    def duration(self, component: str, default: float = 0.5) -> float:
+        """Mean duration of a component's calls (``default`` before any was measured)."""
+        c = self.components.get(component)
+        return c.mean_duration if c is not None and c.mean_duration is not None else default

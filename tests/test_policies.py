@@ -1,0 +1,135 @@
+"""Control policies on synthetic views (no cluster): the right action, and none below thresholds."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_plugin.actions import Migrate, SetPriority
+from scheduler_plugin.control import load_policies
+from scheduler_plugin.policies.balance import LateBindingBalance
+from scheduler_plugin.policies.prioritize import Prioritize, fifo, priority
+from scheduler_plugin.view import CallView, ClusterView, ComponentView, SessionView, WorkerView
+
+NOW = 1000.0
+
+
+def call(key, worker="A", session="s1", comp="Dev", prio=None, model=None, stateful=False, nbytes=0, arrival=0):
+    return CallView(key=key, component=comp, kind="llm" if model else "agent", session=session, tenant=None,
+                    worker=worker, priority=prio or fifo(0, arrival), created=NOW - 1, ready=NOW - 1,
+                    stateful=stateful, model=model, input_bytes=nbytes)
+
+
+def worker(addr, queued=(), nthreads=1, running=1, models=(), idle_since=None):
+    return WorkerView(address=addr, nthreads=nthreads, processing=running + len(queued), running=running,
+                      queued=tuple(queued), models=tuple(models), idle_since=idle_since)
+
+
+def view(workers, calls, sessions=(), components=(), affinity=None):
+    return ClusterView.freeze(
+        NOW, {w.address: w for w in workers}, {c.key: c for c in calls},
+        {s.id: s for s in sessions}, {c.name: c for c in components}, affinity or {},
+    )
+
+
+def session(sid, progress=0, created=NOW - 1, tenant=None):
+    return SessionView(sid, tenant, created, progress, 1, "active")
+
+
+# -- prioritization ----------------------------------------------------------------------------
+
+def test_progress_orders_calls_and_fifo_breaks_ties():
+    calls = [call("new", session="fresh", arrival=9), call("retry", session="old", arrival=10)]
+    v = view([worker("A", ["new", "retry"])], calls, [session("fresh", 0), session("old", 7)])
+    acts = {a.key: a.priority for a in Prioritize()(v)}
+    assert acts == {"retry": priority(0, 7, 10)}  # "new" already has the right (FIFO) tuple
+    assert sorted([acts["retry"], calls[0].priority])[0] == acts["retry"]  # the retry runs first
+
+
+def test_no_action_when_priorities_are_already_right():
+    c = call("x", session="s", prio=priority(0, 3, 5))
+    v = view([worker("A", ["x"])], [c], [session("s", 3)])
+    assert list(Prioritize()(v)) == []
+
+
+def test_fair_share_lifts_a_starved_session_above_progress():
+    comps = [ComponentView("Dev", 1.0, 10, 2.0)]  # expected session time 2 s
+    calls = [call("long", session="agent50", arrival=1), call("short", session="chat", arrival=2)]
+    sessions = [session("agent50", progress=40, created=NOW - 5), session("chat", progress=0, created=NOW - 9)]
+    acts = {a.key: a for a in Prioritize(fair_share_slowdown=4.0)(view([worker("A", ["long", "short"])], calls, sessions, comps))}
+    # chat waited 9 s > 4 x 2 s: starved, runs ahead of the 40-call agent
+    assert acts["short"].priority < acts["long"].priority and acts["short"].reason == "fair-share"
+    calm = Prioritize(fair_share_slowdown=10.0)(view([worker("A", ["long", "short"])], calls, sessions, comps))
+    assert {a.key: a.priority for a in calm}["long"] == priority(0, 40, 1)  # below threshold: progress rules
+
+
+def test_kv_resident_calls_go_first_among_equals():
+    a = call("a", session="s1", model="coder", arrival=1)
+    b = call("b", session="s2", model="coder", arrival=2)
+    v = view([worker("A", ["a", "b"])], [a, b], [session("s1"), session("s2")], affinity={("s2", "coder"): "A"})
+    acts = {x.key: x.priority for x in Prioritize()(v)}
+    assert acts == {"b": priority(0, 0, 2, kv_resident=True)} and acts["b"] < a.priority
+
+
+def test_bad_prioritize_options():
+    with pytest.raises(ValueError):
+        Prioritize(fair_share_key="planet")
+    with pytest.raises(ValueError):
+        Prioritize(fair_share_slowdown=0)
+
+
+# -- late-binding balance ---------------------------------------------------------------------
+
+def test_moves_lowest_priority_calls_from_overloaded_to_idle():
+    calls = [call(f"c{i}", arrival=i) for i in range(6)]
+    v = view([worker("A", [c.key for c in calls]), worker("B", running=0)], calls)
+    moves = list(LateBindingBalance()(v))
+    assert moves and all(isinstance(m, Migrate) and m.source == "A" and m.target == "B" for m in moves)
+    assert [m.key for m in moves] == ["c5", "c4", "c3"]  # last in line move; queues end 3 vs 3
+
+
+def test_no_move_below_alpha_or_beta():
+    calls = [call(f"c{i}", arrival=i) for i in range(5)]
+    balanced = view([worker("A", ["c0", "c1", "c2"]), worker("B", ["c3", "c4"])], calls)
+    assert list(LateBindingBalance(alpha=0.5)(balanced)) == []
+    # gain (2 calls x 10 ms) does not beat a 1 s move cost
+    cheap = [ComponentView("Dev", 0.01, 10, 1.0)]
+    v = view([worker("A", ["c0", "c1"]), worker("B", running=0)], calls[:2], components=cheap)
+    assert list(LateBindingBalance(move_overhead="1s")(v)) == []
+    heavy = [call("h0", nbytes=10**9), call("h1", nbytes=10**9, arrival=1)]  # 10 s of data to move
+    assert list(LateBindingBalance()(view([worker("A", ["h0", "h1"]), worker("B", running=0)], heavy))) == []
+
+
+def test_stateful_calls_keep_their_instance():
+    calls = [call(f"c{i}", stateful=True, arrival=i) for i in range(4)]
+    assert list(LateBindingBalance()(view([worker("A", [c.key for c in calls]), worker("B", running=0)], calls))) == []
+
+
+def test_llm_calls_move_only_to_workers_hosting_the_model():
+    calls = [call(f"c{i}", model="coder", session=f"s{i}", arrival=i) for i in range(4)]
+    ws = [worker("A", [c.key for c in calls], models=["coder"]), worker("B", running=0),
+          worker("C", running=0, models=["coder"])]
+    moves = list(LateBindingBalance()(view(ws, calls)))
+    assert moves and {m.target for m in moves} == {"C"}
+
+
+def test_kv_holding_llm_calls_need_an_idle_and_much_less_loaded_thief():
+    calls = [call(f"c{i}", model="coder", arrival=i) for i in range(4)]
+    affinity = {("s1", "coder"): "A"}
+    busy_thief = [worker("A", [c.key for c in calls], models=["coder"]), worker("B", running=0, models=["coder"], idle_since=NOW - 0.01)]
+    assert list(LateBindingBalance(t_idle="100ms")(view(busy_thief, calls, affinity=affinity))) == []
+    idle_thief = [busy_thief[0], worker("B", running=0, models=["coder"], idle_since=NOW - 1)]
+    assert list(LateBindingBalance(t_idle="100ms")(view(idle_thief, calls, affinity=affinity)))
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+def test_policies_load_by_dotted_path_with_options():
+    pols = load_policies({
+        "prioritize": {"class": "scheduler_plugin.policies.prioritize.Prioritize", "options": {"fair-share-slowdown": 2}},
+        "balance": {"class": "scheduler_plugin.policies.balance.LateBindingBalance", "enabled": False},
+    })
+    assert list(pols) == ["prioritize"] and pols["prioritize"].slowdown == 2.0
+    with pytest.raises(ValueError, match="agents.control.policies.x: cannot import"):
+        load_policies({"x": {"class": "no.such.Policy"}})
+    with pytest.raises(ValueError, match="bad options"):
+        load_policies({"p": {"class": "scheduler_plugin.policies.prioritize.Prioritize", "options": {"nope": 1}}})
