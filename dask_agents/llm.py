@@ -49,14 +49,20 @@ def _check_model(client: Client, model: str, component: str) -> None:
         )
 
 
+def component_name(model: str) -> str:
+    """The component name of a model's calls: ``llm.<model>``.
+
+    Model names often hold '-' (which Dask's key_split treats as a separator): the component
+    name keeps letters, digits, '_' and '.' so keys split back to it exactly."""
+    return "llm." + re.sub(r"[^A-Za-z0-9_.]", "_", model)
+
+
 class LLM:
     """A handle on one model of the cluster."""
 
     def __init__(self, model: str | None = None):
         self.model = model or agents_config.get("llm.default-model")
-        # Model names often hold '-' (which Dask's key_split treats as a separator): the
-        # component name keeps letters, digits, '_' and '.' so keys split back to it exactly.
-        component = "llm." + re.sub(r"[^A-Za-z0-9_.]", "_", self.model)
+        component = component_name(self.model)
         self._spec = make_spec(runtime.run_llm, "llm", component, ComponentHints(model=self.model))
 
     def generate(self, prompt: str | list[int], *, max_tokens: int | None = None,

@@ -36,6 +36,16 @@ class Route:
 
 
 @dataclass(frozen=True, slots=True)
+class Reassign:
+    """Move one engine worker from serving ``source`` to serving ``target`` (drain, then swap)."""
+
+    worker: str
+    source: str
+    target: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Provision:
     """Ask the cluster manager for ``n`` more workers (for ``component``, if given)."""
 
@@ -52,11 +62,11 @@ class Kill:
     reason: str = ""
 
 
-Action = Union[SetPriority, Migrate, Route, Provision, Kill]
+Action = Union[SetPriority, Migrate, Route, Reassign, Provision, Kill]
 """Any action a policy may return."""
 
 
 def kind(action: Action) -> str:
     """The action's kind as used in telemetry and event topics (``migrate``, ``set_priority``...)."""
-    return {SetPriority: "set_priority", Migrate: "migrate", Route: "route",
+    return {SetPriority: "set_priority", Migrate: "migrate", Route: "route", Reassign: "reassign",
             Provision: "provision", Kill: "kill"}[type(action)]

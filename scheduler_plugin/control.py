@@ -20,7 +20,7 @@ import dask_agents.config as agents_config
 from scheduler_plugin import dask_compat
 from scheduler_plugin.actions import Action
 from scheduler_plugin.enforce import Enforcer
-from scheduler_plugin.view import CallView, ClusterView, ComponentView, SessionView, WorkerView
+from scheduler_plugin.view import CallView, ClusterView, ComponentView, ModelView, SessionView, WorkerView
 
 logger = logging.getLogger(__name__)
 Policy = Callable[[ClusterView], Iterable[Action]]
@@ -82,6 +82,7 @@ class ControlLoop:
     def tick(self) -> dict:
         """Build the view, run the policies, enforce; returns a summary of this pass."""
         t0 = time.perf_counter()
+        self.enforcer.drainer.progress()
         view = self.build_view()
         applied: dict[str, int] = {}
         for name, policy in self.policies.items():
@@ -164,9 +165,16 @@ class ControlLoop:
             for sid, r in state.sessions.items() if r.state != "completed"
         }
         wf = state.component_stats()
-        components = {c: ComponentView(c, mean, n, visits) for c, (mean, n, visits) in wf.items()}
+        components = {c: ComponentView(c, *stats) for c, stats in wf.items()}
         affinity = {(sid, what[4:]): w for (sid, what), w in self.plugin.bindings.items() if what.startswith("llm:")}
-        return ClusterView.freeze(now, workers, calls, sessions, components, affinity, truncated)
+        draining = set(self.enforcer.drainer.drains)
+        bounds = self.plugin.model_bounds()
+        models = {
+            m: ModelView(m, self.plugin.component_of(m), tuple(sorted(w for w in hosts if w not in draining)),
+                         *bounds.get(m, (1, None)))
+            for m, hosts in self.plugin.model_workers.items()
+        }
+        return ClusterView.freeze(now, workers, calls, sessions, components, affinity, truncated, models, draining)
 
     def stats(self) -> dict:
         """Tick timing, action counters and the last error of each failing policy."""

@@ -14,7 +14,8 @@ from collections import Counter, deque
 from typing import Any, Iterable
 
 from scheduler_plugin import dask_compat
-from scheduler_plugin.actions import Action, Kill, Migrate, Provision, Route, SetPriority, kind
+from scheduler_plugin.actions import Action, Kill, Migrate, Provision, Reassign, Route, SetPriority, kind
+from scheduler_plugin.drain import Drainer
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class Enforcer:
         self.rejected: Counter[str] = Counter()
         self.recent: deque[dict] = deque(maxlen=history)
         self.routes: dict[str, tuple[str, ...]] = {}
+        self.drainer = Drainer(plugin)
 
     @property
     def scheduler(self) -> Any:
@@ -109,10 +111,12 @@ class Enforcer:
             else:
                 self.routes.pop(a.component, None)
             return None
+        if isinstance(a, Reassign):
+            return self.drainer.begin(a)
         if isinstance(a, (Provision, Kill)):
             return self.plugin.scale(a)
         return f"unknown action {type(a).__name__}"
 
     def stats(self) -> dict:
         """Counters: applied and rejected actions by kind."""
-        return {"applied": dict(self.applied), "rejected": dict(self.rejected)}
+        return {"applied": dict(self.applied), "rejected": dict(self.rejected), "drains": self.drainer.stats()}

@@ -242,10 +242,39 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
 
     # -- RPC handlers (client API) ---------------------------------------------------------
     def _hello(self, worker: str, models: list[str] | None = None, pid: int | None = None) -> dict:
-        self.ready_workers[worker] = {"models": list(models or []), "pid": pid, "since": time.time()}
-        for m in models or ():
-            self.model_workers[m].add(worker)
+        info = self.ready_workers.setdefault(worker, {"since": time.time()})
+        info["pid"] = pid
+        self.set_worker_models(worker, list(models or []))
         return {"ok": True}
+
+    def set_worker_models(self, worker: str, models: list[str]) -> None:
+        """The models ``worker`` hosts now (from its hello or after a swap)."""
+        info = self.ready_workers.setdefault(worker, {"since": time.time()})
+        info["models"] = list(models)
+        draining = self.control.enforcer.drainer.drains if self.control is not None else {}
+        for m, hosts in self.model_workers.items():
+            if m not in models:
+                hosts.discard(worker)
+        for m in models:
+            d = draining.get(worker)
+            if d is None or d.phase != "draining" or d.source != m:
+                self.model_workers[m].add(worker)
+
+    @staticmethod
+    def component_of(model: str) -> str:
+        """The component name of a model's calls."""
+        from dask_agents.llm import component_name
+
+        return component_name(model)
+
+    def model_bounds(self) -> dict[str, tuple[int, int | None]]:
+        """model -> (min replicas, max replicas) from agents.llm.models."""
+        from worker_plugin.engine import registry
+
+        try:
+            return {m: (s.min_replicas, s.max_replicas) for m, s in registry().items()}
+        except ValueError:
+            return {}
 
     def _session_end(self, session: str) -> dict:
         self._close(session, time.time())

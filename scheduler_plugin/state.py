@@ -116,6 +116,8 @@ class WorkflowState:
         self.loose: OrderedDict[str, None] = OrderedDict()  # calls outside any session
         self.max_loose_calls = max_loose_calls
         self.calls_per_component: Counter[str] = Counter()
+        self.open_per_component: Counter[str] = Counter()
+        self.completed_per_component: Counter[str] = Counter()
         self.sessions_seen = 0
         self.durations: dict[str, _Running] = {}
         self.edges: Counter[tuple[str, str]] = Counter()
@@ -148,6 +150,7 @@ class WorkflowState:
         )
         self.calls[key] = rec
         self.calls_per_component[rec.component] += 1
+        self.open_per_component[rec.component] += 1
         for d in deps:
             dep = self.calls[d]
             dep.consumers.append(key)
@@ -159,7 +162,9 @@ class WorkflowState:
             self.loose[key] = None
             while len(self.loose) > self.max_loose_calls:
                 old, _ = self.loose.popitem(last=False)
-                self.calls.pop(old, None)
+                gone = self.calls.pop(old, None)
+                if gone is not None and gone.state not in TERMINAL:
+                    self.open_per_component[gone.component] -= 1
         else:
             s = self.session(sid, ann.get("tenant"), now)
             s.calls[key] = rec
@@ -220,6 +225,9 @@ class WorkflowState:
             rec.worker = target
 
     def _terminal(self, rec: CallRecord, now: float) -> None:
+        self.open_per_component[rec.component] -= 1
+        if rec.state == "finished":
+            self.completed_per_component[rec.component] += 1
         if rec.session is None:
             return
         s = self.sessions.get(rec.session)
@@ -272,13 +280,14 @@ class WorkflowState:
                 edges.append(GraphEdge(src=r.creator, dst=r.key, kind="created"))
         return SessionGraph(session=sid, state=s.state, progress=s.progress, nodes=nodes, edges=edges)
 
-    def component_stats(self) -> dict[str, tuple[float | None, int, float]]:
-        """component -> (mean duration or None, calls, visits per session)."""
+    def component_stats(self) -> dict[str, tuple[float | None, int, float, int, int]]:
+        """component -> (mean duration or None, calls, visits per session, open, completed)."""
         n = max(self.sessions_seen, 1)
         out = {}
         for c, count in self.calls_per_component.items():
             d = self.durations.get(c)
-            out[c] = (d.mean if d and d.n else None, count, count / n)
+            out[c] = (d.mean if d and d.n else None, count, count / n,
+                      self.open_per_component[c], self.completed_per_component[c])
         return out
 
     def workflow_graph(self) -> WorkflowGraph:

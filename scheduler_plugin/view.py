@@ -63,12 +63,25 @@ class SessionView:
 
 @dataclass(frozen=True, slots=True)
 class ComponentView:
-    """Per-component statistics (flattened workflow graph)."""
+    """Per-component statistics (flattened workflow graph). Counters are cumulative."""
 
     name: str
     mean_duration: float | None
-    calls: int
+    calls: int  # created so far
     visits_per_session: float
+    open: int = 0  # created and not finished
+    completed: int = 0  # finished successfully so far
+
+
+@dataclass(frozen=True, slots=True)
+class ModelView:
+    """An LLM model and the engine workers serving it (draining workers excluded)."""
+
+    name: str
+    component: str  # its calls' component name (llm.<model>)
+    replicas: tuple[str, ...]
+    min_replicas: int = 1
+    max_replicas: int | None = None
 
 
 @dataclass(frozen=True)
@@ -82,15 +95,19 @@ class ClusterView:
     components: Mapping[str, ComponentView]
     kv_affinity: Mapping[tuple[str, str], str] = field(default_factory=dict)  # (session, model) -> worker
     truncated: bool = False  # the call set was cut to the per-tick bound
+    models: Mapping[str, ModelView] = field(default_factory=dict)
+    draining: frozenset = frozenset()  # workers being moved between models
 
     @staticmethod
     def freeze(now: float, workers: dict, calls: dict, sessions: dict, components: dict,
-               kv_affinity: dict | None = None, truncated: bool = False) -> "ClusterView":
+               kv_affinity: dict | None = None, truncated: bool = False, models: dict | None = None,
+               draining: set | frozenset = frozenset()) -> "ClusterView":
         """Wrap plain dicts read-only."""
         return ClusterView(
             now=now, workers=MappingProxyType(workers), calls=MappingProxyType(calls),
             sessions=MappingProxyType(sessions), components=MappingProxyType(components),
             kv_affinity=MappingProxyType(dict(kv_affinity or {})), truncated=truncated,
+            models=MappingProxyType(dict(models or {})), draining=frozenset(draining),
         )
 
     def duration(self, component: str, default: float = 0.5) -> float:

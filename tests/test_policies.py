@@ -133,3 +133,51 @@ def test_policies_load_by_dotted_path_with_options():
         load_policies({"x": {"class": "no.such.Policy"}})
     with pytest.raises(ValueError, match="bad options"):
         load_policies({"p": {"class": "scheduler_plugin.policies.prioritize.Prioritize", "options": {"nope": 1}}})
+
+
+# -- reallocation ------------------------------------------------------------------------------
+from scheduler_plugin.actions import Reassign  # noqa: E402
+from scheduler_plugin.policies.reallocate import Reallocate  # noqa: E402
+from scheduler_plugin.view import ModelView  # noqa: E402
+
+
+def realloc_views(chat_rate, code_rate, ticks, replicas=None, start=0.0, counters=None):
+    """Views one second apart where chat/code calls arrive at these rates and each replica
+    completes 1 call per second while it has work."""
+    replicas = replicas or {"chat": ("A", "B"), "coder": ("C",)}
+    counters = counters if counters is not None else {"chat": [0, 0, 0], "coder": [0, 0, 0]}  # created, completed, open
+    rates = {"chat": chat_rate, "coder": code_rate}
+    out = []
+    for t in range(ticks):
+        comps = {}
+        for m, (cr, done, open_) in counters.items():
+            cr += rates[m]
+            served = min(open_ + rates[m], len(replicas[m]))
+            done += served
+            open_ = open_ + rates[m] - served
+            counters[m] = [cr, done, open_]
+            comps[f"llm.{m}"] = ComponentView(f"llm.{m}", 1.0, cr, 1.0, open_, done)
+        ws = [worker(w, running=0) for ws_ in replicas.values() for w in ws_]
+        models = {m: ModelView(m, f"llm.{m}", tuple(r)) for m, r in replicas.items()}
+        v = ClusterView.freeze(start + t, {w.address: w for w in ws}, {}, {}, comps, {}, False, models)
+        out.append(v)
+    return out, counters
+
+
+def test_reallocation_moves_a_replica_to_the_persistent_bottleneck():
+    pol = Reallocate(persistence=4)
+    views, _ = realloc_views(chat_rate=0.2, code_rate=3, ticks=8)
+    acts = [list(pol(v)) for v in views]
+    fired = [i for i, a in enumerate(acts) if a]
+    assert fired and fired[0] >= 4  # not before K ticks of the same bottleneck (1 warm-up tick)
+    a = acts[fired[0]][0]
+    assert isinstance(a, Reassign) and a.source == "chat" and a.target == "coder" and a.worker in ("A", "B")
+
+
+def test_no_reallocation_when_balanced_or_below_min_replicas():
+    pol = Reallocate(persistence=2)
+    views, _ = realloc_views(chat_rate=2, code_rate=1, ticks=10)
+    assert not any(list(pol(v)) for v in views)  # capacity matches demand: nothing to gain
+    pol = Reallocate(persistence=2)
+    views, _ = realloc_views(chat_rate=0.1, code_rate=5, ticks=10, replicas={"chat": ("A",), "coder": ("C",)})
+    assert not any(list(pol(v)) for v in views)  # the donor would fall below its minimum (1)

@@ -45,6 +45,9 @@ class ModelSettings(BaseModel):
     max_model_len: int = Field(2048, alias="max-model-len", ge=16)
     kv_cache_memory_bytes: int | str = Field("256 MiB", alias="kv-cache-memory-bytes")
     enable_prefix_caching: bool = Field(True, alias="enable-prefix-caching")
+    # Bounds for reallocation (how many engine workers may serve this model).
+    min_replicas: int = Field(1, alias="min-replicas", ge=0)
+    max_replicas: int | None = Field(None, alias="max-replicas", ge=1)
 
     def model_path(self) -> str:
         """A local path for ``builtin:NAME`` models, the name itself otherwise."""
@@ -314,6 +317,25 @@ class Engines:
             token_ids=toks, prompt_tokens=len(ids), cached_tokens=cached, output_tokens=len(toks),
             worker=self.worker_address, finish_reason=comp.finish_reason, emulated=emulated,
         )
+
+    def stop(self, name: str) -> bool:
+        """Close the engine for ``name`` and stop hosting it; True if it was hosted."""
+        with self._lock:
+            host = self._hosts.pop(name, None)
+            was = name in self.hosted
+            if was:
+                self.hosted.remove(name)
+        if host is not None:
+            host.close()  # drained first by the controller: nothing should be in flight
+        return was or host is not None
+
+    def swap(self, remove: str | None, add: str | None, timeout: float | None = None) -> list[str]:
+        """Stop hosting ``remove`` and start (and wait for) ``add``; returns the hosted models."""
+        if remove:
+            self.stop(remove)
+        if add:
+            self.start(add).wait_loaded(timeout)
+        return list(self.hosted)
 
     def loaded_models(self) -> list[str]:
         """Models whose engine finished loading."""

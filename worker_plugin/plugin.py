@@ -49,15 +49,17 @@ def get_plugin(worker: Worker | None = None) -> "AgentsWorkerPlugin":
 class AgentsWorkerPlugin(WorkerPlugin):
     """Hosts component instances and LLM engines on one worker; reports per-call timings.
 
-    ``models``: model names (from ``agents.llm.models``) to load at start; default
-    ``agents.worker.models``. Other models load lazily on their first call.
+    ``models``: model names (from ``agents.llm.models``) to load at start, either one list
+    for every worker or a dict from worker name or address to a list (key ``"*"`` for the
+    rest); default ``agents.worker.models``. Other models load lazily on their first call.
+    The controller may swap a worker's models later (reallocation).
     """
 
     name = NAME
     idempotent = True
 
-    def __init__(self, models: list[str] | None = None):
-        self.models = list(models) if models is not None else None
+    def __init__(self, models: list[str] | dict[str, list[str]] | None = None):
+        self.models = models if isinstance(models, dict) else (list(models) if models is not None else None)
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -80,7 +82,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
 
     async def setup(self, worker: Worker) -> None:
         self.worker = worker
-        models = self.models if self.models is not None else list(agents_config.get("worker.models") or [])
+        models = self._models_for(worker)
         self.engines = Engines(worker.address, models)
         self.engines.on_new_model = self._announce_model
         for m in models:
@@ -88,11 +90,22 @@ class AgentsWorkerPlugin(WorkerPlugin):
         dask_compat.set_batched_send_interval(worker, agents_config.seconds("worker.batched-send-interval"))
         dask_compat.add_rpc_handler(worker, "agents_end_session", self._end_session_handler)
         dask_compat.add_rpc_handler(worker, "agents_worker_info", self._info_handler)
+        dask_compat.add_rpc_handler(worker, "agents_swap_model", self._swap_handler)
         # Registered before the hello: the scheduler only streams this op to workers that said hello.
         dask_compat.add_stream_handler(worker, REPRIORITIZE_OP, self._reprioritize)
         self.ready.set()
         await self._hello(models)
         dask_compat.add_periodic(worker, "dask-agents-report", self.flush, agents_config.seconds("worker.report-interval"))
+
+    def _models_for(self, worker: Worker) -> list[str]:
+        if isinstance(self.models, dict):
+            for k in (worker.name, str(worker.name), worker.address, "*"):
+                if k in self.models:
+                    return list(self.models[k])
+            return []
+        if self.models is not None:
+            return list(self.models)
+        return list(agents_config.get("worker.models") or [])
 
     async def _hello(self, models: list[str]) -> None:
         try:
@@ -163,6 +176,11 @@ class AgentsWorkerPlugin(WorkerPlugin):
 
     def _reprioritize(self, priorities: dict | None = None, **kw: Any) -> None:
         dask_compat.reprioritize(self.worker, priorities or {})
+
+    async def _swap_handler(self, remove: str | None = None, add: str | None = None) -> list[str]:
+        import asyncio
+
+        return await asyncio.to_thread(self.engines.swap, remove, add, 600)
 
     def _info_handler(self) -> dict:
         return {

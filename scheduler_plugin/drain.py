@@ -1,0 +1,131 @@
+"""The drain protocol that moves an engine worker from one model to another.
+
+1. stop routing: the worker leaves the source model's replicas, so no new call goes there
+   (sessions bound to it re-bind to another replica on their next call);
+2. move its waiting source calls to the other replicas (steal protocol: only calls that have
+   not started move, so nothing runs twice);
+3. wait, tick after tick, until the source calls it was running have finished;
+4. swap: the worker plugin closes the source engine and loads the target (an RPC);
+5. kick: the worker joins the target's replicas and calls start flowing to it.
+A drain that does not finish within ``timeout`` is rolled back (the worker serves the
+source again). Progress is driven by the control loop; nothing here blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler_plugin import dask_compat
+from scheduler_plugin.actions import Reassign
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Drain:
+    """One move in progress."""
+
+    worker: str
+    source: str
+    target: str
+    started: float
+    phase: str = "draining"  # draining -> swapping -> done | failed
+
+
+class Drainer:
+    """Runs drains for the scheduler plugin."""
+
+    def __init__(self, plugin: Any, timeout: float = 120.0):
+        self.plugin = plugin
+        self.timeout = timeout
+        self.drains: dict[str, Drain] = {}
+        self.completed = 0
+        self.failed = 0
+
+    def begin(self, a: Reassign) -> str | None:
+        """Start draining ``a.worker``; returns why not (None when started)."""
+        p = self.plugin
+        if a.worker in self.drains:
+            return "already draining"
+        if not dask_compat.has_worker(p.scheduler, a.worker) or a.worker not in p.ready_workers:
+            return "unknown worker"
+        hosts = p.model_workers.get(a.source, set())
+        if a.worker not in hosts:
+            return f"worker does not serve {a.source}"
+        others = [w for w in hosts if w != a.worker and dask_compat.has_worker(p.scheduler, w)]
+        if not others and p.state.open_per_component.get(p.component_of(a.source), 0) > 0:
+            return f"last replica of {a.source} with calls open"
+        hosts.discard(a.worker)  # 1. stop routing
+        self.drains[a.worker] = Drain(a.worker, a.source, a.target, time.time())
+        self._move_waiting(self.drains[a.worker], others)  # 2. move what has not started
+        return None
+
+    def _source_calls(self, d: Drain) -> tuple[list, list]:
+        """(waiting, running) tasks of the source model on the drained worker."""
+        ws = self.plugin.scheduler.workers.get(d.worker)
+        if ws is None:
+            return [], []
+        waiting = [ts for ts in dask_compat.waiting_on_worker(ws) if self._is_source(ts, d)]
+        processing = [ts for ts in ws.processing if self._is_source(ts, d)]
+        return waiting, [ts for ts in processing if ts not in waiting]
+
+    def _is_source(self, ts: Any, d: Drain) -> bool:
+        rec = self.plugin.state.calls.get(ts.key)
+        return rec is not None and rec.model == d.source
+
+    def _move_waiting(self, d: Drain, others: list[str]) -> None:
+        if not others:
+            return
+        s = self.plugin.scheduler
+        for ts in self._source_calls(d)[0]:
+            thief = min(others, key=lambda w: dask_compat.load(s, w))
+            if str(dask_compat.move_task(s, ts, d.worker, thief)).startswith("steal-"):
+                self.plugin.on_migrated(ts.key, d.worker, thief)
+
+    def progress(self) -> None:
+        """Advance every drain by what is possible now (called each control tick)."""
+        now = time.time()
+        for d in list(self.drains.values()):
+            if d.phase == "draining":
+                waiting, running = self._source_calls(d)
+                if waiting:  # a call slipped in (or a move was refused): try again
+                    self._move_waiting(d, [w for w in self.plugin.model_workers.get(d.source, ())])
+                elif not running:
+                    d.phase = "swapping"  # 3. drained
+                    self.plugin.scheduler.loop.add_callback(self._swap, d)
+                    continue
+                if now - d.started > self.timeout:
+                    self._rollback(d, "timed out draining")
+            elif d.phase in ("done", "failed"):
+                del self.drains[d.worker]
+
+    async def _swap(self, d: Drain) -> None:
+        p = self.plugin
+        try:
+            hosted = await p.scheduler.rpc(d.worker).agents_swap_model(remove=d.source, add=d.target)  # 4.
+        except Exception as e:
+            logger.warning("dask-agents: swapping %s on %s failed: %s", d.target, d.worker, e)
+            self._rollback(d, f"swap failed: {e}")
+            return
+        p.set_worker_models(d.worker, list(hosted))  # 5. kick: new calls route here
+        d.phase = "done"
+        self.completed += 1
+        dask_compat.add_event(p.scheduler, "agents-control", {
+            "action": "reassign-done", "worker": d.worker, "source": d.source, "target": d.target,
+            "seconds": time.time() - d.started})
+
+    def _rollback(self, d: Drain, why: str) -> None:
+        d.phase = "failed"
+        self.failed += 1
+        if dask_compat.has_worker(self.plugin.scheduler, d.worker):
+            self.plugin.model_workers[d.source].add(d.worker)
+        dask_compat.add_event(self.plugin.scheduler, "agents-control", {
+            "action": "reassign-failed", "worker": d.worker, "source": d.source, "target": d.target, "why": why})
+
+    def stats(self) -> dict:
+        """Drains in progress and totals."""
+        return {"in_progress": {w: f"{d.source}->{d.target} ({d.phase})" for w, d in self.drains.items()},
+                "completed": self.completed, "failed": self.failed}
