@@ -95,7 +95,9 @@ def submit_call(
     }
     if extra:
         ann.update(extra)
-    header = (spec.name, method, sid, key, hints.stateful)
+    if hints.batching is not None:
+        ann["batching"] = {"max_batch": hints.batching.max_batch, "max_wait": hints.batching.max_wait}
+    header = (spec.name, method, sid, key, hints.stateful, ann.get("batching"))
     with dask.annotate(**{ANNOTATION: ann}):
         fut = client.submit(
             runner, header, target, args, kwargs, key=key, pure=False,

@@ -17,13 +17,13 @@ from dask_agents import context
 from dask_agents.calls import ANNOTATION
 from dask_agents.errors import CallFailedError, where
 
-Header = tuple  # (component, method, session, key, stateful)
+Header = tuple  # (component, method, session, key, stateful, batching or None)
 
 
 @contextmanager
 def call_context(header: Header) -> Iterator[None]:
     """Make ``header``'s session and call current for the code that runs inside."""
-    _component, _method, sid, key, _stateful = header
+    sid, key = header[2], header[3]
     tok_s = context.current_session.set(context.SessionContext(sid) if sid else None)
     tok_c = context.current_call.set(key)
     try:
@@ -35,7 +35,7 @@ def call_context(header: Header) -> Iterator[None]:
 
 
 def _fail(header: Header, exc: Exception) -> CallFailedError:
-    component, method, sid, key, _ = header
+    component, method, sid, key = header[:4]
     try:
         pickle.dumps(exc)
         original: BaseException | None = exc
@@ -54,21 +54,38 @@ def _plugin():
 
 def run_method(header: Header, cls: type, args: tuple, kwargs: dict) -> Any:
     """Run ``cls.<method>(*args, **kwargs)`` on the instance the worker plugin hosts."""
-    component, method, sid, key, stateful = header
+    component, method, sid, key, stateful, batching = header
     plugin = _plugin()
     with call_context(header):
         if stateful:
             with plugin.instances.turn(component, sid, key, cls) as instance:
                 return _invoke(header, getattr(instance, method), args, kwargs)
         instance = plugin.instances.shared(component, cls)
+        if batching:
+            return _batched(plugin, header, getattr(instance, method),
+                            getattr(instance, f"{method}_batch", None), args, kwargs)
         return _invoke(header, getattr(instance, method), args, kwargs)
 
 
 def run_function(header: Header, fn: Any, args: tuple, kwargs: dict) -> Any:
     """Run a function component."""
-    _plugin()
+    plugin = _plugin()
     with call_context(header):
+        if header[5]:
+            return _batched(plugin, header, fn, getattr(fn, "__dask_agents_batch__", None), args, kwargs)
         return _invoke(header, fn, args, kwargs)
+
+
+def _batched(plugin: Any, header: Header, fn: Any, batch_fn: Any, args: tuple, kwargs: dict) -> Any:
+    """Run the call coalesced with others of its component on this worker."""
+    component, method, batching = header[0], header[1], header[5]
+    try:
+        return plugin.batcher.run(
+            (component, method), batching["max_batch"], batching["max_wait"],
+            lambda a, k: fn(*a, **k), batch_fn, args, kwargs,
+        )
+    except Exception as e:
+        raise _fail(header, e) from e
 
 
 def _invoke(header: Header, fn: Any, args: tuple, kwargs: dict) -> Any:

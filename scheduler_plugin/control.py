@@ -128,7 +128,7 @@ class ControlLoop:
                 # restrictions we did not set ourselves (LLM calls are pinned by us to a model host)
                 restricted=dask_compat.has_foreign_restrictions(ts)
                 or (rec.kind != "llm" and not rec.stateful and dask_compat.has_strict_worker_restriction(ts)),
-                input_bytes=dask_compat.input_bytes(ts),
+                input_bytes=dask_compat.input_bytes(ts), batch_max=rec.batch_max,
             )
 
         for ws in dask_compat.workers(s):

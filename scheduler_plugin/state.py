@@ -48,6 +48,7 @@ class CallRecord:
     model: str | None = None  # for LLM calls: the model
     migrations: int = 0
     priority_changes: int = 0
+    batch_max: int | None = None  # the component's batching hint
 
     def meta(self) -> CallMeta:
         """As the shared pydantic model."""
@@ -147,6 +148,7 @@ class WorkflowState:
             kind=ann.get("kind") or "task", session=sid, creator=ann.get("creator") or "driver",
             dependencies=deps, created=ann.get("created") or now,
             stateful=bool(ann.get("stateful")), model=ann.get("llm_model"),
+            batch_max=(ann.get("batching") or {}).get("max_batch"),
         )
         self.calls[key] = rec
         self.calls_per_component[rec.component] += 1

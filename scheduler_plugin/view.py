@@ -47,6 +47,7 @@ class CallView:
     model: str | None = None
     restricted: bool = False  # has worker/resource restrictions set by someone else
     input_bytes: int = 0  # bytes of its dependencies' results (what a migration moves)
+    batch_max: int | None = None  # batching hint: calls of its component coalesce up to this
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,7 +107,7 @@ async def test_loop_keeps_serving_when_a_policy_raises(c: Client, s: Scheduler, 
     ctl = da.control(c)
     out = await ctl.run_once()
     assert out["policy_errors"] == 1 and "policy bug" in out["errors"]["broken"]
-    assert set(out["pass"]["applied"]) == {"prioritize", "balance", "reallocate"}  # the others still ran
+    assert set(out["pass"]["applied"]) == {"prioritize", "balance", "reallocate", "batching"}  # the others still ran
     await ctl.start()
     GATE.set()
     async with da.session(c):

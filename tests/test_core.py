@@ -290,3 +290,43 @@ async def _fifo(c: Client, s: Scheduler, a: Worker) -> None:
         GATE.set()
         await c.gather([blocker, *futs])
     assert ORDER == [-1, *range(10)]
+
+
+BATCHES: list[int] = []
+
+
+def _embed_batch(calls):
+    BATCHES.append(len(calls))
+    return [f"v({a[0]})" for a, _ in calls]
+
+
+@da.tool(batching={"max_batch": 8, "max_wait": 0.5})
+def embed(text: str) -> str:
+    BATCHES.append(1)
+    return f"v({text})"
+
+
+embed.__dask_agents_batch__ = _embed_batch
+
+
+@da.tool(batching={"max_batch": 4, "max_wait": 0.2})
+def picky(x: int) -> int:
+    if x == 2:
+        raise ValueError("two is bad")
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 8)], timeout=60)
+async def test_batchable_calls_coalesce_on_a_worker(c: Client, s: Scheduler, a: Worker) -> None:
+    await install(c)
+    BATCHES.clear()
+    async with da.session(c):
+        futs = [da.stub(embed)(f"t{i}") for i in range(8)]
+        assert await c.gather(futs) == [f"v(t{i})" for i in range(8)]
+        assert sum(BATCHES) == 8 and max(BATCHES) >= 2  # at least one real batch
+        # without a batch form, calls of a batch still fail or succeed one by one
+        outs = await c.gather([da.stub(picky)(i) for i in range(4)], errors="skip")
+        assert outs == [0, 1, 3]
+        with pytest.raises(da.CallFailedError, match="picky.*two is bad"):
+            await da.stub(picky)(2)
+    assert a.plugins[NAME].batcher.batches >= 2

@@ -181,3 +181,26 @@ def test_no_reallocation_when_balanced_or_below_min_replicas():
     pol = Reallocate(persistence=2)
     views, _ = realloc_views(chat_rate=0.1, code_rate=5, ticks=10, replicas={"chat": ("A",), "coder": ("C",)})
     assert not any(list(pol(v)) for v in views)  # the donor would fall below its minimum (1)
+
+
+# -- batching ----------------------------------------------------------------------------------
+from scheduler_plugin.policies.batching import Batching  # noqa: E402
+
+
+def bcall(key, worker, arrival=0, cap=4):
+    return CallView(key=key, component="Embed", kind="tool", session=None, tenant=None, worker=worker,
+                    priority=fifo(0, arrival), created=NOW, ready=NOW, batch_max=cap)
+
+
+def test_batching_gathers_spread_calls_on_one_worker_up_to_max_batch():
+    calls = [bcall("a1", "A", 1), bcall("a2", "A", 2), bcall("b1", "B", 3), bcall("c1", "C", 4), bcall("c2", "C", 5)]
+    v = view([worker("A", ["a1", "a2"]), worker("B", ["b1"]), worker("C", ["c1", "c2"], running=2)], calls)
+    moves = list(Batching()(v))
+    assert [(m.key, m.target) for m in moves] == [("b1", "A"), ("c1", "A")]  # A fills to 4
+    together = [bcall("a1", "A"), bcall("a2", "A", 1)]
+    assert list(Batching()(view([worker("A", ["a1", "a2"]), worker("B")], together))) == []
+
+
+def test_balance_leaves_batchable_calls_to_batching():
+    calls = [bcall(f"a{i}", "A", i) for i in range(6)]
+    assert list(LateBindingBalance()(view([worker("A", [c.key for c in calls]), worker("B", running=0)], calls))) == []

@@ -279,7 +279,7 @@ class Engines:
         from worker_plugin.dask_compat import secede_if_in_task
         from worker_plugin.plugin import get_plugin
 
-        component, method, sid, key, _ = header
+        component, method, sid, key = header[:4]
         if max_tokens is None:
             max_tokens = int(agents_config.get("llm.default-max-tokens"))
         if not isinstance(max_tokens, int) or max_tokens < 1:

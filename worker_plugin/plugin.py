@@ -21,6 +21,7 @@ from distributed.worker import get_worker
 import dask_agents.config as agents_config
 from dask_agents.errors import NotInstalledError
 from worker_plugin import dask_compat
+from worker_plugin.batching import Batcher
 from worker_plugin.engine import Engines
 from worker_plugin.instances import Instances
 
@@ -66,6 +67,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         self.ready = threading.Event()
         self.worker: Worker | None = None
         self.instances = Instances()
+        self.batcher = Batcher()
         self.engines: Engines | None = None
         self.scheduler_ok = False
         self._lock = threading.Lock()

@@ -10,7 +10,8 @@ worker j, the lowest-priority waiting call moves from i to j when
 where Q is the number of waiting calls, W the expected queueing delay (mean durations of
 the waiting calls / threads) and C_mig a fixed overhead plus input bytes / bandwidth.
 
-- Stateful calls never move: they keep their session's instance.
+- Stateful calls never move: they keep their session's instance. Batchable calls are left
+  to the batching policy (it gathers them; this one would spread them).
 - LLM calls move only to workers hosting their model. When their session's KV lives on the
   victim (session affinity), they move only to a thief idle for at least ``t_idle`` and
   only if the victim's load is at least ``r_max`` times the thief's (SAGA): recomputing the
@@ -48,8 +49,8 @@ class LateBindingBalance:
 
     def movable(self, call: CallView, thief: WorkerView) -> bool:
         """Whether ``call`` may run on ``thief`` at all."""
-        if call.stateful or call.restricted or not thief.agents_ready:
-            return False
+        if call.stateful or call.restricted or call.batch_max or not thief.agents_ready:
+            return False  # batchable calls are the batching policy's to place
         return call.model is None or call.model in thief.models
 
     def __call__(self, view: ClusterView) -> Iterator[Migrate]:
