@@ -193,10 +193,11 @@ def _text(rng: random.Random, label: str, n_bytes: int) -> str:
             k += 1
             body.append(f"def step_{k}(x, y={rng.randrange(100)}):\n    return x * {rng.randrange(2, 9)} + y\n")
         return (head + "".join(body))[:max(0, n_bytes - 4)] + f"\n{FENCE}"
-    words = []
-    while sum(len(w) + 1 for w in words) < n_bytes:
+    words, size = [], -1
+    while size < n_bytes:
         words.append(rng.choice(_WORDS))
-    return " ".join(words)[:n_bytes].replace(FENCE, "'''")
+        size += len(words[-1]) + 1
+    return " ".join(words)[:n_bytes]  # the words hold no code fence
 
 
 def make_requests(arrivals, seed: int = 0, max_prompt_tokens: int = 4096, max_output_tokens: int = 256,
