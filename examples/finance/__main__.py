@@ -16,25 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-
-def emulated_models(time_scale: float, names: tuple[str, ...] = ("chat", "coder")) -> dict:
-    """``agents.llm.models`` entries for EMULATED engines named ``names`` (byte tokenizer)."""
-    entry = {"model": "emulated-llama-8b", "engine": "emulated", "tokenizer": "byte",
-             "max-model-len": 16384, "kv-cache-memory-bytes": "16 GiB",
-             "emulation": {"time_scale": time_scale}}
-    return {name: dict(entry) for name in names}
-
-
-def wait_for_telemetry(client, timeout: float = 10.0):
-    """Telemetry once every call's exact start time has arrived (workers report in batches)."""
-    import dask_agents as da
-
-    deadline = time.time() + timeout
-    df = da.telemetry(client)
-    while df["started"].notna().sum() < len(df) and time.time() < deadline:
-        time.sleep(0.1)
-        df = da.telemetry(client)
-    return df
+from examples.common import call_columns, emulated_models, wait_for_telemetry  # noqa: E402
 
 
 def table(outcomes, df):
@@ -49,14 +31,10 @@ def table(outcomes, df):
         rows.append({
             "request": o.request.id, "latency_s": round(o.latency, 2), "analysis_s": round(o.analysis_latency, 2),
             "followup_s": round(sum(o.follow_up_latencies) / max(len(o.follow_up_latencies), 1), 3),
-            "calls": len(calls), "llm_calls": len(llm), "tool_calls": int((calls["kind"] == "tool").sum()),
-            "prompt_tokens": int(llm["prompt_tokens"].fillna(0).sum()),
-            "cached_tokens": int(llm["cached_tokens"].fillna(0).sum()),
-            "output_tokens": int(llm["output_tokens"].fillna(0).sum()),
+            **call_columns(calls),
             "followups": len(o.follow_ups),
             "followup_prompt": int(fu_llm["prompt_tokens"].fillna(0).sum()),
             "followup_cached": int(fu_llm["cached_tokens"].fillna(0).sum()),
-            "workers": calls["worker"].nunique(),
         })
     return pd.DataFrame(rows)
 

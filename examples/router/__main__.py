@@ -21,25 +21,7 @@ import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-
-def emulated_models(time_scale: float, names: tuple[str, ...] = ("chat", "coder")) -> dict:
-    """``agents.llm.models`` entries for EMULATED engines named ``names`` (byte tokenizer)."""
-    entry = {"model": "emulated-llama-8b", "engine": "emulated", "tokenizer": "byte",
-             "max-model-len": 16384, "kv-cache-memory-bytes": "16 GiB",
-             "emulation": {"time_scale": time_scale}}
-    return {name: dict(entry) for name in names}
-
-
-def wait_for_telemetry(client, timeout: float = 10.0):
-    """Telemetry once every call's exact start time has arrived (workers report in batches)."""
-    import dask_agents as da
-
-    deadline = time.time() + timeout
-    df = da.telemetry(client)
-    while df["started"].notna().sum() < len(df) and time.time() < deadline:
-        time.sleep(0.1)
-        df = da.telemetry(client)
-    return df
+from examples.common import call_columns, emulated_models, wait_for_telemetry  # noqa: E402
 
 
 def table(outcomes, df):
@@ -52,13 +34,9 @@ def table(outcomes, df):
         llm = calls[calls["kind"] == "llm"]
         rows.append({
             "request": o.request.id, "label": o.request.label, "branch": o.branch, "phase": o.request.phase,
-            "arrival_s": round(o.request.at, 3), "latency_s": round(o.latency, 3), "calls": len(calls),
-            "llm_calls": len(llm), "tool_calls": int((calls["kind"] == "tool").sum()),
+            "arrival_s": round(o.request.at, 3), "latency_s": round(o.latency, 3),
             "models": ",".join(sorted(llm["component"].str.removeprefix("llm.").unique())),
-            "prompt_tokens": int(llm["prompt_tokens"].fillna(0).sum()),
-            "cached_tokens": int(llm["cached_tokens"].fillna(0).sum()),
-            "output_tokens": int(llm["output_tokens"].fillna(0).sum()),
-            "workers": calls["worker"].nunique(),
+            **call_columns(calls),
         })
     return pd.DataFrame(rows)
 

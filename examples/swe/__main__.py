@@ -24,6 +24,7 @@ def main() -> None:
     from distributed import Client, LocalCluster
 
     import dask_agents as da
+    from examples.common import call_columns, wait_for_telemetry
     from examples.swe.workflow import make_issues, solve
 
     t_start = time.time()
@@ -41,25 +42,13 @@ def main() -> None:
         wall = time.time() - t0
 
         n_calls = sum(len(da.telemetry(client, o.session)) for o in outcomes)
-        deadline = time.time() + 10
-        df = da.telemetry(client)
-        while df["started"].notna().sum() < len(df) and time.time() < deadline:
-            time.sleep(0.1)  # worker timing reports arrive in batches
-            df = da.telemetry(client)
+        df = wait_for_telemetry(client)
 
     rows = []
     for o in outcomes:
         calls = df[df["session"] == o.session]
-        llm = calls[calls["kind"] == "llm"]
-        rows.append({
-            "request": o.issue.id, "latency_s": round(o.latency, 2), "calls": len(calls),
-            "llm_calls": len(llm), "tool_calls": int((calls["kind"] == "tool").sum()),
-            "retries": o.retries, "passed": o.passed,
-            "prompt_tokens": int(llm["prompt_tokens"].fillna(0).sum()),
-            "cached_tokens": int(llm["cached_tokens"].fillna(0).sum()),
-            "output_tokens": int(llm["output_tokens"].fillna(0).sum()),
-            "workers": calls["worker"].nunique(),
-        })
+        rows.append({"request": o.issue.id, "latency_s": round(o.latency, 2), "retries": o.retries,
+                     "passed": o.passed, **call_columns(calls)})
     table = pd.DataFrame(rows)
     print()
     print(table.to_string(index=False))
