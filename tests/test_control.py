@@ -119,3 +119,42 @@ async def test_loop_keeps_serving_when_a_policy_raises(c: Client, s: Scheduler, 
     assert not (await ctl.stats())["running"]
     events = [e for _, e in await c.get_events("agents-control") if e.get("action") == "policy-error"]
     assert events and events[0]["policy"] == "broken"
+
+
+def tag(t: str) -> str:
+    if t == "blocker":
+        GATE.wait(30)
+    ORDER.append(t)
+    return t
+
+
+NO_BALANCE = {**MANUAL, "agents.control.policies.balance.enabled": False,
+              "distributed.scheduler.worker-saturation": float("inf")}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)], timeout=60, config=NO_BALANCE)
+async def test_priorities_are_revised_while_calls_wait_on_a_worker(c: Client, s: Scheduler, a: Worker, b: Worker):
+    await da.install(c)
+    ORDER.clear()
+    GATE.clear()
+    on_a = {"workers": [a.address], "allow_other_workers": True, "pure": False}
+    x, y = da.session(c, name="x"), da.session(c, name="y")
+    async with da.session(c, name="blocker"):
+        blocker = c.submit(tag, "blocker", **on_a)
+    await async_wait_for(lambda: a.state.executing_count == 1)
+    async with x:
+        cx = c.submit(tag, "x", **on_a)
+    async with y:
+        cy = c.submit(tag, "y", **on_a)  # queued behind x: same progress, later arrival
+        await async_wait_for(lambda: len(a.state.ready) == 2)
+        for i in range(3):  # y makes progress elsewhere while both wait on a
+            assert await c.submit(tag, f"y-step{i}", workers=[b.address], pure=False) == f"y-step{i}"
+    await async_wait_for(lambda: s.plugins[NAME].state.sessions[y.id].progress == 3)
+    out = await da.control(c).run_once()
+    assert out["applied"].get("set_priority", 0) >= 1
+    await async_wait_for(lambda: a.state.tasks[cy.key].priority < a.state.tasks[cx.key].priority)
+    GATE.set()
+    await c.gather([blocker, cx, cy])
+    assert [t for t in ORDER if t in ("blocker", "x", "y")] == ["blocker", "y", "x"]
+    df = await da.telemetry(c)
+    assert int(df.loc[df["key"] == cy.key, "priority_changes"].iloc[0]) >= 1
