@@ -36,13 +36,14 @@ from dask_agents.hints import BatchingHint, ComponentHints, ToolHints
 from dask_agents.install import install, installed
 from dask_agents.llm import LLM, llm
 from dask_agents.models import CallMeta, LLMResult, SessionGraph, WorkflowGraph
+from dask_agents.scaling import ClusterLink, attach_cluster
 from dask_agents.session import Session, session
 from dask_agents.stubs import FunctionStub, Stub, stub
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AgentFuture", "AgentsError", "BatchingHint", "CallFailedError", "CallMeta", "CallTimeoutError",
+    "AgentFuture", "AgentsError", "ClusterLink", "attach_cluster", "BatchingHint", "CallFailedError", "CallMeta", "CallTimeoutError",
     "ComponentHints", "ComponentSpec", "Control", "control", "FunctionStub", "HintError", "LLM", "LLMResult",
     "NoClientError", "NotAComponentError", "NotInstalledError", "PromptTooLongError", "Session",
     "SessionGraph", "Stub", "ToolHints", "UnknownModelError", "WorkflowGraph", "agent", "current_call", "current_session", "install",

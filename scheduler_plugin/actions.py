@@ -47,7 +47,8 @@ class Reassign:
 
 @dataclass(frozen=True, slots=True)
 class Provision:
-    """Ask the cluster manager for ``n`` more workers (for ``component``, if given)."""
+    """Ask the cluster manager for ``n`` more workers (for ``component``: a model name for engine
+    workers, which then load that model)."""
 
     n: int = 1
     component: str | None = None

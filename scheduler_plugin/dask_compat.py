@@ -32,6 +32,12 @@ def worker_addresses(scheduler: Scheduler) -> list[str]:
     return [ws.address for ws in scheduler.running]
 
 
+def worker_name(scheduler: Scheduler, address: str) -> Any:
+    """The worker's name (what cluster managers index their specs by)."""
+    ws = scheduler.workers.get(address)
+    return ws.name if ws is not None else address
+
+
 def has_worker(scheduler: Scheduler, address: str) -> bool:
     """True if ``address`` is a connected, running worker."""
     ws = scheduler.workers.get(address)

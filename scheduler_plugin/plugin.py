@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 from distributed import Scheduler, SchedulerPlugin
@@ -57,6 +57,12 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.control: ControlLoop | None = None
         self.prioritizing = False
         self._stopped_stealing = False
+        # scale requests for the client-side cluster link (dask_agents.scaling)
+        self.link_seen: float | None = None
+        self.link_interval = 0.5
+        self.pending_add = 0
+        self.pending_remove: list[str] = []
+        self.provision_for: deque[str] = deque()  # models new workers should host
 
     def __getstate__(self) -> dict:
         return {}
@@ -77,6 +83,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             "agents_models": self._models,
             "agents_ping": self._ping,
             "agents_control": self._control,
+            "agents_scale_requests": self._scale_requests,
         }.items():
             dask_compat.add_rpc_handler(scheduler, name, handler)
         dask_compat.set_worker_stream_interval(
@@ -203,14 +210,47 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         """A call moved to ``target``: record it (its session's other bindings stay)."""
         self.state.on_migrated(key, target)
 
+    def linked(self) -> bool:
+        """A cluster link (``da.attach_cluster``) polled recently."""
+        return self.link_seen is not None and time.time() - self.link_seen < max(5 * self.link_interval, 2.0)
+
     def scale(self, action: Provision | Kill) -> str | None:
-        """Provision/kill workers; returns why not (None when done)."""
+        """Provision/kill workers; returns why not (None when done).
+
+        With a cluster link, both go through the cluster manager; without one, a kill
+        retires the worker on the scheduler and provisioning is impossible."""
         if isinstance(action, Kill):
             if not dask_compat.has_worker(self.scheduler, action.worker):
                 return "unknown worker"
-            self.scheduler.loop.add_callback(self.scheduler.retire_workers, workers=[action.worker])
+            if self.linked():
+                self.pending_remove.append(dask_compat.worker_name(self.scheduler, action.worker))
+            else:
+                self.scheduler.loop.add_callback(self.scheduler.retire_workers, workers=[action.worker])
             return None
-        return "provisioning needs a cluster manager (not reachable from the scheduler yet)"
+        if not self.linked():
+            return "no cluster manager attached (da.attach_cluster(client, cluster))"
+        if action.n < 1:
+            return "n must be >= 1"
+        self.pending_add += action.n
+        if action.component is not None:
+            self.provision_for.extend([action.component] * action.n)
+        return None
+
+    def _scale_requests(self, interval: float = 0.5) -> dict:
+        self.link_seen = time.time()
+        self.link_interval = float(interval)
+        out = {"add": self.pending_add, "remove": list(self.pending_remove)}
+        self.pending_add = 0
+        self.pending_remove.clear()
+        return out
+
+    async def _assign_model(self, worker: str, model: str) -> None:
+        try:
+            hosted = await self.scheduler.rpc(worker).agents_swap_model(remove=None, add=model)
+        except Exception as e:
+            logger.warning("dask-agents: giving %s to new worker %s failed: %s", model, worker, e)
+            return
+        self.set_worker_models(worker, list(hosted))
 
     # -- sessions -------------------------------------------------------------------------
     def _close(self, sid: str, now: float) -> None:
@@ -242,9 +282,12 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
 
     # -- RPC handlers (client API) ---------------------------------------------------------
     def _hello(self, worker: str, models: list[str] | None = None, pid: int | None = None) -> dict:
+        new = worker not in self.ready_workers
         info = self.ready_workers.setdefault(worker, {"since": time.time()})
         info["pid"] = pid
         self.set_worker_models(worker, list(models or []))
+        if new and self.provision_for:  # a worker we asked for: give it its model
+            self.scheduler.loop.add_callback(self._assign_model, worker, self.provision_for.popleft())
         return {"ok": True}
 
     def set_worker_models(self, worker: str, models: list[str]) -> None:

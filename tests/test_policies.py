@@ -204,3 +204,16 @@ def test_batching_gathers_spread_calls_on_one_worker_up_to_max_batch():
 def test_balance_leaves_batchable_calls_to_batching():
     calls = [bcall(f"a{i}", "A", i) for i in range(6)]
     assert list(LateBindingBalance()(view([worker("A", [c.key for c in calls]), worker("B", running=0)], calls))) == []
+
+
+def test_reallocation_provisions_when_no_donor_and_allowed():
+    from scheduler_plugin.actions import Provision
+
+    reps = {"chat": ("A",), "coder": ("C",)}
+    pol = Reallocate(persistence=2, provision=True, provision_cooldown="100s")
+    views, _ = realloc_views(chat_rate=0.1, code_rate=5, ticks=12, replicas=reps)
+    acts = [a for v in views for a in pol(v)]
+    assert acts == [Provision(1, "coder", reason=acts[0].reason)]  # once: then the cooldown
+    off = Reallocate(persistence=2)
+    views, _ = realloc_views(chat_rate=0.1, code_rate=5, ticks=12, replicas=reps)
+    assert not [a for v in views for a in off(v)]  # opt-in

@@ -60,3 +60,44 @@ async def test_capacity_follows_the_skew_and_back(c: Client, s: Scheduler, a: Wo
     assert not [e for e in events if e.get("action") == "reassign-failed"]
     stats = await da.control(c).stats()
     assert stats["drains"]["completed"] == 2 and stats["tick_seconds_p99"] < 0.5
+
+
+def _models(model, dask_scheduler=None):  # run_on_scheduler passes the scheduler by keyword
+    return sorted(dask_scheduler.plugins[NAME].model_workers.get(model, ()))
+
+
+def _kill(address, dask_scheduler=None):
+    from scheduler_plugin.actions import Kill
+
+    return dask_scheduler.plugins[NAME].control.enforcer.apply([Kill(address)], "test")
+
+
+def test_provision_and_kill_go_through_the_cluster_manager():
+    import dask
+    from distributed import Client, LocalCluster
+
+    from tests.conftest import wait_for
+
+    config = {**CONFIG, "agents.control.policies.reallocate.options.provision": True,
+              "agents.control.policies.reallocate.options.provision-cooldown": "60s"}
+    with dask.config.set(config), \
+            LocalCluster(n_workers=2, threads_per_worker=4, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as c:
+        da.install(c, models={0: ["chat"], 1: ["coder"]})  # no donor: chat keeps its only replica
+        link = da.attach_cluster(c, cluster, interval="100ms")
+        wait_for(lambda: c.run_on_scheduler(_models, "coder") and c.run_on_scheduler(_models, "chat"))
+        futs, t0, i = [], time.monotonic(), 0
+        while len(c.run_on_scheduler(_models, "coder")) < 2 and time.monotonic() - t0 < 30:
+            with da.session(c):
+                futs.append(da.llm("coder").generate(f"request {i}", max_tokens=10))
+            i += 1
+            time.sleep(0.04)  # inter-arrival time of the workload
+        coders = c.run_on_scheduler(_models, "coder")
+        assert len(coders) == 2 and len(cluster.workers) == 3 and link.added == 1
+        assert all(r.output_tokens == 10 for r in c.gather(futs))
+        # kill the provisioned worker: through the cluster manager, which then forgets it
+        new = [w for w in coders if c.scheduler_info()["workers"][w]["name"] == 2]
+        assert new and c.run_on_scheduler(_kill, new[0]) == 1
+        wait_for(lambda: len(c.scheduler_info()["workers"]) == 2 and len(cluster.worker_spec) == 2)
+        assert link.removed == [2]
+        link.stop()

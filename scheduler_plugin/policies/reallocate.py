@@ -13,20 +13,27 @@ The smallest x_v with open calls is the bottleneck. After it stays the bottlenec
 above it after the move (and above its ``min_replicas``), if the predicted throughput
 (min over v of x_v) improves by more than ``epsilon``. The move itself (drain the worker,
 swap its engine, kick both sides) is the enforcement layer's job.
+
+With ``provision`` on and no donor to take from, the policy asks the cluster manager for a
+new worker for the bottleneck instead (at most once per ``provision_cooldown``); this needs
+a cluster link (``da.attach_cluster``) and costs money on real clusters, so it is opt-in.
 """
 
 from __future__ import annotations
 
 from typing import Iterator
 
-from scheduler_plugin.actions import Reassign
+from dask.utils import parse_timedelta
+
+from scheduler_plugin.actions import Provision, Reassign
 from scheduler_plugin.view import ClusterView
 
 
 class Reallocate:
     """Suggest moving engine workers between models toward the bottleneck."""
 
-    def __init__(self, persistence: int = 4, epsilon: float = 0.1, delta: float = 1e-3, smoothing: float = 0.3):
+    def __init__(self, persistence: int = 4, epsilon: float = 0.1, delta: float = 1e-3, smoothing: float = 0.3,
+                 provision: bool = False, provision_cooldown: str | float = "30s"):
         self.persistence = int(persistence)
         self.epsilon = float(epsilon)
         self.delta = float(delta)
@@ -36,6 +43,9 @@ class Reallocate:
         self._prev: dict[str, tuple[int, int, int]] = {}  # model -> (created, completed, open)
         self._prev_time: float | None = None
         self.streak: tuple[str | None, int] = (None, 0)
+        self.provision = bool(provision)
+        self.provision_cooldown = float(parse_timedelta(provision_cooldown, default="s"))
+        self._last_provision: float | None = None
 
     def _ewma(self, table: dict, key: str, value: float) -> None:
         old = table.get(key)
@@ -62,7 +72,7 @@ class Reallocate:
         mu = self.mu.get(model) or (sum(known) / len(known) if known else 0.0)
         return replicas * mu / max(self.lam.get(model, 0.0), self.delta)
 
-    def __call__(self, view: ClusterView) -> Iterator[Reassign]:
+    def __call__(self, view: ClusterView) -> Iterator[Reassign | Provision]:
         self.observe(view)
         if not self.mu or len(view.models) < 2:
             return
@@ -93,6 +103,11 @@ class Reallocate:
             if best is None or after > best[1]:
                 best = (name, after)
         if best is None:
+            if self.provision and (self._last_provision is None
+                                   or view.now - self._last_provision >= self.provision_cooldown):
+                self._last_provision = view.now
+                self.streak = (None, 0)
+                yield Provision(1, bottleneck, reason=f"x[{bottleneck}]={x[bottleneck]:.2f}, no donor")
             return
         donor = view.models[best[0]]
         worker = min(donor.replicas, key=lambda w: view.workers[w].processing if w in view.workers else 0)
