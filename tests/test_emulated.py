@@ -242,7 +242,7 @@ def test_blocks_of_running_sequences_are_never_evicted():
     assert all(sched.contains(h) for h in block_hashes(r.prompt, 4))
     d = Sequence("d", [8] * 9, 3)
     sched.add(d); sched.step()  # nothing evictable: d waits, nothing of r or c is taken
-    assert list(sched.waiting) == [d] and sched.counters["evictions"] == 3
+    assert sched.waiting_sequences() == [d] and sched.counters["evictions"] == 3
     assert all(sched.contains(h) for h in block_hashes(r.prompt, 4) + block_hashes(c.prompt, 4))
     finish(sched)
     assert len(d.output) == 3 and sched.used_blocks <= 6
@@ -299,3 +299,13 @@ def test_emulated_model_on_a_cluster():
     assert r2.cached_tokens > 0 and r2.cached_tokens % 16 == 0
     assert r1.emulated and r2.emulated  # labeled as emulation wherever the numbers go
     assert t["emulated"] is True and t["kind"] == "web_api"
+
+
+def test_admission_follows_priority_then_arrival():
+    sched = EmulatedScheduler(EmulationParams(max_batch=1, block_size=4), capacity_blocks=64)
+    for rid, prio in [("new1", (0, 0, 0, 0, 1)), ("new2", (0, 0, 0, 0, 2)), ("retry", (0, 0, -5, 0, 3))]:
+        sched.add(Sequence(rid, [5] * 8, 1, priority=prio))
+    order = []
+    while sched.waiting or sched.running:
+        order += [s.request_id for s in sched.step()[1]]
+    assert order == ["retry", "new1", "new2"]  # progress first, then FIFO

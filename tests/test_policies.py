@@ -217,3 +217,12 @@ def test_reallocation_provisions_when_no_donor_and_allowed():
     off = Reallocate(persistence=2)
     views, _ = realloc_views(chat_rate=0.1, code_rate=5, ticks=12, replicas=reps)
     assert not [a for v in views for a in off(v)]  # opt-in
+
+
+def test_engine_priority_keeps_the_workflow_order():
+    from worker_plugin.engine import engine_priority
+
+    new, advanced, starved = priority(0, 0, 1), priority(0, 5, 9), priority(0, 0, 10, starved=True)
+    assert engine_priority(starved) < engine_priority(advanced) < engine_priority(new)
+    assert engine_priority(priority(-1, 0, 1)) < engine_priority(starved)  # user priority still wins
+    assert engine_priority((0, 3, 1)) == 0  # not ours: neutral

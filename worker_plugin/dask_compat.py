@@ -50,6 +50,12 @@ def task_annotations(worker: Worker, key: Any) -> dict:
     return (ts.annotations or {}) if ts is not None else {}
 
 
+def task_priority(worker: Worker, key: Any) -> tuple:
+    """The scheduler's priority of a task on this worker, without the worker's own arrival suffix."""
+    ts = worker.state.tasks.get(key)
+    return tuple(ts.priority[:-1]) if ts is not None and ts.priority else ()
+
+
 def set_batched_send_interval(worker: Worker, seconds: float) -> None:
     """Shorten the worker -> scheduler batching window (``BatchedSend.interval``)."""
     bs = getattr(worker, "batched_stream", None)

@@ -16,13 +16,15 @@ uses of :class:`~worker_plugin.engine.EngineHost`; no vLLM import anywhere here.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 import queue
 import random
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +67,7 @@ class EmulatedSamplingParams:
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
+    priority: tuple = ()
 
 
 @dataclass
@@ -111,6 +114,7 @@ class Sequence:
     held: list[int] = field(default_factory=list)  # hashed blocks it references, in chain order
     private: int = 0  # blocks it holds that have no hash yet (partial prompt block, output)
     rng: random.Random | None = None
+    priority: tuple = ()  # smaller is admitted first; FIFO among equals (like vLLM's priority policy)
 
     def result(self) -> EmulatedRequestOutput:
         """The final output of a finished sequence."""
@@ -133,7 +137,10 @@ class EmulatedScheduler:
         self.p = params
         self.capacity = capacity_blocks
         self.prefix_caching = prefix_caching
-        self.waiting: deque[Sequence] = deque()
+        # (priority, arrival, sequence): a heap, so a retry of an advanced session is admitted
+        # before new work, as the control plane's priorities say; FIFO among equals.
+        self.waiting: list[tuple[tuple, int, Sequence]] = []
+        self._arrivals = itertools.count()
         self.running: list[Sequence] = []
         self._ref: dict[int, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -161,10 +168,14 @@ class EmulatedScheduler:
             )
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request (FIFO)."""
+        """Queue a request (by priority, then arrival)."""
         self.check(seq.request_id, len(seq.prompt), seq.max_tokens)
         seq.rng = random.Random(hash((tuple(seq.prompt), 0 if seq.seed is None else seq.seed)))
-        self.waiting.append(seq)
+        heapq.heappush(self.waiting, (tuple(seq.priority), next(self._arrivals), seq))
+
+    def waiting_sequences(self) -> list[Sequence]:
+        """Queued requests in admission order."""
+        return [entry[2] for entry in sorted(self.waiting)]
 
     def contains(self, block_hash: int) -> bool:
         """True if the block is resident (referenced or cached)."""
@@ -231,8 +242,8 @@ class EmulatedScheduler:
         finished in it (released from the KV; their futures are left to the caller).
         """
         admitted = []
-        while self.waiting and len(self.running) < self.p.max_batch and self._try_admit(self.waiting[0]):
-            seq = self.waiting.popleft()
+        while self.waiting and len(self.running) < self.p.max_batch and self._try_admit(self.waiting[0][2]):
+            seq = heapq.heappop(self.waiting)[2]
             self.running.append(seq)
             admitted.append(seq)
         if not self.running:
@@ -252,10 +263,10 @@ class EmulatedScheduler:
 
     def drain(self) -> list[Sequence]:
         """Drop every running (KV released) and waiting sequence; return them."""
-        out = self.running + list(self.waiting)
+        out = self.running + self.waiting_sequences()
         for s in self.running:
             self._release(s)
-        self.running, self.waiting = [], deque()
+        self.running, self.waiting = [], []
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -314,9 +325,10 @@ class EmulatedEngineHost:
         if self.load_error is not None:
             raise RuntimeError(f"engine for model {self.name!r} failed to load: {self.load_error}")
 
-    def sampling_params(self, max_tokens: int, temperature: float, seed: int | None) -> EmulatedSamplingParams:
+    def sampling_params(self, max_tokens: int, temperature: float, seed: int | None,
+                        priority: tuple = ()) -> EmulatedSamplingParams:
         """Parameters of one call (the engine always produces exactly ``max_tokens`` tokens)."""
-        return EmulatedSamplingParams(max_tokens, temperature, seed)
+        return EmulatedSamplingParams(max_tokens, temperature, seed, tuple(priority))
 
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Queue a request; the future resolves to an :class:`EmulatedRequestOutput`."""
@@ -329,7 +341,8 @@ class EmulatedEngineHost:
         except ValueError as e:  # too big for the KV: fail now rather than wait forever
             fut.set_exception(e)
             return fut
-        self._inbox.put(Sequence(request_id, list(token_ids), params.max_tokens, params.seed, fut))
+        self._inbox.put(Sequence(request_id, list(token_ids), params.max_tokens, params.seed, fut,
+                                 priority=tuple(params.priority)))
         return fut
 
     def stats(self) -> dict[str, Any]:

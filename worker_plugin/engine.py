@@ -45,6 +45,9 @@ class ModelSettings(BaseModel):
     max_model_len: int = Field(2048, alias="max-model-len", ge=16)
     kv_cache_memory_bytes: int | str = Field("256 MiB", alias="kv-cache-memory-bytes")
     enable_prefix_caching: bool = Field(True, alias="enable-prefix-caching")
+    # "priority": the engine admits calls in the control plane's priority order (progress
+    # first), FIFO among equals; "fcfs": arrival order.
+    scheduling: Literal["priority", "fcfs"] = "priority"
     # Bounds for reallocation (how many engine workers may serve this model).
     min_replicas: int = Field(1, alias="min-replicas", ge=0)
     max_replicas: int | None = Field(None, alias="max-replicas", ge=1)
@@ -119,6 +122,7 @@ class EngineHost:
             enable_prefix_caching=s.enable_prefix_caching,
             enforce_eager=True,
             kv_cache_memory_bytes=s.kv_bytes(),
+            scheduling_policy=s.scheduling,
         )
         return LLMEngine.from_engine_args(args)
 
@@ -132,12 +136,16 @@ class EngineHost:
         dtype = self.settings.dtype if self.settings.dtype != "auto" else "auto"
         return KVGeometry.from_model_dir(path, dtype, block)
 
-    def sampling_params(self, max_tokens: int, temperature: float, seed: int | None) -> Any:
-        """vLLM sampling parameters for one call (EOS ignored: agents ask for a token budget)."""
+    def sampling_params(self, max_tokens: int, temperature: float, seed: int | None,
+                        priority: tuple = ()) -> Any:
+        """vLLM sampling parameters for one call (EOS ignored: agents ask for a token budget).
+
+        The call's priority travels beside them (vLLM takes it in ``add_request``)."""
         from vllm import SamplingParams
 
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                              ignore_eos=True, detokenize=False)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                ignore_eos=True, detokenize=False)
+        return params, engine_priority(priority)
 
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Queue a request; the returned future resolves to vLLM's final RequestOutput."""
@@ -151,8 +159,10 @@ class EngineHost:
     def _admit(self, req: _Request) -> None:
         from vllm.inputs import TokensPrompt
 
+        params, priority = req.params
         try:
-            self._engine.add_request(req.request_id, TokensPrompt(prompt_token_ids=req.token_ids), req.params)
+            self._engine.add_request(req.request_id, TokensPrompt(prompt_token_ids=req.token_ids), params,
+                                     priority=priority if self.settings.scheduling == "priority" else 0)
             self._pending[req.request_id] = req
         except Exception as e:  # bad request: fail this call only
             req.future.set_exception(e)
@@ -210,6 +220,29 @@ class EngineHost:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self._engine = None
+
+
+def engine_priority(priority: tuple) -> int:
+    """The control plane's priority tuple as the int vLLM takes (smaller runs first).
+
+    Only the workflow part matters inside an engine: fair-share starvation, then progress
+    (``(user, -starved, -progress, -kv_resident, arrival)``; vLLM breaks ties by arrival)."""
+    if len(priority) != 5:
+        return 0
+    user, starved, progress = (int(x) for x in priority[:3])
+    return (user * 2 + starved) * 1_000_000 + max(progress, -999_999)
+
+
+def task_priority(key: str) -> tuple:
+    """The current priority of the running task ``key`` on this worker (``()`` if unknown)."""
+    from distributed import get_worker
+
+    from worker_plugin.dask_compat import task_priority as compat_priority
+
+    try:
+        return compat_priority(get_worker(), key)
+    except ValueError:  # not on a worker (tests calling the engine directly)
+        return ()
 
 
 def make_host(name: str, settings: ModelSettings) -> Any:
@@ -301,7 +334,8 @@ class Engines:
                 f"{where(component, method, sid)}: prompt of {len(ids)} tokens + max_tokens={max_tokens} "
                 f"exceeds model {model!r}'s context of {host.max_model_len} tokens (call {key})"
             )
-        fut = host.submit(key, ids, host.sampling_params(max_tokens, temperature, seed), sid)
+        priority = task_priority(key)
+        fut = host.submit(key, ids, host.sampling_params(max_tokens, temperature, seed, priority), sid)
         secede_if_in_task()  # the engine works for us; free the worker slot meanwhile
         out = fut.result()
         comp = out.outputs[0]
