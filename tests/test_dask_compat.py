@@ -140,6 +140,7 @@ class Spy(WorkerPlugin):
     def transition(self, key, start, finish, **kw):
         if finish == "executing":
             EVENTS.append(("executing", key, wc.task_annotations(self.worker, key)))
+            EVENTS.append(("priority", wc.task_priority(self.worker, key)))
 
 
 def body():
@@ -157,7 +158,9 @@ async def test_worker_annotations_and_transition_hook_order(c: Client, s: Schedu
         fut = c.submit(body, key="X-1")
     await fut
     assert events[0] == ("executing", "X-1", {"agents": {"component": "X"}})  # before the function runs
-    assert events[1] == ("body",)
+    # the scheduler's (-user priority, generation, order), without the worker's arrival suffix
+    assert events[1][0] == "priority" and len(events[1][1]) == 3 and events[1][1][0] == 0
+    assert events[2] == ("body",)
     assert wc.task_annotations(a, "unknown") == {}
 
 
