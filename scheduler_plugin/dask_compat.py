@@ -44,12 +44,6 @@ def has_worker(scheduler: Scheduler, address: str) -> bool:
     return ws is not None and ws in scheduler.running
 
 
-def load(scheduler: Scheduler, address: str) -> int:
-    """Tasks assigned to a worker and not finished (its processing set)."""
-    ws = scheduler.workers.get(address)
-    return len(ws.processing) if ws is not None else 1 << 30
-
-
 def priority(ts: Any) -> tuple:
     """The task's scheduling priority (smaller runs first)."""
     return ts.priority

@@ -81,7 +81,7 @@ class Drainer:
             return
         s = self.plugin.scheduler
         for ts in self._source_calls(d)[0]:
-            thief = min(others, key=lambda w: dask_compat.load(s, w))
+            thief = min(others, key=lambda w: self.plugin.open_placed[(w, f"llm:{d.source}")])
             if str(dask_compat.move_task(s, ts, d.worker, thief)).startswith("steal-"):
                 self.plugin.on_migrated(ts.key, d.worker, thief)
 

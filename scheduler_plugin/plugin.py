@@ -52,6 +52,10 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.session_workers: dict[str, set[str]] = defaultdict(set)  # stateful hosts per session
         self.bound: dict[str, int] = defaultdict(int)  # worker -> live sessions bound to it (KV/instances held)
         self.assigned: dict[str, int] = defaultdict(int)  # worker -> sessions ever bound (round-robin tie-break)
+        # open calls placed per (worker, what): the load that matters when choosing an engine
+        # (a worker busy with agent tasks may have an idle engine)
+        self.placed: dict[str, tuple[str, str]] = {}  # key -> (worker, what)
+        self.open_placed: dict[tuple[str, str], int] = defaultdict(int)
         self.client_sessions: dict[str, set[str]] = defaultdict(set)
         self.arrivals = itertools.count()
         self.control: ControlLoop | None = None
@@ -118,6 +122,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         for k in [k for k, w in self.bindings.items() if w == worker]:
             del self.bindings[k]
         self.bound.pop(worker, None)
+        for k in [k for k in self.open_placed if k[0] == worker]:
+            del self.open_placed[k]
         self.assigned.pop(worker, None)
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
@@ -172,9 +178,10 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             return  # nothing to choose from yet: let Dask place it (lazy engine start there)
         bound = self.bindings.get((session, what)) if session is not None else None
         if bound is None or bound not in candidates:
-            # least loaded now; among equals, the one holding the fewest live sessions, then
-            # the one given the fewest sessions so far (spreads sessions, and their KV, evenly)
-            bound = min(candidates, key=lambda w: (dask_compat.load(self.scheduler, w), self.bound[w], self.assigned[w]))
+            # fewest open calls of this kind (an engine's queue, a component's instances);
+            # among equals the one holding the fewest live sessions, then the one given the
+            # fewest sessions so far (spreads sessions, and their KV, evenly)
+            bound = min(candidates, key=lambda w: (self.open_placed[(w, what)], self.bound[w], self.assigned[w]))
             if session is not None:
                 old = self.bindings.get((session, what))
                 if old is None:
@@ -187,6 +194,13 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 if not what.startswith("llm:"):
                     self.session_workers[session].add(bound)
         dask_compat.restrict_to_worker(ts, bound)
+        self.placed[ts.key] = (bound, what)
+        self.open_placed[(bound, what)] += 1
+
+    def _unplace(self, key: str) -> None:
+        where = self.placed.pop(key, None)
+        if where is not None and self.open_placed.get(where, 0) > 0:
+            self.open_placed[where] -= 1
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         rec = self.state.calls.get(key)
@@ -196,7 +210,10 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if finish == "processing":
             ts = dask_compat.task(self.scheduler, key)
             worker = dask_compat.processing_on(ts) if ts is not None else None
-        if self.state.on_transition(key, finish, time.time(), worker) and rec.session is not None:
+        if not self.state.on_transition(key, finish, time.time(), worker):
+            return
+        self._unplace(key)
+        if rec.session is not None:
             s = self.state.sessions.get(rec.session)
             if s is not None and s.state == "completed":
                 self._on_session_completed(rec.session)
@@ -209,6 +226,11 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
     def on_migrated(self, key: str, source: str, target: str) -> None:
         """A call moved to ``target``: record it (its session's other bindings stay)."""
         self.state.on_migrated(key, target)
+        where = self.placed.get(key)
+        if where is not None:
+            self._unplace(key)
+            self.placed[key] = (target, where[1])
+            self.open_placed[(target, where[1])] += 1
 
     def linked(self) -> bool:
         """A cluster link (``da.attach_cluster``) polled recently."""

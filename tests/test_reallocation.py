@@ -101,3 +101,31 @@ def test_provision_and_kill_go_through_the_cluster_manager():
         wait_for(lambda: len(c.scheduler_info()["workers"]) == 2 and len(cluster.worker_spec) == 2)
         assert link.removed == [2]
         link.stop()
+
+
+
+@da.tool
+def busy_agent(i: int) -> int:
+    import threading
+
+    threading.Event().wait(0.5)  # keeps its worker's Dask queue busy while LLM calls are placed
+    return i
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 8)] * 2, timeout=60,
+             config={**CONFIG, "agents.control.enabled": False})
+async def test_engine_choice_follows_engine_load_not_agent_load(c: Client, s: Scheduler, a: Worker, b: Worker):
+    await da.install(c, models=["coder"])
+    plugin = s.plugins[NAME]
+    await async_wait_for(lambda: len(plugin.model_workers["coder"]) == 2)
+    async with da.session(c):
+        agents = [c.submit(busy_agent, i, workers=[a.address], pure=False) for i in range(6)]
+    await async_wait_for(lambda: len(s.workers[a.address].processing) == 6)
+    futs = []
+    for i in range(4):  # new sessions while worker a is busy with agent work, not LLM work
+        async with da.session(c, name=f"s{i}"):
+            futs.append(da.llm("coder").generate(f"session {i}", max_tokens=10))
+    results = await c.gather(futs)
+    workers = [r.worker for r in results]
+    assert workers.count(a.address) == 2 and workers.count(b.address) == 2
+    await c.gather(agents)
