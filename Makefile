@@ -16,9 +16,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-## make bench: the overhead benchmark (quick)
+## make bench: the benchmarks, quick forms (installs the peer frameworks first)
 bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[bench,peers]"
 	$(PY) benchmarks/overhead.py --quick --json benchmarks/results/overhead.json
+	$(PY) benchmarks/e2e.py --quick --json benchmarks/results/e2e-quick.json
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,807 @@
+"""End-to-end benchmark of the Open-SWE workflow on EMULATED resources, side by side in one run.
+
+Every number this prints or stores is EMULATED: the LLM engines are the cost model of
+``worker_plugin/emulated.py`` and the tools sleep latencies drawn from ``kv/tool_latency``'s
+priors. The comparison is between frameworks driving the same emulated resources with the same
+requests; it says nothing about real GPUs.
+
+What is measured
+----------------
+Open-loop load: requests (one Open-SWE session each: planner -> developers in parallel with
+doc-search and code-exec tools -> tester -> seeded retries; ``benchmarks/e2e_swe.py``) arrive by
+a seeded Poisson process at each offered load of a sweep. Per variant and load: mean, P50,
+P95, P99 request latency (arrival to completion), throughput, whether the load was sustained,
+the engines' prefix-cache hit rate (token-weighted) and how the decode work split between the
+two replicas (``busiest_engine_share``: 0.5 is even); per variant the highest load sustained.
+
+Resources (identical for every variant)
+---------------------------------------
+- 2 replicas of one EMULATED engine (model ``coder``; the class
+  ``worker_plugin.emulated.EmulatedEngineHost`` in every variant): max_batch 8, 20 ms per
+  iteration (+0.05 ms per running sequence), 0.2 ms per non-cached prompt token, 256 KV blocks
+  of 16 tokens with vLLM-style prefix reuse, engine time scale 1.0 (see ``e2e_swe.ENGINE``).
+- Tools: file_io (doc search) and code_exec latencies from SAGA's priors x 0.1.
+- Threads: Dask variants run 2 worker processes (each hosting one engine), agents and tools on
+  the workers' threads; peers run tools on 32 threads (= 2 x 16) and agents as coroutines.
+- The same requests in every variant: subtask counts, which tester round fails (the rule of
+  examples/swe/workflow.py), every tool latency and the arrival times are drawn up front from
+  seeded RNGs. Each run (variant x load) uses the same requests with ids prefixed by an
+  8-character digest of the run: prompt lengths are identical everywhere, and a run's prompts
+  never hit the session-specific cache of an earlier run (the shared system prompt is cached
+  everywhere after the warm-up).
+
+Variants
+--------
+``dask``           plain Dask, no dask-agents (``e2e_baselines.py``): futures passed between
+                   tasks, nested waits through ``worker_client()``, LLM tasks call the engine
+                   their worker hosts (a small plain WorkerPlugin). Its best static configuration
+                   (threads per worker; LLM slots as worker resources) is chosen by a sweep at
+                   the calibration load and reported (``results.swe.sweeps.dask``).
+``dask-agents``    the Open-SWE components (``e2e_swe.py``: examples/swe/workflow.py's agents
+                   reading the pre-drawn spec) with ``da.install(client, models=["coder"])``,
+                   every default control policy on, 16 threads per worker (not tuned).
+``dask-agents-no-<policy>``  the same with one policy off (prioritize, balance, reallocate,
+                   batching). This workflow has one model and no batchable component, so
+                   ``reallocate`` and ``batching`` have nothing to act on: those two ablations
+                   show the run-to-run noise.
+``ray``            Ray 2.x async engine actors + threaded tool actors, agents as coroutines in
+                   the driver (``e2e_peers.py``); best engine-routing rule of a small sweep.
+``langgraph``      LangGraph StateGraph with Send for the parallel developers, engines as
+                   in-process objects; best engine-routing rule of a small sweep.
+Peers that are not importable are skipped, and the output and JSON say so. A swept variant's
+number at the calibration load is its sweep run (same procedure: warm-up, then the load); its
+other loads run afterwards on a fresh cluster (Dask) or on the same instance (peers).
+
+Cluster shape and why: Dask variants use ``LocalCluster(n_workers=2, processes=True)``. On
+2 cores, in-process workers (``processes=False``) would put the scheduler, both workers, both
+engines and the load generator behind one GIL, i.e. on one core, while Ray (processes) gets
+both; worker processes also keep each engine's stepping thread away from the scheduler's
+event loop, as on a real cluster. The scheduler and the load generator share the main
+process (LocalCluster's layout) in both Dask variants alike.
+
+Definitions
+-----------
+- latency: completion time minus the request's *scheduled* arrival time (driver lag counts).
+- ideal latency of a request: its critical path with no queueing and no framework overhead
+  (``e2e_swe.ideal_latency``), a lower bound.
+- offered (realized): (n - 1) / (last arrival - first arrival) of the arrivals actually used.
+- throughput: offered (realized) / b, where b is the least-squares slope of (finish_i -
+  ideal_i) against arrival_i over the completed requests. A system that keeps up has a
+  stationary excess delay (b = 1: completions track arrivals); an overloaded one falls behind
+  by (b - 1) seconds per second, so it completes requests b times slower than they arrive.
+  Subtracting each request's own ideal latency keeps a short run's drain and the heavy tool
+  tail (the same draws in every variant) from reading as lost throughput.
+  ``raw_throughput_rps`` = completed / (last finish - first arrival) is stored too.
+- sustained: every request completed, throughput >= 0.9 x offered (realized), and P99 latency
+  <= ``p99_bound_factor`` (3) x the P99 of the requests' ideal latencies.
+- summary ratios are taken at the reference load (the calibration load; ``summary.swe
+  .reference_load_rps``): mean_speedup_vs_X = mean(X) / mean(dask-agents); p99_reduction_vs_X
+  = 1 - P99(dask-agents) / P99(X); sustained_load_ratio_vs_X = highest sustained load of
+  dask-agents / that of X (null when X sustained none of the loads, or X was skipped).
+
+Reproduce
+---------
+::
+
+    .venv/bin/python benchmarks/e2e.py --quick --json benchmarks/results/e2e-quick.json
+    .venv/bin/python benchmarks/e2e.py --json benchmarks/results/e2e.json
+
+Noise: one run per point on a shared 2-core machine; the ablations of policies that cannot
+act (reallocate, batching) show how large run-to-run differences are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any, Callable
+
+# Run as a script (`python benchmarks/e2e.py`): make the repository importable.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+# Peers must not phone home (tracing, usage stats): loopback only.
+for _k, _v in {"RAY_USAGE_STATS_ENABLED": "0", "LANGSMITH_TRACING": "false", "LANGCHAIN_TRACING_V2": "false",
+               "LANGCHAIN_TRACING": "false", "RAY_DEDUP_LOGS": "0"}.items():
+    os.environ.setdefault(_k, _v)
+
+import dask  # noqa: E402
+import distributed  # noqa: E402
+
+from benchmarks import e2e_swe as swe  # noqa: E402
+
+POLICIES = ("prioritize", "balance", "reallocate", "batching")
+THREADS_AGENTS = 16
+PEER_TOOL_THREADS = 32
+# No dashboard; the scheduler's small HTTP server (health, metrics) on a free loopback port.
+NO_DASHBOARD = {"dashboard_address": "127.0.0.1:0"}
+P99_BOUND_FACTOR = 3.0
+SUSTAIN_FRACTION = 0.9
+EMULATED_NOTE = ("EMULATED: LLM engines are a cost model (worker_plugin/emulated.py) and tools sleep "
+                 "latencies from kv/tool_latency priors; no real model or tool ran")
+
+QUICK = {"loads": [2.0, 4.0], "requests": 16, "calibration_load": 4.0, "warmup": 4,
+         "dask_sweep": [{"threads": 16, "llm_slots": None}, {"threads": 16, "llm_slots": 8},
+                        {"threads": 32, "llm_slots": None}],
+         "peer_sweep": ["least_loaded", "session_sticky"]}
+FULL = {"loads": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "requests": 60, "calibration_load": 4.0, "warmup": 8,
+        "dask_sweep": [{"threads": t, "llm_slots": s} for t in (8, 16, 32) for s in (None, 8)],
+        "peer_sweep": ["round_robin", "least_loaded", "session_sticky"]}
+
+
+# -- statistics --------------------------------------------------------------------------------
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation (nan for no data)."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def load_metrics(records: list[dict], specs: list[swe.RequestSpec], rate: float) -> dict:
+    """Latency percentiles, throughput and the sustained verdict of one run (see the docstring)."""
+    n = len(specs)
+    ideal = {s.id: swe.ideal_latency(s) for s in specs}
+    arrivals = [r["arrival"] for r in records]
+    done = [r for r in records if r.get("ok")]
+    lat = [r["latency"] for r in done]
+    span_a = max(arrivals) - min(arrivals) if len(arrivals) > 1 else float("nan")
+    offered = (n - 1) / span_a if n > 1 and span_a > 0 else rate
+    if len(done) > 2:
+        # Least-squares slope of (finish - ideal) against arrival: 1 when the system keeps up
+        # (excess delay stationary), 1 + s when the excess grows by s seconds per second.
+        xs = [r["arrival"] for r in done]
+        ys = [r["finish"] - ideal[r["id"]] for r in done]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else float("nan")
+        thr = offered / slope if slope > 0 else float("inf")
+        raw = len(done) / (max(r["finish"] for r in done) - min(arrivals))
+    else:
+        slope = thr = raw = float("nan")
+    ideal_sorted = sorted(ideal.values())
+    bound = P99_BOUND_FACTOR * percentile(ideal_sorted, 99)
+    p99 = percentile(lat, 99)
+    ok = len(done) == n
+    sustained = bool(ok and thr >= SUSTAIN_FRACTION * offered and p99 <= bound)
+    excess = [r["latency"] - ideal[r["id"]] for r in done]
+    return {
+        "offered_rps": rate, "offered_realized_rps": offered, "requests": n, "completed": len(done),
+        "failed": [r.get("error") for r in records if not r.get("ok")][:5],
+        "mean_s": statistics.fmean(lat) if lat else float("nan"), "p50_s": percentile(lat, 50),
+        "p95_s": percentile(lat, 95), "p99_s": p99, "max_s": max(lat) if lat else float("nan"),
+        "throughput_rps": thr, "raw_throughput_rps": raw, "completion_slope": slope, "sustained": sustained,
+        "p99_bound_s": bound, "mean_excess_over_ideal_s": statistics.fmean(excess) if excess else float("nan"),
+        "ideal_mean_s": statistics.fmean(ideal.values()), "wall_s": None,
+    }
+
+
+def cache_delta(before: list[dict], after: list[dict]) -> dict:
+    """Prefix-cache hit rate (token-weighted) and prefill tokens of the engines during one run."""
+    q = sum(a.get("queries", 0) for a in after) - sum(b.get("queries", 0) for b in before)
+    h = sum(a.get("hits", 0) for a in after) - sum(b.get("hits", 0) for b in before)
+    pf = sum(a.get("prefill_tokens", 0) for a in after) - sum(b.get("prefill_tokens", 0) for b in before)
+    ev = sum(a.get("evictions", 0) for a in after) - sum(b.get("evictions", 0) for b in before)
+    # Decode tokens each replica produced in the run (how evenly the load was spread).
+    share = ([a.get("decode_tokens", 0) - b.get("decode_tokens", 0) for a, b in zip(after, before)]
+             if len(after) == len(before) else [])
+    busiest = max(share) / sum(share) if share and sum(share) > 0 else float("nan")
+    return {"engines": len(after), "kv_hit_rate": h / q if q else float("nan"), "prompt_tokens": q,
+            "prefill_tokens": pf, "evictions": ev, "decode_tokens_per_engine": share,
+            "busiest_engine_share": busiest}
+
+
+# -- load generators ---------------------------------------------------------------------------
+
+def _record(spec: swe.RequestSpec, arrival: float, t0: float, fn: Callable[[], dict]) -> dict:
+    try:
+        out = fn()
+        swe.check_outcome(spec, out)
+        ok, err = True, None
+    except Exception as e:  # a failed request is recorded, never fatal
+        ok, err = False, f"{type(e).__name__}: {e}"[:300]
+    finish = time.perf_counter() - t0
+    return {"id": spec.id, "arrival": arrival, "finish": finish, "latency": finish - arrival, "ok": ok, "error": err}
+
+
+def drive_threads(solve: Callable[[swe.RequestSpec], dict], specs: list[swe.RequestSpec],
+                  arrivals: list[float], timeout: float) -> list[dict]:
+    """Open-loop driver for blocking clients: each request starts at its arrival, in its own thread."""
+    records: list[dict | None] = [None] * len(specs)
+    pool = ThreadPoolExecutor(max_workers=max(1, len(specs)), thread_name_prefix="e2e-request")
+    t0 = time.perf_counter() + 0.05
+
+    def one(i: int) -> None:
+        records[i] = _record(specs[i], arrivals[i], t0, lambda: solve(specs[i]))
+
+    futs = []
+    for i, a in enumerate(arrivals):
+        delay = t0 + a - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        futs.append(pool.submit(one, i))
+    wait_futures(futs, timeout=max(0.0, t0 + arrivals[-1] + timeout - time.perf_counter()))
+    pool.shutdown(wait=False, cancel_futures=True)
+    return [r if r is not None else {"id": s.id, "arrival": a, "finish": float("nan"), "latency": float("nan"),
+                                     "ok": False, "error": "timed out"}
+            for r, s, a in zip(records, specs, arrivals)]
+
+
+async def drive_async(solve, specs: list[swe.RequestSpec], arrivals: list[float], timeout: float) -> list[dict]:
+    """Open-loop driver for asyncio peers: each request is a task started at its arrival."""
+    import asyncio
+
+    t0 = time.perf_counter() + 0.05
+    records: list[dict | None] = [None] * len(specs)
+
+    async def one(i: int) -> None:
+        spec = specs[i]
+        try:
+            out = await solve(spec)
+            swe.check_outcome(spec, out)
+            ok, err = True, None
+        except Exception as e:
+            ok, err = False, f"{type(e).__name__}: {e}"[:300]
+        finish = time.perf_counter() - t0
+        records[i] = {"id": spec.id, "arrival": arrivals[i], "finish": finish, "latency": finish - arrivals[i],
+                      "ok": ok, "error": err}
+
+    tasks = []
+    for i, a in enumerate(arrivals):
+        delay = t0 + a - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(i)))
+    _, pending = await asyncio.wait(tasks, timeout=max(0.0, t0 + arrivals[-1] + timeout - time.perf_counter()))
+    for t in pending:
+        t.cancel()
+    return [r if r is not None else {"id": s.id, "arrival": a, "finish": float("nan"), "latency": float("nan"),
+                                     "ok": False, "error": "timed out"}
+            for r, s, a in zip(records, specs, arrivals)]
+
+
+# -- Dask backends -----------------------------------------------------------------------------
+
+class DaskBackend:
+    """Plain Dask (no dask-agents): 2 worker processes, each hosting one EMULATED engine."""
+
+    kind = "dask"
+
+    def __init__(self, threads: int = 16, llm_slots: int | None = None, workers: int = 2):
+        self.threads, self.llm_slots, self.workers = threads, llm_slots, workers
+        self.cluster = self.client = None
+
+    def describe(self) -> dict:
+        return {"framework": f"dask/distributed {distributed.__version__}, no dask-agents",
+                "cluster": f"LocalCluster(n_workers={self.workers}, threads_per_worker={self.threads}, processes=True)",
+                "threads": self.threads, "llm_slots": self.llm_slots,
+                "llm_placement": (f"LLM tasks need resource LLM=1; each worker has LLM={self.llm_slots}"
+                                  if self.llm_slots else "LLM tasks on any worker thread"),
+                "stealing": "Dask default (on)"}
+
+    def __enter__(self) -> "DaskBackend":
+        from distributed import Client, LocalCluster
+
+        from benchmarks.e2e_baselines import EngineHostPlugin
+
+        kw = {"resources": {"LLM": self.llm_slots}} if self.llm_slots else {}
+        self.cluster = LocalCluster(n_workers=self.workers, threads_per_worker=self.threads, processes=True,
+                                    dashboard_address=None, scheduler_kwargs=NO_DASHBOARD, **kw)
+        self.client = Client(self.cluster)
+        self.client.register_plugin(EngineHostPlugin())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for c in (self.client, self.cluster):
+            if c is not None:
+                with contextlib.suppress(Exception):
+                    c.close()
+
+    def engine_stats(self) -> list[dict]:
+        from benchmarks.e2e_baselines import engine_stats
+
+        return [s for s in self.client.run(engine_stats).values() if s is not None]
+
+    def run(self, specs, arrivals, timeout: float) -> list[dict]:
+        from benchmarks.e2e_baselines import solve_dask
+
+        return drive_threads(lambda s: solve_dask(self.client, s, self.llm_slots), specs, arrivals, timeout)
+
+    def extra(self) -> dict:
+        return {}
+
+
+def _agents_engine_stats(dask_worker) -> dict | None:
+    plugin = dask_worker.plugins.get("dask-agents")
+    engines = getattr(plugin, "engines", None)
+    if engines is None or swe.MODEL not in engines.hosted:
+        return None
+    return engines.start(swe.MODEL).stats()  # start() returns the running host
+
+
+class AgentsBackend:
+    """dask-agents installed, EMULATED model ``coder`` hosted on both workers; ``disabled`` policy off."""
+
+    kind = "dask-agents"
+
+    def __init__(self, disabled: str | None = None, threads: int = THREADS_AGENTS, workers: int = 2):
+        self.disabled, self.threads, self.workers = disabled, threads, workers
+        self.cluster = self.client = None
+        self._config: contextlib.ExitStack | None = None
+
+    def settings(self) -> dict:
+        out: dict = {"agents.llm.models": {swe.MODEL: swe.model_entry()}}
+        if self.disabled:
+            out[f"agents.control.policies.{self.disabled}.enabled"] = False
+        return out
+
+    def describe(self) -> dict:
+        import dask_agents as da
+
+        return {"framework": f"dask-agents {da.__version__} on dask/distributed {distributed.__version__}",
+                "cluster": f"LocalCluster(n_workers={self.workers}, threads_per_worker={self.threads}, processes=True)",
+                "threads": self.threads, "install": f"da.install(client, models=[{swe.MODEL!r}])",
+                "policies_off": [self.disabled] if self.disabled else []}
+
+    def __enter__(self) -> "AgentsBackend":
+        from distributed import Client, LocalCluster
+
+        import dask_agents as da
+
+        self._config = contextlib.ExitStack()
+        # Before the cluster: the worker processes get this config (the model registry).
+        self._config.enter_context(dask.config.set(self.settings()))
+        self.cluster = LocalCluster(n_workers=self.workers, threads_per_worker=self.threads, processes=True,
+                                    dashboard_address=None, scheduler_kwargs=NO_DASHBOARD)
+        self.client = Client(self.cluster)
+        da.install(self.client, models=[swe.MODEL])
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for c in (self.client, self.cluster):
+            if c is not None:
+                with contextlib.suppress(Exception):
+                    c.close()
+        if self._config is not None:
+            self._config.close()
+
+    def engine_stats(self) -> list[dict]:
+        return [s for s in self.client.run(_agents_engine_stats).values() if s is not None]
+
+    def run(self, specs, arrivals, timeout: float) -> list[dict]:
+        return drive_threads(lambda s: swe.solve_agents(self.client, s), specs, arrivals, timeout)
+
+    def extra(self) -> dict:
+        import dask_agents as da
+
+        try:
+            st = da.control(self.client).stats()
+            return {"control": {k: st.get(k) for k in ("policies", "ticks", "tick_seconds_p50", "tick_seconds_p99",
+                                                           "policy_errors", "applied", "rejected")}}
+        except Exception as e:  # stats are a nice-to-have
+            return {"control": {"error": repr(e)}}
+
+
+# -- running a variant ---------------------------------------------------------------------------
+
+def specs_for(base: list[swe.RequestSpec], tag: str) -> list[swe.RequestSpec]:
+    """The same requests with ids prefixed by a fixed-length digest of ``tag``: fresh
+    session-specific prompt text for every run, and the same prompt lengths in every variant."""
+    import hashlib
+
+    prefix = hashlib.sha1(tag.encode()).hexdigest()[:8]
+    out = []
+    for s in base:
+        i = s.issue
+        issue = swe.Issue(id=f"{prefix}-{i.id}", text=i.text, seed=i.seed, n_subtasks=i.n_subtasks)
+        out.append(swe.RequestSpec(issue, s.failing, s.doc_s, s.code_s, s.test_s, s.tool_time_scale))
+    return out
+
+
+def load_key(rate: float) -> str:
+    return format(rate, "g")
+
+
+def run_loads(backend, base: list[swe.RequestSpec], loads: list[float], seed: int, warmup: int,
+              tag: str, log: Callable[[str], None], measured: dict | None = None) -> dict:
+    """Warm the backend up, then run every load in ascending order; metrics per load.
+
+    ``measured``: loads already measured for this configuration (its sweep run), kept as they are."""
+    out: dict[str, dict] = dict(measured or {})
+    loads = [r for r in loads if load_key(r) not in out]
+    if not loads:
+        return out
+    if warmup:
+        warm = specs_for(swe.make_specs(warmup, seed + 10_000), f"{tag}-warm")
+        backend.run(warm, [0.25 * i for i in range(len(warm))], timeout=120)
+    for rate in sorted(loads):
+        specs = specs_for(base, f"{tag}-L{load_key(rate)}")
+        arrivals = swe.poisson_arrivals(len(specs), rate, seed)
+        before = backend.engine_stats()
+        t = time.perf_counter()
+        records = backend.run(specs, arrivals, timeout=max(60.0, 10 * len(specs) / rate))
+        wall = time.perf_counter() - t
+        m = load_metrics(records, specs, rate)
+        m["wall_s"] = wall
+        m.update(cache_delta(before, backend.engine_stats()))
+        out[load_key(rate)] = m
+        log(f"    {tag:30s} load {rate:4g}/s: mean {m['mean_s']:.2f}s p99 {m['p99_s']:.2f}s "
+            f"thr {m['throughput_rps']:.2f}/s {'sustained' if m['sustained'] else 'NOT sustained'} "
+            f"({m['completed']}/{m['requests']} done, {wall:.1f}s)")
+    return out
+
+
+def max_sustained(loads: dict[str, dict]) -> float:
+    """Highest offered load sustained (0.0 if none)."""
+    ok = [m["offered_rps"] for m in loads.values() if m.get("sustained")]
+    return max(ok) if ok else 0.0
+
+
+def sweep_score(m: dict) -> tuple:
+    """Best static configuration: all requests done, then sustained, then lowest mean latency."""
+    mean = m["mean_s"] if math.isfinite(m["mean_s"]) else float("inf")
+    return (m["completed"] < m["requests"], not m["sustained"], mean)
+
+
+def run_variant(name: str, make_backend: Callable[[], Any], base, loads, seed, warmup, log,
+                measured: dict | None = None) -> dict:
+    t = time.perf_counter()
+    with make_backend() as b:
+        res = {"description": b.describe(),
+               "loads": run_loads(b, base, loads, seed, warmup, name, log, measured)}
+        res.update(b.extra())
+    res["max_sustained_rps"] = max_sustained(res["loads"])
+    res["wall_s"] = time.perf_counter() - t
+    return res
+
+
+def run_dask_sweep(configs: list[dict], base, load: float, seed: int, warmup: int, log) -> list[dict]:
+    """Plain Dask's static configurations at the calibration load (each on a fresh cluster)."""
+    out = []
+    for cfg in configs:
+        tag = f"dask-sweep-t{cfg['threads']}-s{cfg['llm_slots']}"
+        with DaskBackend(**cfg) as b:
+            m = run_loads(b, base, [load], seed, warmup, tag, log)[load_key(load)]
+        out.append({"config": cfg, "metrics": m})
+    return out
+
+
+def peer_available(name: str) -> tuple[bool, str]:
+    """Whether a peer framework can be imported (and its version, or why not)."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(name)
+        if name == "langgraph":
+            from importlib.metadata import version
+
+            return True, version("langgraph")
+        return True, getattr(mod, "__version__", "?")
+    except Exception as e:
+        return False, f"not importable ({type(e).__name__}: {e})"
+
+
+def run_peer(name: str, preset: dict, base, loads, seed, warmup, log) -> tuple[dict, list[dict]]:
+    """Sweep a peer's routing rule at the calibration load, then run every load with the best."""
+    from benchmarks import e2e_peers
+
+    cal = preset["calibration_load"]
+    t = time.perf_counter()
+    with e2e_peers.make(name, tool_threads=PEER_TOOL_THREADS) as b:
+        sweep = []
+        for routing in preset["peer_sweep"]:
+            b.routing = routing
+            m = run_loads(b, base, [cal], seed, warmup if not sweep else 0, f"{name}-sweep-{routing}", log)
+            sweep.append({"config": {"routing": routing}, "metrics": m[load_key(cal)]})
+        chosen = min(sweep, key=lambda r: sweep_score(r["metrics"]))
+        best = chosen["config"]
+        b.routing = best["routing"]
+        res = {"description": b.describe(),
+               "loads": run_loads(b, base, loads, seed, 0, name, log, {load_key(cal): chosen["metrics"]})}
+    res["best_config"] = best
+    res["max_sustained_rps"] = max_sustained(res["loads"])
+    res["wall_s"] = time.perf_counter() - t
+    return res, sweep
+
+
+# -- summary, table, plots -----------------------------------------------------------------------
+
+def ratios(ours: dict, other: dict | None, ref: str) -> dict[str, float | None]:
+    """mean speedup, P99 reduction and sustained-load ratio of ``ours`` vs ``other`` at ``ref``."""
+    if other is None or other.get("skipped") or ref not in other.get("loads", {}) or ref not in ours.get("loads", {}):
+        return {"mean_speedup": None, "p99_reduction": None, "sustained_load_ratio": None}
+    a, b = ours["loads"][ref], other["loads"][ref]
+
+    def finite(x: float) -> float | None:
+        return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+    so, sb = ours["max_sustained_rps"], other["max_sustained_rps"]
+    return {"mean_speedup": finite(b["mean_s"] / a["mean_s"]) if a["mean_s"] else None,
+            "p99_reduction": finite(1.0 - a["p99_s"] / b["p99_s"]) if b["p99_s"] else None,
+            "sustained_load_ratio": (so / sb) if sb > 0 else None}
+
+
+def summarize(variants: dict[str, dict], ref_load: float) -> dict:
+    """Top-level summary for one workflow: dask-agents vs plain Dask and each peer, ablations."""
+    ref = load_key(ref_load)
+    ours = variants.get("dask-agents")
+    out: dict[str, Any] = {"reference_load_rps": ref_load, "emulated": True}
+    for other in ("dask", "ray", "langgraph"):
+        r = ratios(ours, variants.get(other), ref) if ours else ratios({}, None, ref)
+        out[f"mean_speedup_vs_{other}"] = r["mean_speedup"]
+        out[f"p99_reduction_vs_{other}"] = r["p99_reduction"]
+        out[f"sustained_load_ratio_vs_{other}"] = r["sustained_load_ratio"]
+    abl = {}
+    for p in POLICIES:
+        v = variants.get(f"dask-agents-no-{p}")
+        if ours and v and ref in v.get("loads", {}) and ref in ours["loads"]:
+            abl[p] = {"mean_ratio_off_vs_on": v["loads"][ref]["mean_s"] / ours["loads"][ref]["mean_s"],
+                      "p99_ratio_off_vs_on": v["loads"][ref]["p99_s"] / ours["loads"][ref]["p99_s"],
+                      "max_sustained_rps_off": v["max_sustained_rps"]}
+    out["ablations"] = abl
+    out["max_sustained_rps"] = {k: v.get("max_sustained_rps") for k, v in variants.items() if not v.get("skipped")}
+    out["skipped"] = {k: v["skipped"] for k, v in variants.items() if v.get("skipped")}
+    return out
+
+
+def print_config(config: dict) -> None:
+    print()
+    print("dask-agents end-to-end benchmark: Open-SWE workflow on EMULATED resources")
+    print(f"  {EMULATED_NOTE}")
+    print("-" * 100)
+    for k, v in config.items():
+        if isinstance(v, dict):
+            print(f"  {k}:")
+            for kk, vv in v.items():
+                print(f"      {kk:28s} {vv}")
+        else:
+            print(f"  {k:32s} {v}")
+    print()
+
+
+def fmt(x: Any, spec: str = ".2f") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan"
+    return format(x, spec)
+
+
+def print_table(workflow: str, variants: dict, sweeps: dict, summary: dict) -> None:
+    print()
+    print(f"EMULATED results, workflow {workflow!r} (latency in s, throughput in requests/s; KV hit: prefix-cache "
+          "hit rate, token-weighted; busiest: share of decode tokens on the busiest engine replica, 50% = even)")
+    hdr = (f"  {'variant':28s} {'load':>5s} {'mean':>7s} {'p50':>7s} {'p95':>7s} {'p99':>7s} {'thr':>6s} "
+           f"{'raw thr':>7s} {'done':>7s} {'KV hit':>7s} {'busiest':>7s} {'sustained':>9s}")
+    print(hdr)
+    print("  " + "-" * (len(hdr) - 2))
+    for name, v in variants.items():
+        if v.get("skipped"):
+            print(f"  {name:28s} skipped: {v['skipped']}")
+            continue
+        for key, m in sorted(v["loads"].items(), key=lambda kv: float(kv[0])):
+            print(f"  {name:28s} {key:>5s} {fmt(m['mean_s']):>7s} {fmt(m['p50_s']):>7s} {fmt(m['p95_s']):>7s} "
+                  f"{fmt(m['p99_s']):>7s} {fmt(m['throughput_rps']):>6s} {fmt(m['raw_throughput_rps']):>7s} "
+                  f"{m['completed']:>3d}/{m['requests']:<3d} {fmt(m.get('kv_hit_rate'), '.0%'):>7s} "
+                  f"{fmt(m.get('busiest_engine_share'), '.0%'):>7s} {'yes' if m['sustained'] else 'no':>9s}")
+        print(f"  {'':28s} highest load sustained: {fmt(v['max_sustained_rps'], 'g')}/s")
+    for peer, rows in sweeps.items():
+        if not rows:
+            continue
+        print()
+        print(f"  static-configuration sweep of {peer} at the calibration load:")
+        for r in rows:
+            m = r["metrics"]
+            print(f"    {json.dumps(r['config']):44s} mean {fmt(m['mean_s'])} p99 {fmt(m['p99_s'])} "
+                  f"thr {fmt(m['throughput_rps'])} done {m['completed']}/{m['requests']} "
+                  f"{'sustained' if m['sustained'] else 'not sustained'}")
+    print()
+    print(f"  summary (EMULATED; at the reference load {summary['reference_load_rps']:g} requests/s):")
+    for k, v in summary.items():
+        if k in ("ablations", "max_sustained_rps", "skipped", "reference_load_rps", "emulated"):
+            continue
+        print(f"    {k:36s} {fmt(v, '.3f')}")
+    for p, a in summary["ablations"].items():
+        print(f"    without {p:28s} mean x{a['mean_ratio_off_vs_on']:.3f}, p99 x{a['p99_ratio_off_vs_on']:.3f}, "
+              f"highest sustained {a['max_sustained_rps_off']:g}/s")
+    for k, v in summary["skipped"].items():
+        print(f"    {k} skipped: {v}")
+    print()
+
+
+def plot(path_stem: str, workflow: str, variants: dict) -> tuple[list[str], str | None]:
+    """Latency-vs-load and throughput-vs-load PNGs next to the JSON (None note if impossible)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        return [], f"plots skipped: matplotlib unavailable ({type(e).__name__}: {e})"
+    files = []
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    for name, v in variants.items():
+        if v.get("skipped"):
+            continue
+        pts = sorted((float(k), m) for k, m in v["loads"].items())
+        x = [p for p, _ in pts]
+        style = "-" if name in ("dask", "dask-agents", "ray", "langgraph") else ":"
+        axes[0].plot(x, [m["mean_s"] for _, m in pts], style, marker="o", label=name)
+        axes[1].plot(x, [m["p99_s"] for _, m in pts], style, marker="o", label=name)
+        axes[2].plot(x, [m["throughput_rps"] for _, m in pts], style, marker="o", label=name)
+    realized = {}  # the arrivals actually used (the same in every variant)
+    for v in variants.values():
+        for k, m in (v.get("loads") or {}).items():
+            realized.setdefault(float(k), m.get("offered_realized_rps"))
+    pts = sorted((k, r) for k, r in realized.items() if r is not None)
+    if pts:
+        axes[2].plot([k for k, _ in pts], [r for _, r in pts], "k--", linewidth=0.8, label="offered (realized)")
+        axes[2].legend(fontsize=7)
+    for ax, title in zip(axes, ("mean latency (s)", "P99 latency (s)", "throughput (requests/s)")):
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_title(f"{title}, EMULATED")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Open-SWE ({workflow}) on EMULATED engines and tools: latency and throughput vs load")
+    fig.tight_layout()
+    out = f"{path_stem}_{workflow}_latency.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    files.append(out)
+    return files, None
+
+
+# -- main ------------------------------------------------------------------------------------------
+
+def run_benchmark(preset: dict, variants: list[str], seed: int = 0,
+                  log: Callable[[str], None] = print) -> tuple[dict, dict]:
+    """Run the selected variants of the swe workflow; returns (variants, sweeps)."""
+    base = swe.make_specs(preset["requests"], seed)
+    loads = sorted(preset["loads"])
+    cal = preset["calibration_load"]
+    out: dict[str, dict] = {}
+    sweeps: dict[str, list] = {}
+    if "dask" in variants:
+        log("  plain Dask: static-configuration sweep at the calibration load")
+        sweeps["dask"] = run_dask_sweep(preset["dask_sweep"], base, cal, seed, preset["warmup"], log)
+        chosen = min(sweeps["dask"], key=lambda r: sweep_score(r["metrics"]))
+        best = chosen["config"]
+        log(f"  plain Dask: best static configuration {best}")
+        out["dask"] = run_variant("dask", lambda: DaskBackend(**best), base, loads, seed, preset["warmup"], log,
+                                  {load_key(cal): chosen["metrics"]})
+        out["dask"]["best_config"] = best
+    if "dask-agents" in variants:
+        out["dask-agents"] = run_variant("dask-agents", AgentsBackend, base, loads, seed, preset["warmup"], log)
+    for p in POLICIES:
+        name = f"dask-agents-no-{p}"
+        if name in variants:
+            out[name] = run_variant(name, lambda p=p: AgentsBackend(disabled=p), base, loads, seed,
+                                    preset["warmup"], log)
+    for peer in ("ray", "langgraph"):
+        if peer not in variants:
+            continue
+        ok, info = peer_available(peer)
+        if not ok:
+            log(f"  {peer}: SKIPPED, {info}")
+            out[peer] = {"skipped": info}
+            sweeps[peer] = []
+            continue
+        try:
+            out[peer], sweeps[peer] = run_peer(peer, preset, base, loads, seed, preset["warmup"], log)
+            out[peer]["version"] = info
+        except Exception as e:  # a broken peer install must not lose the other results
+            log(f"  {peer}: FAILED ({type(e).__name__}: {e}); reported as skipped")
+            out[peer] = {"skipped": f"failed: {type(e).__name__}: {e}"[:300]}
+            sweeps[peer] = []
+    return out, sweeps
+
+
+ALL_VARIANTS = ["dask", "dask-agents"] + [f"dask-agents-no-{p}" for p in POLICIES] + ["ray", "langgraph"]
+
+
+def build_config(preset: dict, mode: str, seed: int, variants: list[str]) -> dict:
+    base = swe.make_specs(preset["requests"], seed)
+    return {
+        "emulated": True, "note": EMULATED_NOTE, "mode": mode, "workflow": "swe", "seed": seed,
+        "python": sys.version.split()[0], "dask": dask.__version__, "distributed": distributed.__version__,
+        "platform": platform.platform(), "cpu_count": os.cpu_count(),
+        "variants": variants, "loads_rps": sorted(preset["loads"]), "requests_per_load": preset["requests"],
+        "warmup_requests": preset["warmup"], "calibration_load_rps": preset["calibration_load"],
+        "reference_load_rps": preset["calibration_load"],
+        "engine": {"replicas": 2, "model": swe.MODEL, **swe.ENGINE, "max_model_len": swe.MAX_MODEL_LEN,
+                   "prefix_caching": True, "class": "worker_plugin.emulated.EmulatedEngineHost"},
+        "tools": {"doc_search": "file_io prior (P50/P95/P99 45/320/1200 ms)",
+                  "code_exec": "code_exec prior (P50/P95/P99 180/2400/28000 ms)",
+                  "time_scale": swe.TOOL_TIME_SCALE},
+        "requests": swe.describe_specs(base),
+        "threads": {"dask-agents": f"2 workers x {THREADS_AGENTS}", "dask": "swept",
+                    "peers_tool_threads": PEER_TOOL_THREADS},
+        "dask_sweep": preset["dask_sweep"], "peer_sweep": preset["peer_sweep"],
+        "sustained": f"all done, throughput >= {SUSTAIN_FRACTION} x offered (realized), "
+                     f"P99 <= {P99_BOUND_FACTOR} x P99 of ideal latencies",
+        "p99_bound_factor": P99_BOUND_FACTOR,
+    }
+
+
+def jsonable(x: Any) -> Any:
+    """``x`` with non-finite floats as None (strict JSON) and tuples as lists."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def write_json(path: str, config: dict, results: dict, sweeps: dict, summary: dict, workflow: str = "swe") -> dict:
+    """Write ``{"config", "results", "summary"}`` (strict JSON); returns the document."""
+    doc = jsonable({"config": config, "results": {workflow: {"variants": results, "sweeps": sweeps}},
+                    "summary": summary})
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, default=str, allow_nan=False)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", metavar="PATH", required=True, help="write the results as JSON to PATH (plots beside it)")
+    p.add_argument("--quick", action="store_true", help="two loads, fewer requests (a few minutes on 2 cores)")
+    p.add_argument("--workflow", default="swe", choices=["swe"], help="workflow to run (only swe so far)")
+    p.add_argument("--variants", help=f"comma-separated subset of {','.join(ALL_VARIANTS)}")
+    p.add_argument("--loads", help="comma-separated offered loads in requests/s (overrides the preset)")
+    p.add_argument("--requests", type=int, help="requests per load (overrides the preset)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    preset = dict(QUICK if args.quick else FULL)
+    if args.loads:
+        preset["loads"] = [float(x) for x in args.loads.split(",")]
+        if preset["calibration_load"] not in preset["loads"]:
+            preset["calibration_load"] = max(preset["loads"])
+    if args.requests:
+        preset["requests"] = args.requests
+    variants = args.variants.split(",") if args.variants else list(ALL_VARIANTS)
+    unknown = set(variants) - set(ALL_VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}")
+
+    t0 = time.perf_counter()
+    config = build_config(preset, "quick" if args.quick else "full", args.seed, variants)
+    print_config(config)
+    results, sweeps = run_benchmark(preset, variants, args.seed, log=lambda s: print(s, flush=True))
+    summary = {args.workflow: summarize(results, preset["calibration_load"])}
+    config["wall_s"] = time.perf_counter() - t0
+    summary["wall_s"] = config["wall_s"]
+    summary["emulated"] = True
+    print_table(args.workflow, results, sweeps, summary[args.workflow])
+
+    path = os.path.abspath(args.json)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    stem = os.path.splitext(path)[0]
+    plots, note = plot(stem, args.workflow, results)
+    config["plots"] = [os.path.basename(f) for f in plots]
+    if note:
+        config["plots_note"] = note
+        print(f"  {note}")
+    write_json(path, config, results, sweeps, summary, args.workflow)
+    print(f"wrote {path}" + (f" and {', '.join(plots)}" if plots else ""))
+    print(f"wall {config['wall_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Plain Dask form of the Open-SWE workflow for ``benchmarks/e2e.py`` (no dask-agents at all).
+
+Written the way a careful Dask user would: the driver submits one task per agent step and
+passes futures between them (the plan future goes to the developers, the patch futures to the
+tester); agent tasks make their nested calls through ``worker_client()`` (which secedes, so a
+waiting agent holds no worker thread); each LLM call is a task that runs on a worker and
+calls the EMULATED engine that worker hosts (``EngineHostPlugin``: one
+:class:`worker_plugin.emulated.EmulatedEngineHost` per worker, the class dask-agents hosts) and
+waits for it, holding its thread as real work would; tools are plain tasks. Dask's own
+scheduling, queuing and work stealing decide everything else.
+
+Static configuration knobs (swept by e2e.py at the calibration load, best one kept):
+``threads`` per worker, and ``llm_slots``: None (LLM tasks may run on any worker thread), or
+k (every worker advertises resource ``LLM=k`` and each LLM task needs ``LLM=1``, so at most k
+calls are in flight per engine and the rest wait in the scheduler, where Dask can place them
+on whichever engine frees a slot first).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from distributed import WorkerPlugin, get_worker, worker_client
+
+from benchmarks import e2e_swe as swe
+
+PLUGIN = "e2e-emulated-engine"
+
+
+class EngineHostPlugin(WorkerPlugin):
+    """Hosts one EMULATED engine per worker (plain Dask: no dask-agents plugin anywhere)."""
+
+    name = PLUGIN
+
+    def __init__(self, engine: dict | None = None):
+        self.engine = dict(swe.ENGINE if engine is None else engine)
+        self.host = None
+
+    def setup(self, worker) -> None:
+        self.host = swe.make_engine(swe.MODEL, self.engine)
+
+    def teardown(self, worker) -> None:
+        if self.host is not None:
+            self.host.close()
+
+
+def engine_stats(dask_worker) -> dict | None:
+    """``client.run`` helper: this worker's engine counters (None if it hosts none)."""
+    plugin = dask_worker.plugins.get(PLUGIN)
+    return plugin.host.stats() if plugin is not None and plugin.host is not None else None
+
+
+def llm_task(prompt: str, max_tokens: int) -> dict:
+    """One LLM call on this worker's engine (holds the thread while the engine works)."""
+    host = get_worker().plugins[PLUGIN].host
+    out = swe.engine_call(host, prompt, max_tokens, uuid.uuid4().hex).result()
+    toks = out.outputs[0].token_ids
+    return {"text": host.tokenizer.decode(toks), "prompt_tokens": len(out.prompt_token_ids),
+            "cached_tokens": out.num_cached_tokens, "output_tokens": len(toks)}
+
+
+def doc_search_task(query: str, emulated_s: float, time_scale: float) -> str:
+    return swe.sleep_tool("file_io", query, emulated_s, time_scale)
+
+
+def code_exec_task(code: str, emulated_s: float, time_scale: float) -> str:
+    return swe.sleep_tool("code_exec", code, emulated_s, time_scale)
+
+
+def _llm(c, prompt: str, max_tokens: int, llm_slots: int | None) -> dict:
+    kw = {"resources": {"LLM": 1}} if llm_slots else {}
+    return c.submit(llm_task, prompt, max_tokens, pure=False, **kw).result()
+
+
+def plan_task(spec: swe.RequestSpec, llm_slots: int | None) -> list[str]:
+    with worker_client() as c:  # secedes: the wait below holds no worker thread
+        _llm(c, swe.plan_prompt(spec), swe.PLAN_TOKENS, llm_slots)
+    return swe.subtasks_of(spec)
+
+
+def implement_task(spec: swe.RequestSpec, subtasks: list[str], k: int, feedback: str | None, attempt: int,
+                   llm_slots: int | None) -> swe.Patch:
+    subtask = subtasks[k]
+    ts = spec.tool_time_scale
+    with worker_client() as c:
+        docs = c.submit(doc_search_task, subtask, spec.doc_s[k][attempt], ts, pure=False).result()
+        answer = _llm(c, swe.patch_prompt(spec, subtask, docs, feedback), swe.PATCH_TOKENS, llm_slots)
+        ran = c.submit(code_exec_task, f"{subtask} attempt {attempt}", spec.code_s[k][attempt], ts, pure=False).result()
+    return swe.Patch(subtask=subtask, diff=f"{answer['text'][:16]!r} / {ran}", attempt=attempt,
+                     tokens=answer["output_tokens"])
+
+
+def tester_task(spec: swe.RequestSpec, patches: list[swe.Patch], rnd: int, llm_slots: int | None) -> swe.Report:
+    with worker_client() as c:
+        _llm(c, swe.review_prompt(spec, [p.subtask for p in patches]), swe.REVIEW_TOKENS, llm_slots)
+        c.submit(code_exec_task, f"pytest {spec.id} round {rnd}", spec.test_s[rnd], spec.tool_time_scale,
+                 pure=False).result()
+    return swe.tester_report(spec, rnd)
+
+
+def solve_dask(client, spec: swe.RequestSpec, llm_slots: int | None = None) -> dict:
+    """Drive one request with plain Dask futures (the same control flow as ``solve_agents``)."""
+    plan = client.submit(plan_task, spec, llm_slots, pure=False)
+    n = len(plan.result())  # like len(subtasks) in the dask-agents driver: wait for the plan
+    patches = [client.submit(implement_task, spec, plan, k, None, 0, llm_slots, pure=False) for k in range(n)]
+    retries = 0
+    report = client.submit(tester_task, spec, patches, 0, llm_slots, pure=False).result()
+    while not report.passed:
+        retries += 1
+        k = report.failing
+        patches[k] = client.submit(implement_task, spec, plan, k, report.log, retries, llm_slots, pure=False)
+        report = client.submit(tester_task, spec, list(patches), retries, llm_slots, pure=False).result()
+    done = client.gather(patches)
+    return {"retries": retries, "passed": report.passed, "patches": len(done)}

@@ -1,0 +1,143 @@
+"""The end-to-end benchmark's harness (benchmarks/e2e.py) at a tiny scale: request specs, the
+metrics, the JSON schema, and one tiny run of plain Dask and dask-agents. Never asserts on speed."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import e2e
+from benchmarks import e2e_swe as swe
+from benchmarks.e2e_peers import Router
+
+
+def test_specs_are_reproducible_and_follow_the_workflow_rule():
+    a, b = swe.make_specs(6, 3), swe.make_specs(6, 3)
+    assert a == b and swe.make_specs(6, 4) != a
+    for s in a:
+        assert s.failing[-1] is None and len(s.failing) <= swe.MAX_RETRIES + 1
+        assert all(f is None or 0 <= f < s.issue.n_subtasks for f in s.failing)
+        assert len(s.doc_s) == len(s.code_s) == s.issue.n_subtasks
+        assert all(len(x) == swe.MAX_RETRIES + 1 for x in s.doc_s + s.code_s)
+        assert 0 < swe.ideal_latency(s) < 60
+    arr = swe.poisson_arrivals(5, 2.0, 0)
+    assert arr[0] == 0.0 and arr == sorted(arr) and swe.poisson_arrivals(5, 4.0, 0) == pytest.approx([x / 2 for x in arr])
+    # Every run gets fresh ids of one length: the same prompt lengths, hence the same work.
+    x, y = e2e.specs_for(a, "dask-L2"), e2e.specs_for(a, "dask-agents-no-reallocate-L2")
+    assert [len(s.id) for s in x] == [len(s.id) for s in y] and x[0].id != y[0].id
+    assert [s.failing for s in x] == [s.failing for s in a]
+    assert [swe.ideal_latency(s) for s in x] == pytest.approx([swe.ideal_latency(s) for s in y])
+
+
+def test_load_metrics_throughput_and_sustained():
+    specs = swe.make_specs(20, 0)
+    ideal = {s.id: swe.ideal_latency(s) for s in specs}
+    arrivals = [0.5 * i for i in range(20)]
+
+    def records(extra):  # extra(i): the delay beyond the ideal latency
+        return [{"id": s.id, "arrival": a, "finish": a + ideal[s.id] + extra(i), "latency": ideal[s.id] + extra(i),
+                 "ok": True} for i, (s, a) in enumerate(zip(specs, arrivals))]
+
+    keep_up = e2e.load_metrics(records(lambda i: 0.2), specs, 2.0)
+    assert keep_up["throughput_rps"] == pytest.approx(2.0) and keep_up["sustained"]
+    assert keep_up["completed"] == 20 and keep_up["mean_excess_over_ideal_s"] == pytest.approx(0.2)
+    behind = e2e.load_metrics(records(lambda i: 0.25 * i), specs, 2.0)  # falls 0.5 s/s behind
+    assert behind["throughput_rps"] == pytest.approx(2.0 / 1.5) and not behind["sustained"]
+    lost = records(lambda i: 0.0)
+    lost[3] = {**lost[3], "ok": False, "error": "boom"}
+    m = e2e.load_metrics(lost, specs, 2.0)
+    assert m["completed"] == 19 and not m["sustained"] and m["failed"] == ["boom"]
+
+
+def test_router_rules():
+    r = Router(2, "least_loaded")
+    a, b = r.pick("s1"), r.pick("s2")
+    assert {a, b} == {0, 1}
+    r.done(a)
+    assert r.pick("s3") == a
+    s = Router(2, "session_sticky")
+    first = s.pick("s1")
+    s.pick("s2")
+    assert s.pick("s1") == first
+    with pytest.raises(ValueError, match="unknown routing"):
+        Router(2, "random")
+
+
+def test_summary_with_skipped_peers_and_strict_json(tmp_path):
+    m = {"mean_s": 2.0, "p99_s": 4.0, "sustained": True, "offered_rps": 2.0}
+    variants = {"dask": {"loads": {"2": {**m, "mean_s": 3.0, "p99_s": 5.0}}, "max_sustained_rps": 2.0},
+                "dask-agents": {"loads": {"2": m}, "max_sustained_rps": 2.0},
+                "dask-agents-no-balance": {"loads": {"2": {**m, "mean_s": float("nan")}}, "max_sustained_rps": 0.0},
+                "ray": {"skipped": "not importable (ModuleNotFoundError: No module named 'ray')"}}
+    s = e2e.summarize(variants, 2.0)
+    assert s["mean_speedup_vs_dask"] == pytest.approx(1.5) and s["p99_reduction_vs_dask"] == pytest.approx(0.2)
+    assert s["sustained_load_ratio_vs_dask"] == 1.0
+    assert s["mean_speedup_vs_ray"] is None and "ray" in s["skipped"]
+    assert s["mean_speedup_vs_langgraph"] is None
+    doc = e2e.write_json(str(tmp_path / "x.json"), {"emulated": True}, variants, {}, {"swe": s})
+    assert json.loads((tmp_path / "x.json").read_text()) == doc  # strict JSON: NaN became null
+    assert doc["results"]["swe"]["variants"]["dask-agents-no-balance"]["loads"]["2"]["mean_s"] is None
+
+
+SUMMARY_KEYS = [f"{m}_vs_{o}" for o in ("dask", "ray", "langgraph")
+                for m in ("mean_speedup", "p99_reduction", "sustained_load_ratio")]
+
+
+@pytest.mark.timeout(120)
+def test_tiny_run_of_plain_dask_and_dask_agents(tmp_path):
+    preset = {"loads": [3.0], "requests": 3, "calibration_load": 3.0, "warmup": 1,
+              "dask_sweep": [{"threads": 8, "llm_slots": 8}], "peer_sweep": ["least_loaded"]}
+    lines: list[str] = []
+    results, sweeps = e2e.run_benchmark(preset, ["dask", "dask-agents"], seed=1, log=lines.append)
+    summary = {"swe": e2e.summarize(results, 3.0)}
+    config = e2e.build_config(preset, "test", 1, ["dask", "dask-agents"])
+    doc = e2e.write_json(str(tmp_path / "e2e.json"), config, results, sweeps, summary)
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+
+    assert set(doc) == {"config", "results", "summary"} and doc["config"]["emulated"] is True
+    assert doc["config"]["engine"]["max_batch"] == 8 and doc["config"]["engine"]["replicas"] == 2
+    variants = doc["results"]["swe"]["variants"]
+    assert set(variants) == {"dask", "dask-agents"}
+    assert [r["config"] for r in doc["results"]["swe"]["sweeps"]["dask"]] == preset["dask_sweep"]
+    for name, v in variants.items():
+        m = v["loads"]["3"]
+        assert m["completed"] == m["requests"] == 3, (name, m["failed"])
+        for k in ("mean_s", "p50_s", "p95_s", "p99_s", "throughput_rps", "offered_realized_rps", "kv_hit_rate"):
+            assert isinstance(m[k], (int, float)) and math.isfinite(m[k]) and m[k] >= 0, (name, k, m[k])
+        assert m["engines"] == 2 and isinstance(m["sustained"], bool)
+        assert v["max_sustained_rps"] in (0.0, 3.0)
+    s = doc["summary"]["swe"]
+    for k in SUMMARY_KEYS:
+        assert k in s
+    for k in ("mean_speedup_vs_dask", "p99_reduction_vs_dask"):
+        assert math.isfinite(s[k])
+    assert s["reference_load_rps"] == 3.0 and s["mean_speedup_vs_ray"] is None
+    assert any("dask-agents" in line for line in lines)
+
+
+def test_missing_peer_is_skipped_and_said_so(monkeypatch):
+    monkeypatch.setattr(e2e, "peer_available", lambda name: (False, f"not importable (no module {name})"))
+    lines: list[str] = []
+    preset = {"loads": [3.0], "requests": 2, "calibration_load": 3.0, "warmup": 0, "dask_sweep": [],
+              "peer_sweep": ["least_loaded"]}
+    results, sweeps = e2e.run_benchmark(preset, ["ray", "langgraph"], log=lines.append)
+    assert results == {"ray": {"skipped": "not importable (no module ray)"},
+                       "langgraph": {"skipped": "not importable (no module langgraph)"}}
+    assert sweeps == {"ray": [], "langgraph": []}
+    assert any("ray: SKIPPED" in line for line in lines)
+    s = e2e.summarize(results, 3.0)
+    assert s["mean_speedup_vs_ray"] is None and set(s["skipped"]) == {"ray", "langgraph"}
+
+
+def test_tiny_langgraph_run_if_installed():
+    pytest.importorskip("langgraph")
+    from benchmarks import e2e_peers
+
+    specs = e2e.specs_for(swe.make_specs(2, 5), "lg-test")
+    with e2e_peers.make("langgraph", routing="session_sticky") as peer:
+        records = peer.run(specs, [0.0, 0.1], timeout=60)
+        stats = peer.engine_stats()
+    assert [r["ok"] for r in records] == [True, True], records
+    assert len(stats) == 2 and sum(s["decode_tokens"] for s in stats) > 0
