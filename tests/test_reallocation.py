@@ -98,8 +98,8 @@ def test_provision_and_kill_go_through_the_cluster_manager():
         # kill the provisioned worker: through the cluster manager, which then forgets it
         new = [w for w in coders if c.scheduler_info()["workers"][w]["name"] == 2]
         assert new and c.run_on_scheduler(_kill, new[0]) == 1
-        wait_for(lambda: len(c.scheduler_info()["workers"]) == 2 and len(cluster.worker_spec) == 2)
-        assert link.removed == [2]
+        wait_for(lambda: len(c.scheduler_info()["workers"]) == 2 and len(cluster.worker_spec) == 2
+                 and link.removed == [2])
         link.stop()
 
 
