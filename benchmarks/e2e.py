@@ -14,21 +14,35 @@ P95, P99 request latency (arrival to completion), throughput, whether the load w
 the engines' prefix-cache hit rate (token-weighted) and how the decode work split between the
 two replicas (``busiest_engine_share``: 0.5 is even); per variant the highest load sustained.
 
+Workload: every LLM prompt carries its session's history, as agent prompts do (details and
+statistics in ``e2e_swe``'s docstring): the system prompt, the issue's repository context
+(1.5k-3k tokens, seeded), the plan, the developer's subtask, doc-search answer, earlier
+attempt and failure log, or the tester's view of every current patch. ~5.8 LLM calls and
+~3,050 prompt tokens per call (quick run), of which 77% are reusable from the session's
+earlier calls and the shared system prompt (a perfect cache's hit rate; Copilot's coding
+agent: 86% cached), and ~18.5 output tokens per call. So an engine that already holds a
+session's KV prefills ~0.02-0.05 s of a call instead of ~0.3 s: where each call runs matters
+(prompts that shared only the system prompt would not exercise that).
+
 Resources (identical for every variant)
 ---------------------------------------
 - 2 replicas of one EMULATED engine (model ``coder``; the class
   ``worker_plugin.emulated.EmulatedEngineHost`` in every variant): max_batch 8, 20 ms per
-  iteration (+0.05 ms per running sequence), 0.2 ms per non-cached prompt token, 256 KV blocks
-  of 16 tokens with vLLM-style prefix reuse, engine time scale 1.0 (see ``e2e_swe.ENGINE``).
+  iteration (+0.05 ms per running sequence), 0.1 ms per non-cached prompt token (no chunked
+  prefill), 2048 KV blocks of 16 tokens per replica with vLLM-style prefix reuse (~8
+  sessions' histories; 9-10 sessions are in flight at the quick run's higher load), engine
+  time scale 0.5 (wall time is half the emulated time); why these figures: ``e2e_swe.ENGINE``.
+  The best plain-Dask configuration saturates near 3 requests/s.
 - Tools: file_io (doc search) and code_exec latencies from SAGA's priors x 0.1.
 - Threads: Dask variants run 2 worker processes (each hosting one engine), agents and tools on
   the workers' threads; peers run tools on 32 threads (= 2 x 16) and agents as coroutines.
 - The same requests in every variant: subtask counts, which tester round fails (the rule of
-  examples/swe/workflow.py), every tool latency and the arrival times are drawn up front from
-  seeded RNGs. Each run (variant x load) uses the same requests with ids prefixed by an
-  8-character digest of the run: prompt lengths are identical everywhere, and a run's prompts
-  never hit the session-specific cache of an earlier run (the shared system prompt is cached
-  everywhere after the warm-up).
+  examples/swe/workflow.py), every tool latency, every prompt (built by ``e2e_swe`` from the
+  spec, outputs included) and the arrival times are drawn up front from seeded RNGs. Each run
+  (variant x load) uses the same requests with ids prefixed by an 8-character digest of the
+  run: the id precedes everything request-specific in a prompt, so prompt lengths are
+  identical everywhere and a run's prompts never hit the session-specific cache of an earlier
+  run (the shared system prompt is cached everywhere after the warm-up).
 
 Variants
 --------
@@ -129,11 +143,13 @@ SUSTAIN_FRACTION = 0.9
 EMULATED_NOTE = ("EMULATED: LLM engines are a cost model (worker_plugin/emulated.py) and tools sleep "
                  "latencies from kv/tool_latency priors; no real model or tool ran")
 
-QUICK = {"loads": [2.0, 4.0], "requests": 16, "calibration_load": 4.0, "warmup": 4,
+# Loads: the best plain-Dask configuration saturates near 3 requests/s (e2e_swe.ENGINE), so the
+# quick run's higher (reference) load is at saturation, its lower one at about half of it.
+QUICK = {"loads": [1.5, 3.0], "requests": 16, "calibration_load": 3.0, "warmup": 4,
          "dask_sweep": [{"threads": 16, "llm_slots": None}, {"threads": 16, "llm_slots": 8},
                         {"threads": 32, "llm_slots": None}],
          "peer_sweep": ["least_loaded", "session_sticky"]}
-FULL = {"loads": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "requests": 60, "calibration_load": 4.0, "warmup": 8,
+FULL = {"loads": [1.0, 1.5, 2.0, 2.5, 3.0, 4.0], "requests": 60, "calibration_load": 3.0, "warmup": 8,
         "dask_sweep": [{"threads": t, "llm_slots": s} for t in (8, 16, 32) for s in (None, 8)],
         "peer_sweep": ["round_robin", "least_loaded", "session_sticky"]}
 
@@ -399,16 +415,12 @@ class AgentsBackend:
 
 def specs_for(base: list[swe.RequestSpec], tag: str) -> list[swe.RequestSpec]:
     """The same requests with ids prefixed by a fixed-length digest of ``tag``: fresh
-    session-specific prompt text for every run, and the same prompt lengths in every variant."""
+    session-specific prompt text for every run (the id precedes everything request-specific in
+    a prompt, and the engine's block hashes are chained), the same prompt lengths everywhere."""
     import hashlib
 
     prefix = hashlib.sha1(tag.encode()).hexdigest()[:8]
-    out = []
-    for s in base:
-        i = s.issue
-        issue = swe.Issue(id=f"{prefix}-{i.id}", text=i.text, seed=i.seed, n_subtasks=i.n_subtasks)
-        out.append(swe.RequestSpec(issue, s.failing, s.doc_s, s.code_s, s.test_s, s.tool_time_scale))
-    return out
+    return [swe.with_id(s, f"{prefix}-{s.issue.id}") for s in base]
 
 
 def load_key(rate: float) -> str:

@@ -59,8 +59,8 @@ def llm_task(prompt: str, max_tokens: int) -> dict:
             "cached_tokens": out.num_cached_tokens, "output_tokens": len(toks)}
 
 
-def doc_search_task(query: str, emulated_s: float, time_scale: float) -> str:
-    return swe.sleep_tool("file_io", query, emulated_s, time_scale)
+def doc_search_task(query: str, emulated_s: float, time_scale: float, answer: tuple) -> str:
+    return swe.sleep_tool("file_io", query, emulated_s, time_scale, answer)
 
 
 def code_exec_task(code: str, emulated_s: float, time_scale: float) -> str:
@@ -83,16 +83,16 @@ def implement_task(spec: swe.RequestSpec, subtasks: list[str], k: int, feedback:
     subtask = subtasks[k]
     ts = spec.tool_time_scale
     with worker_client() as c:
-        docs = c.submit(doc_search_task, subtask, spec.doc_s[k][attempt], ts, pure=False).result()
-        answer = _llm(c, swe.patch_prompt(spec, subtask, docs, feedback), swe.PATCH_TOKENS, llm_slots)
-        ran = c.submit(code_exec_task, f"{subtask} attempt {attempt}", spec.code_s[k][attempt], ts, pure=False).result()
-    return swe.Patch(subtask=subtask, diff=f"{answer['text'][:16]!r} / {ran}", attempt=attempt,
-                     tokens=answer["output_tokens"])
+        docs = c.submit(doc_search_task, subtask, spec.doc_s[k][attempt], ts, swe.doc_args(spec, k, attempt),
+                        pure=False).result()
+        answer = _llm(c, swe.patch_prompt(spec, subtasks, k, attempt, docs, feedback), swe.PATCH_TOKENS, llm_slots)
+        c.submit(code_exec_task, f"{subtask} attempt {attempt}", spec.code_s[k][attempt], ts, pure=False).result()
+    return swe.make_patch(spec, subtasks, k, attempt, answer["output_tokens"])
 
 
 def tester_task(spec: swe.RequestSpec, patches: list[swe.Patch], rnd: int, llm_slots: int | None) -> swe.Report:
     with worker_client() as c:
-        _llm(c, swe.review_prompt(spec, [p.subtask for p in patches]), swe.REVIEW_TOKENS, llm_slots)
+        _llm(c, swe.review_prompt(spec, patches), swe.REVIEW_TOKENS, llm_slots)
         c.submit(code_exec_task, f"pytest {spec.id} round {rnd}", spec.test_s[rnd], spec.tool_time_scale,
                  pure=False).result()
     return swe.tester_report(spec, rnd)

@@ -78,7 +78,7 @@ class _AsyncPeer:
     async def llm(self, spec: swe.RequestSpec, prompt: str, max_tokens: int) -> dict:
         raise NotImplementedError
 
-    async def tool(self, kind: str, payload: str, emulated_s: float, time_scale: float) -> str:
+    async def tool(self, kind: str, payload: str, emulated_s: float, time_scale: float, answer: tuple = ()) -> str:
         raise NotImplementedError
 
     async def plan(self, spec):
@@ -87,14 +87,13 @@ class _AsyncPeer:
 
     async def implement(self, spec, subtasks, k, feedback, attempt):
         subtask, ts = subtasks[k], spec.tool_time_scale
-        docs = await self.tool("file_io", subtask, spec.doc_s[k][attempt], ts)
-        answer = await self.llm(spec, swe.patch_prompt(spec, subtask, docs, feedback), swe.PATCH_TOKENS)
-        ran = await self.tool("code_exec", f"{subtask} attempt {attempt}", spec.code_s[k][attempt], ts)
-        return swe.Patch(subtask=subtask, diff=f"{answer['text'][:16]!r} / {ran}", attempt=attempt,
-                         tokens=answer["output_tokens"])
+        docs = await self.tool("file_io", subtask, spec.doc_s[k][attempt], ts, swe.doc_args(spec, k, attempt))
+        answer = await self.llm(spec, swe.patch_prompt(spec, subtasks, k, attempt, docs, feedback), swe.PATCH_TOKENS)
+        await self.tool("code_exec", f"{subtask} attempt {attempt}", spec.code_s[k][attempt], ts)
+        return swe.make_patch(spec, subtasks, k, attempt, answer["output_tokens"])
 
     async def test(self, spec, patches, rnd):
-        await self.llm(spec, swe.review_prompt(spec, [p.subtask for p in patches]), swe.REVIEW_TOKENS)
+        await self.llm(spec, swe.review_prompt(spec, patches), swe.REVIEW_TOKENS)
         await self.tool("code_exec", f"pytest {spec.id} round {rnd}", spec.test_s[rnd], spec.tool_time_scale)
         return swe.tester_report(spec, rnd)
 
@@ -127,8 +126,8 @@ class EngineActor:
 class ToolActor:
     """Tools on a threaded Ray actor (``max_concurrency`` threads)."""
 
-    def run(self, kind: str, payload: str, emulated_s: float, time_scale: float) -> str:
-        return swe.sleep_tool(kind, payload, emulated_s, time_scale)
+    def run(self, kind: str, payload: str, emulated_s: float, time_scale: float, answer: tuple = ()) -> str:
+        return swe.sleep_tool(kind, payload, emulated_s, time_scale, answer)
 
 
 class RayPeer(_AsyncPeer):
@@ -175,9 +174,9 @@ class RayPeer(_AsyncPeer):
         finally:
             self.router.done(i)
 
-    async def tool(self, kind, payload, emulated_s, time_scale):
+    async def tool(self, kind, payload, emulated_s, time_scale, answer=()):
         self._next_tool = (self._next_tool + 1) % len(self.tools)
-        return await self.tools[self._next_tool].run.remote(kind, payload, emulated_s, time_scale)
+        return await self.tools[self._next_tool].run.remote(kind, payload, emulated_s, time_scale, answer)
 
     async def solve(self, spec: swe.RequestSpec) -> dict:
         subtasks = await self.plan(spec)
@@ -245,9 +244,9 @@ class LangGraphPeer(_AsyncPeer):
         finally:
             self.router.done(i)
 
-    async def tool(self, kind, payload, emulated_s, time_scale):
+    async def tool(self, kind, payload, emulated_s, time_scale, answer=()):
         return await asyncio.get_running_loop().run_in_executor(self.pool, swe.sleep_tool, kind, payload,
-                                                                emulated_s, time_scale)
+                                                                emulated_s, time_scale, answer)
 
     def _build(self):
         from langgraph.graph import END, START, StateGraph

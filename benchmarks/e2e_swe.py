@@ -1,20 +1,63 @@
-"""The Open-SWE workflow of ``benchmarks/e2e.py``: request specs, the EMULATED resources, and the
-dask-agents form of the workflow.
+"""The Open-SWE workflow of ``benchmarks/e2e.py``: request specs, the prompts every variant sends,
+the EMULATED resources, and the dask-agents form of the workflow.
 
-One request is one Open-SWE session, exactly the logic of ``examples/swe/workflow.py``:
-planner (one LLM call) -> one developer per subtask in parallel (doc-search tool, LLM call,
-code-exec tool) -> tester (LLM call, code-exec tool) -> while the tester reports a failing
-subtask: that developer again with the feedback, then the tester again (at most
-``MAX_RETRIES`` rounds). Prompts are built with the workflow's own ``_context`` (its system
-prompt and the issue line), with the same ``max_tokens`` (16, 24, 8), and a tester round fails
-by the workflow's own seeded rule (``random.Random(f"{seed}-{round}")``, ``FAIL_PROBABILITY``).
+This module is the single source of what a request does: plain Dask (``e2e_baselines.py``),
+dask-agents (below), Ray and LangGraph (``e2e_peers.py``) all read the same
+:class:`RequestSpec` and build every prompt with the functions here, so they send the same
+prompts (byte for byte, up to the 8-character run digest in the request id that keeps one
+run's prompts out of another run's prefix cache) in the same dependency order.
 
-What differs from ``examples/swe/workflow.py`` (on purpose, so every framework does the same
-work): everything random about a request is drawn up front, once, from a seeded RNG into a
-:class:`RequestSpec` (subtask count, which round fails and which subtask, every tool latency),
-and every variant reads it from there. Tool latencies are drawn from the SAGA priors of
-:mod:`kv.tool_latency` (file_io for doc search, code_exec for code runs) and slept times
-``tool_time_scale`` (the workflow's own tools sleep a log-normal around the medians instead).
+Control flow: ``examples/swe/workflow.py``'s. Planner (one LLM call) -> one developer per
+subtask in parallel (doc-search tool, LLM call, code-exec tool) -> tester (LLM call, code-exec
+tool) -> while the tester reports a failing subtask: that developer again with the feedback,
+then the tester again (at most ``MAX_RETRIES`` rounds). The workflow's ``max_tokens`` (16, 24,
+8), and a tester round fails by the workflow's own seeded rule (``random.Random(f"{seed}-{round}")``,
+``FAIL_PROBABILITY``).
+
+Prompts: the session's history (unlike examples/swe/workflow.py, whose prompts share only the
+system prompt). Agent prompts carry the session's growing history (the repository context, the
+plan, tool answers, earlier attempts), which is what makes an engine that already holds a
+session's KV worth returning to. Each call's prompt, in this fixed order (one ASCII character
+is one token of the byte tokenizer)::
+
+    context        system prompt (420 tokens, shared by every session)
+                   + "Issue <id>: <title>" + repository context (1500-3000 tokens, seeded per issue)
+    planner        context + "Plan the subtasks."
+    developer k    planner prompt + the plan + subtask k + its doc-search answer (150-450 tokens)
+                   + "Write the patch."
+      on a retry   its own previous prompt + its previous patch + the tester's failure log
+                   (100-300 tokens) + a new doc-search answer + "Write the patch again."
+    tester         planner prompt + the plan + every current patch (subtask order) + "Review."
+
+Outputs come from the spec, not from the engine's (random) tokens: the plan and each patch are
+seeded synthetic strings of the call's ``max_tokens`` characters, and the tools' answers and
+failure logs are seeded synthetic text of drawn lengths, so the history is the same in every
+variant. (The engine caches the blocks of the tokens *it* generated, which are not these
+strings, so a generated output is never a cache hit: at most one or two blocks per call that a
+real engine, detokenizing and retokenizing the same text, might reuse.)
+
+Token statistics of these prompts (``token_stats``, printed with every run under
+``requests.tokens``; seed 0): 5.8 LLM calls per request (quick run, 16 requests; 5.55 for the
+full run's 60), 3,050 prompt tokens per call on average (2.1k-4.1k; planner 2.7k, developer
+3.2k, tester 3.0k; 60 requests: 3,170), 18.5 output tokens per call, i.e. 165 prompt tokens
+per output token (Copilot's coding-agent sessions: 631.4B / 4.91B = 129). Of the prompt
+tokens, 75% are a block-aligned prefix of a prompt the same session sent before (a call it
+depends on; a concurrent sibling's not counted), and 77% counting the system prompt that
+every session shares as well; ~4,050 tokens per request are fresh. That 77% is the hit rate
+of a perfect prefix cache (every session's history kept, every call on the replica holding
+it). GitHub Copilot's coding-agent sessions have 86% of their prompt tokens cached (540.95B
+of 631.4B): their sessions are far longer (3.95 turns x 7.83 calls, ~68k prompt tokens per
+call), so the fresh context of a session's first call weighs less than in these ~6-call
+sessions, where the first call's repository context alone is ~13% of all prompt tokens. So
+this workload is somewhat less cache-friendly than Copilot's, not more: it does not overstate
+what keeping a session on the replica that holds its KV can gain.
+
+What else differs from ``examples/swe/workflow.py`` (on purpose, so every framework does the
+same work): everything random about a request is drawn up front, once, from seeded RNGs into a
+:class:`RequestSpec` (subtask count, which round fails and which subtask, every tool latency,
+every synthetic text length), and every variant reads it from there. Tool latencies are drawn
+from the SAGA priors of :mod:`kv.tool_latency` (file_io for doc search, code_exec for code
+runs) and slept times ``tool_time_scale``.
 
 Everything timed here is EMULATED: the engine is :class:`worker_plugin.emulated.EmulatedEngineHost`
 (a cost model) and the tools sleep.
@@ -22,6 +65,8 @@ Everything timed here is EMULATED: the engine is :class:`worker_plugin.emulated.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import random
 import time
@@ -34,30 +79,45 @@ from kv.tool_latency import prior
 MODEL = "coder"  # the model name the Open-SWE agents call (da.llm("coder"))
 PLAN_TOKENS, PATCH_TOKENS, REVIEW_TOKENS = 16, 24, 8  # max_tokens of examples/swe/workflow.py
 
-# The EMULATED engine of every variant. Engine costs are wall seconds (time_scale 1.0).
-# - max_batch 8, decode 20 ms per iteration (+0.05 ms per running sequence), prefill 0.2 ms
-#   per non-cached prompt token: one call of the workflow (~500-650 prompt tokens, 8-24 output
-#   tokens) takes 0.2-0.6 s alone; 8 calls batched take about as long as one, so batching
-#   matters (a replica serves ~8x more decode tokens per second when its batch is full).
-# - the workflow's system prompt is 420 tokens = 26 full 16-token blocks shared by every
-#   prompt: with prefix reuse a call prefills ~100-200 tokens instead of ~500-650, i.e. the
-#   prefill share of a call drops from ~0.1 s to ~0.03 s (prefix reuse matters).
-# - KV: 256 blocks of 16 tokens (4096 tokens) per replica: a full batch of 8 prompts sharing
-#   the system prompt needs ~26 + 8 x 14 blocks, so the batch fits and the rest of the KV
-#   keeps recent sessions' blocks as prefix cache (LRU).
-# Two replicas saturate at about 4-4.5 requests/s of this workflow (measured: the peers, which
-# add the least overhead, complete ~4.4 requests/s at 6/s offered), a load 2 cores can drive
-# through Dask with CPU to spare (~20 tasks per request).
+# Lengths (tokens = ASCII characters) of the synthetic text, drawn uniformly per request.
+CONTEXT_TOKENS = (1500, 3000)  # repository context of an issue (the files the agents read)
+DOC_TOKENS = (150, 450)  # one doc-search answer
+LOG_TOKENS = (100, 300)  # the failure log of a failing tester round (beyond its first line)
+
+# The EMULATED engine of every variant (costs in emulated seconds; x time_scale for wall time).
+# - max_batch 8, decode 20 ms per iteration (+0.05 ms per running sequence): 8 calls batched
+#   take about as long as one, so batching matters.
+# - prefill 0.1 ms per non-cached prompt token (10k tokens/s per replica, an H100-class
+#   prefill of an 8B model under batching), charged to the iteration that admits the call
+#   (no chunked prefill: a long fresh prompt stalls the whole batch, as in vLLM without
+#   chunking). A call of this workload (~3k prompt tokens) costs ~0.3 s of prefill when only
+#   the system prompt is cached and ~0.02-0.05 s when its session's history is, against
+#   0.16-0.48 s of decode (8-24 tokens): where a call runs matters as much as when. With
+#   every reusable block hit, a request prefills ~4,050 tokens (0.4 s); when its calls are
+#   spread over both replicas, ~6,000 (0.6 s).
+# - KV: 2048 blocks of 16 tokens (32,768 tokens) per replica. A session's working set (the
+#   prompt blocks only it has: context, plan, doc answers, patches, logs) is ~250 blocks
+#   (~4,050 tokens; the 26 blocks of the system prompt are shared), so one replica holds the
+#   histories of ~8 sessions (running sequences' reservations are part of them). At the
+#   quick run's higher load (3 requests/s) 9-10 sessions are in flight (measured): a
+#   replica that serves calls of every session cannot keep all of them, one that serves
+#   about half of them (a session-affine router) can. (Measured: at 3072 blocks plain Dask's
+#   hit rate was the same, i.e. what costs it cache hits is where its calls run.)
+# - time_scale 0.5: the engine runs at twice the emulated speed in wall time (the tools are
+#   compressed more, x0.1). With it, the best plain-Dask configuration saturates near 3
+#   requests/s (its busier replica ~90-100% busy at 2.8/s over 48 requests, measured), a
+#   load two cores drive through Dask with CPU to spare, and --quick stays under 5 minutes.
+# - max_model_len 8192: a prompt is at most ~6k tokens (a developer's third retry; 4.7k in seed 0).
 ENGINE = {
     "max_batch": 8,
     "decode_s_per_step": 0.02,
     "decode_s_per_seq": 5e-5,
-    "prefill_s_per_token": 2e-4,
-    "kv_blocks": 256,
+    "prefill_s_per_token": 1e-4,
+    "kv_blocks": 2048,
     "block_size": 16,
-    "time_scale": 1.0,
+    "time_scale": 0.5,
 }
-MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN = 8192
 TOOL_TIME_SCALE = 0.1  # wall seconds per emulated tool second (SAGA priors x 0.1)
 
 
@@ -87,7 +147,10 @@ class RequestSpec:
 
     ``failing[r]``: the subtask the tester reports failing in round ``r`` (None: passed);
     ``doc_s[k][a]`` / ``code_s[k][a]``: EMULATED latency (s, unscaled) of subtask ``k``'s
-    doc search / code run at attempt ``a``; ``test_s[r]``: the tester's code run in round ``r``.
+    doc search / code run at attempt ``a``; ``test_s[r]``: the tester's code run in round ``r``;
+    ``context_tokens``: length of the issue's repository context; ``doc_tokens[k][a]``: length
+    of subtask ``k``'s doc-search answer at attempt ``a``; ``log_tokens[r]``: length of round
+    ``r``'s failure log.
     """
 
     issue: Issue
@@ -95,6 +158,9 @@ class RequestSpec:
     doc_s: tuple
     code_s: tuple
     test_s: tuple
+    context_tokens: int
+    doc_tokens: tuple
+    log_tokens: tuple
     tool_time_scale: float = TOOL_TIME_SCALE
 
     @property
@@ -131,8 +197,20 @@ def make_specs(n: int, seed: int, tool_time_scale: float = TOOL_TIME_SCALE, pref
         doc = tuple(tuple(file_io.sample(rng) for _ in range(attempts)) for _ in range(issue.n_subtasks))
         code = tuple(tuple(code_exec.sample(rng) for _ in range(attempts)) for _ in range(issue.n_subtasks))
         test = tuple(code_exec.sample(rng) for _ in range(MAX_RETRIES + 1))
-        specs.append(RequestSpec(issue, failing_rounds(issue), doc, code, test, tool_time_scale))
+        # Text lengths from their own stream: the tool draws above stay what they always were.
+        trng = random.Random(f"e2e-text-{issue.seed}")
+        ctx = trng.randint(*CONTEXT_TOKENS)
+        doc_tok = tuple(tuple(trng.randint(*DOC_TOKENS) for _ in range(attempts)) for _ in range(issue.n_subtasks))
+        log_tok = tuple(trng.randint(*LOG_TOKENS) for _ in range(MAX_RETRIES + 1))
+        specs.append(RequestSpec(issue, failing_rounds(issue), doc, code, test, ctx, doc_tok, log_tok,
+                                 tool_time_scale))
     return specs
+
+
+def with_id(spec: RequestSpec, new_id: str) -> RequestSpec:
+    """The same request under another id (same draws, same text lengths)."""
+    i = spec.issue
+    return dataclasses.replace(spec, issue=Issue(id=new_id, text=i.text, seed=i.seed, n_subtasks=i.n_subtasks))
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -145,7 +223,57 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-# -- the steps, shared by every variant -----------------------------------------------------
+# -- synthetic text (seeded; one ASCII character = one token) -------------------------------
+
+_WORDS = ("def", "class", "return", "self", "if", "else", "for", "in", "import", "from", "None", "True",
+          "False", "raise", "with", "as", "try", "except", "yield", "lambda", "async", "await", "assert",
+          "cache", "parser", "config", "path", "buffer", "token", "line", "record", "export", "writer",
+          "reader", "timezone", "offset", "lock", "thread", "queue", "encode", "decode", "utf8", "value",
+          "result", "error", "index", "items", "keys", "len", "open", "close", "flush", "logger", "debug",
+          "test_", "fixture", "mock", "expected", "actual", "==", "!=", "+=", "->", "(", ")", ":", ",",
+          "[", "]", "{", "}", ".", "=", "0", "1", "-1", "'\\n'", "#", "TODO:", "FIXME")
+
+
+@functools.lru_cache(maxsize=8192)
+def synthetic_text(seed: str, n: int) -> str:
+    """Exactly ``n`` ASCII characters of code-like text, a pure function of (seed, n)."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    size = 0
+    while size < n:
+        w = rng.choice(_WORDS)
+        sep = "\n" if rng.random() < 0.08 else " "
+        out.append(w + sep)
+        size += len(w) + 1
+    return "".join(out)[:n]
+
+
+def repo_context(spec: RequestSpec) -> str:
+    """The issue's repository context (``context_tokens`` characters, seeded by the issue)."""
+    return synthetic_text(f"ctx-{spec.issue.seed}", spec.context_tokens)
+
+
+def plan_text(spec: RequestSpec) -> str:
+    """The planner's output (PLAN_TOKENS characters), from the spec."""
+    return synthetic_text(f"plan-{spec.issue.seed}", PLAN_TOKENS)
+
+
+def patch_text(spec: RequestSpec, k: int, attempt: int) -> str:
+    """Developer ``k``'s output at ``attempt`` (PATCH_TOKENS characters), from the spec."""
+    return synthetic_text(f"patch-{spec.issue.seed}-{k}-{attempt}", PATCH_TOKENS)
+
+
+def doc_answer(seed: int, k: int, attempt: int, n: int) -> str:
+    """The doc-search tool's answer (``n`` characters): what the tool returns, in every variant."""
+    return synthetic_text(f"docs-{seed}-{k}-{attempt}", n)
+
+
+def doc_args(spec: RequestSpec, k: int, attempt: int) -> tuple:
+    """The doc-search tool's arguments beyond the query: (answer seed, subtask, attempt, length)."""
+    return spec.issue.seed, k, attempt, spec.doc_tokens[k][attempt]
+
+
+# -- the steps and their prompts, shared by every variant -----------------------------------
 
 def subtasks_of(spec: RequestSpec) -> list[str]:
     """The planner's answer (as in examples/swe/workflow.py)."""
@@ -153,36 +281,80 @@ def subtasks_of(spec: RequestSpec) -> list[str]:
     return [f"{issue.id} step {k}: {issue.text[:30]}" for k in range(issue.n_subtasks)]
 
 
+def context(spec: RequestSpec) -> str:
+    """System prompt + issue line (examples/swe/workflow.py's ``_context``) + repository context."""
+    return _context(spec.issue) + "Repository context:\n" + repo_context(spec) + "\n"
+
+
 def plan_prompt(spec: RequestSpec) -> str:
-    return _context(spec.issue) + "Plan the subtasks."
+    return context(spec) + "Plan the subtasks.\n"
 
 
-def patch_prompt(spec: RequestSpec, subtask: str, docs: str, feedback: str | None) -> str:
-    prompt = _context(spec.issue) + f"Subtask: {subtask}\nDocs: {docs}\n"
-    if feedback:
-        prompt += f"Previous attempt failed: {feedback}\n"
-    return prompt + "Write the patch."
+def _after_plan(spec: RequestSpec) -> str:
+    """The history every later call starts with: the planner's prompt and its plan."""
+    return plan_prompt(spec) + "Plan: " + plan_text(spec) + "\n"
 
 
-def review_prompt(spec: RequestSpec, subtasks: list[str]) -> str:
-    return _context(spec.issue) + "Review these patches:\n" + "\n".join(subtasks) + "\n"
+def attempts_of(spec: RequestSpec, k: int, attempt: int) -> list[int]:
+    """Subtask ``k``'s attempts up to ``attempt``: 0, then ``r + 1`` for each round ``r`` it failed."""
+    out = [0]
+    for rnd, failing in enumerate(spec.failing):
+        if failing == k and rnd + 1 <= attempt:
+            out.append(rnd + 1)
+    if out[-1] != attempt:
+        raise ValueError(f"{spec.id}: subtask {k} has no attempt {attempt} (attempts {out})")
+    return out
+
+
+def patch_prompt(spec: RequestSpec, subtasks: list[str], k: int, attempt: int, docs: str,
+                 feedback: str | None) -> str:
+    """Developer ``k``'s prompt at ``attempt``, with ``docs`` (this attempt's doc-search answer)
+    and ``feedback`` (the failure log that caused it; None at attempt 0). Its earlier attempts
+    (prompts, patches, logs, doc answers) are rebuilt from the spec, in attempt order."""
+    chain = attempts_of(spec, k, attempt)
+    prompt = _after_plan(spec) + f"Subtask: {subtasks[k]}\n"
+    for i, a in enumerate(chain):
+        if i == 0:
+            d = docs if a == attempt else doc_answer(*doc_args(spec, k, a))
+            prompt += f"Docs: {d}\nWrite the patch.\n"
+        else:
+            prev = chain[i - 1]
+            log = feedback if a == attempt else tester_report(spec, a - 1).log
+            d = docs if a == attempt else doc_answer(*doc_args(spec, k, a))
+            prompt += (f"Patch: {patch_text(spec, k, prev)}\nPrevious attempt failed: {log}\n"
+                       f"Docs: {d}\nWrite the patch again.\n")
+    return prompt
+
+
+def review_prompt(spec: RequestSpec, patches: list[Patch]) -> str:
+    """The tester's prompt: the plan's history and every current patch, in subtask order."""
+    body = "".join(f"Subtask: {p.subtask}\nPatch: {p.diff}\n" for p in patches)
+    return _after_plan(spec) + "Review these patches:\n" + body + "Review.\n"
+
+
+def make_patch(spec: RequestSpec, subtasks: list[str], k: int, attempt: int, output_tokens: int) -> Patch:
+    """A developer's result: its (spec-derived) patch text; ``output_tokens`` from the engine."""
+    return Patch(subtask=subtasks[k], diff=patch_text(spec, k, attempt), attempt=attempt, tokens=output_tokens)
 
 
 def tester_report(spec: RequestSpec, rnd: int) -> Report:
-    """The tester's verdict in round ``rnd`` (drawn up front by the workflow's rule)."""
+    """The tester's verdict in round ``rnd`` (drawn up front by the workflow's rule); a failing
+    round's log is its first line plus a seeded failure log of ``log_tokens[rnd]`` characters."""
     failing = spec.failing[rnd]
     if failing is None:
         return Report(passed=True, failing=None, log="all tests passed")
-    return Report(passed=False, failing=failing, log=f"test_{failing} failed in round {rnd}")
+    trace = synthetic_text(f"log-{spec.issue.seed}-{rnd}", spec.log_tokens[rnd])
+    return Report(passed=False, failing=failing, log=f"test_{failing} failed in round {rnd}\n{trace}")
 
 
-def sleep_tool(kind: str, payload: str, emulated_s: float, time_scale: float) -> str:
-    """The body of every EMULATED tool: sleep ``emulated_s * time_scale``; a deterministic answer."""
+def sleep_tool(kind: str, payload: str, emulated_s: float, time_scale: float, answer: tuple = ()) -> str:
+    """The body of every EMULATED tool: sleep ``emulated_s * time_scale``; a deterministic answer
+    (a doc search answers ``doc_answer(*answer)``)."""
     slept = emulated_s * time_scale
     if slept > 0:
         time.sleep(slept)
     if kind == "file_io":
-        return f"[docs for {payload[:40]!r}: see module reference]"
+        return doc_answer(*answer)
     return f"exit 0 ({len(payload)} bytes run)"
 
 
@@ -192,35 +364,123 @@ def engine_call(host, prompt: str, max_tokens: int, request_id: str):
     return host.submit(request_id, ids, host.sampling_params(max_tokens, 0.0, None), None)
 
 
+# -- the session's LLM calls, offline (statistics and the ideal latency) ----------------------
+
+def session_calls(spec: RequestSpec) -> list[dict]:
+    """Every LLM call of the request in dependency order: ``{"role", "stage", "prompt",
+    "max_tokens"}``; calls of a lower ``stage`` finish before a call starts, calls of one stage
+    (the first developers) run concurrently."""
+    subtasks = subtasks_of(spec)
+    calls = [{"role": "planner", "stage": 0, "prompt": plan_prompt(spec), "max_tokens": PLAN_TOKENS}]
+    latest = [0] * len(subtasks)
+    for k in range(len(subtasks)):
+        calls.append({"role": "developer", "stage": 1, "max_tokens": PATCH_TOKENS,
+                      "prompt": patch_prompt(spec, subtasks, k, 0, doc_answer(*doc_args(spec, k, 0)), None)})
+    stage = 2
+    for rnd, failing in enumerate(spec.failing):
+        patches = [make_patch(spec, subtasks, k, latest[k], PATCH_TOKENS) for k in range(len(subtasks))]
+        calls.append({"role": "tester", "stage": stage, "prompt": review_prompt(spec, patches),
+                      "max_tokens": REVIEW_TOKENS})
+        stage += 1
+        if failing is not None:
+            a = rnd + 1
+            calls.append({"role": "developer", "stage": stage, "max_tokens": PATCH_TOKENS,
+                          "prompt": patch_prompt(spec, subtasks, failing, a, doc_answer(*doc_args(spec, failing, a)),
+                                                 tester_report(spec, rnd).log)})
+            latest[failing] = a
+            stage += 1
+    return calls
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix (binary search on C-speed slice comparisons)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _reuse(calls: list[dict], bs: int) -> list[tuple[int, int, int]]:
+    """Per call: (prompt tokens, tokens reusable from the session's earlier calls, tokens
+    reusable from those or from the system prompt every session shares), block-aligned and at
+    most all but the last token (the engine always computes it)."""
+    sys_len = len(SYSTEM.encode())
+    out = []
+    for c in calls:
+        n = len(c["prompt"].encode())
+        cap = ((n - 1) // bs) * bs
+        earlier = max((_common_prefix(c["prompt"], e["prompt"]) for e in calls if e["stage"] < c["stage"]), default=0)
+        own = min(cap, (earlier // bs) * bs)
+        out.append((n, own, max(own, min(cap, (sys_len // bs) * bs))))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _call_costs(spec: RequestSpec, engine_items: tuple) -> tuple:
+    """Per call, in session_calls' order: (stage, prompt tokens, cached tokens at best, max_tokens)."""
+    calls = session_calls(spec)
+    reuse = _reuse(calls, dict(engine_items)["block_size"])
+    return tuple((c["stage"], n, cached, c["max_tokens"]) for c, (n, _, cached) in zip(calls, reuse))
+
+
 def ideal_latency(spec: RequestSpec, engine: dict | None = None) -> float:
     """A lower bound of the request's latency: critical path, no queueing, no framework overhead,
-    one sequence per engine iteration, and every prompt block already cached except the ones
-    that hold request-specific text."""
+    one sequence per engine iteration, and every prompt block the session's earlier calls (or
+    the system prompt) hold already cached."""
     p = ENGINE if engine is None else engine
-    bs = p["block_size"]
+    scale = p.get("time_scale", 1.0)  # wall seconds per emulated second
     step = p["decode_s_per_step"] + p["decode_s_per_seq"]
-    ctx_blocks = len(SYSTEM.encode()) // bs  # the blocks every prompt shares
+    costs = _call_costs(spec, tuple(sorted(p.items())))  # in session_calls' order
 
-    def llm(prompt: str, max_tokens: int) -> float:
-        n = len(prompt.encode())
-        cached = min(ctx_blocks * bs, ((n - 1) // bs) * bs)
-        return (n - cached) * p["prefill_s_per_token"] + max_tokens * step
+    def llm(i: int) -> float:
+        _, n, cached, max_tokens = costs[i]
+        return ((n - cached) * p["prefill_s_per_token"] + max_tokens * step) * scale
 
     ts = spec.tool_time_scale
-    subtasks = subtasks_of(spec)
-
-    def dev(k: int, attempt: int, feedback: str | None) -> float:
-        d = f"[docs for {subtasks[k][:40]!r}: see module reference]"
-        return ((spec.doc_s[k][attempt] + spec.code_s[k][attempt]) * ts
-                + llm(patch_prompt(spec, subtasks[k], d, feedback), PATCH_TOKENS))
-
-    t = llm(plan_prompt(spec), PLAN_TOKENS)
-    t += max(dev(k, 0, None) for k in range(len(subtasks)))
+    n_sub = spec.issue.n_subtasks
+    # planner, then the slowest first developer (doc search, its call, code run), then the rounds
+    t = llm(0) + max((spec.doc_s[k][0] + spec.code_s[k][0]) * ts + llm(1 + k) for k in range(n_sub))
+    i = 1 + n_sub
     for rnd, failing in enumerate(spec.failing):
-        t += llm(review_prompt(spec, subtasks), REVIEW_TOKENS) + spec.test_s[rnd] * ts
+        t += llm(i) + spec.test_s[rnd] * ts
+        i += 1
         if failing is not None:  # the retry's attempt number is the retry count (as in the workflow)
-            t += dev(failing, rnd + 1, tester_report(spec, rnd).log)
+            a = rnd + 1
+            t += (spec.doc_s[failing][a] + spec.code_s[failing][a]) * ts + llm(i)
+            i += 1
     return t
+
+
+def token_stats(specs: list[RequestSpec], block_size: int | None = None) -> dict:
+    """Token statistics of the requests' prompts (see the module docstring)."""
+    bs = ENGINE["block_size"] if block_size is None else block_size
+    n = prompt = own = shared = out = calls = 0
+    per_call = []
+    for s in specs:
+        cs = session_calls(s)
+        for c, (tok, o, sh) in zip(cs, _reuse(cs, bs)):
+            prompt += tok
+            own += o
+            shared += sh
+            out += c["max_tokens"]
+            per_call.append(tok)
+        calls += len(cs)
+        n += 1
+    return {
+        "mean_llm_calls": calls / max(n, 1),
+        "mean_prompt_tokens_per_call": prompt / max(calls, 1),
+        "max_prompt_tokens": max(per_call, default=0),
+        "mean_output_tokens_per_call": out / max(calls, 1),
+        "prompt_per_output_token": prompt / out if out else float("nan"),
+        "reusable_share_from_session": own / prompt if prompt else float("nan"),
+        "reusable_share_with_system_prompt": shared / prompt if prompt else float("nan"),
+        "fresh_prompt_tokens_per_request": (prompt - shared) / max(n, 1),
+        "copilot_cached_share": 540.95 / 631.4,
+    }
 
 
 def engine_work(spec: RequestSpec) -> dict:
@@ -231,12 +491,17 @@ def engine_work(spec: RequestSpec) -> dict:
             "tool_calls": 2 * (spec.issue.n_subtasks + spec.retries) + len(spec.failing)}
 
 
+def prompt_tokens(spec: RequestSpec) -> int:
+    """Prompt tokens the request sends in all (what the engines count as queries)."""
+    return sum(len(c["prompt"].encode()) for c in session_calls(spec))
+
+
 # -- the dask-agents form (examples/swe/workflow.py's components, reading the spec) -----------
 
 @da.tool(kind="file_io")
-def doc_search(query: str, emulated_s: float, time_scale: float) -> str:
-    """Search the repository's docs (EMULATED latency from the file_io prior)."""
-    return sleep_tool("file_io", query, emulated_s, time_scale)
+def doc_search(query: str, emulated_s: float, time_scale: float, answer: tuple) -> str:
+    """Search the repository's docs (EMULATED latency from the file_io prior; seeded answer)."""
+    return sleep_tool("file_io", query, emulated_s, time_scale, answer)
 
 
 @da.tool(kind="code_exec")
@@ -261,12 +526,11 @@ class Developer:
     def implement(self, spec: RequestSpec, subtasks: list[str], k: int, feedback: str | None = None,
                   attempt: int = 0) -> Patch:
         subtask = subtasks[k]
-        docs = da.stub(doc_search)(subtask, spec.doc_s[k][attempt], spec.tool_time_scale)
-        prompt = patch_prompt(spec, subtask, docs.value(), feedback)
+        docs = da.stub(doc_search)(subtask, spec.doc_s[k][attempt], spec.tool_time_scale, doc_args(spec, k, attempt))
+        prompt = patch_prompt(spec, subtasks, k, attempt, docs.value(), feedback)
         answer = da.llm(MODEL).generate(prompt, max_tokens=PATCH_TOKENS).value()
-        ran = da.stub(code_exec)(f"{subtask} attempt {attempt}", spec.code_s[k][attempt], spec.tool_time_scale).value()
-        return Patch(subtask=subtask, diff=f"{answer.text[:16]!r} / {ran}", attempt=attempt,
-                     tokens=answer.output_tokens)
+        da.stub(code_exec)(f"{subtask} attempt {attempt}", spec.code_s[k][attempt], spec.tool_time_scale).value()
+        return make_patch(spec, subtasks, k, attempt, answer.output_tokens)
 
 
 @da.agent(model=MODEL)
@@ -274,8 +538,7 @@ class Tester:
     """Runs the tests on all patches; reports the first failing subtask."""
 
     def test(self, spec: RequestSpec, patches: list[Patch], round: int) -> Report:
-        summary = [p.subtask for p in patches]
-        da.llm(MODEL).generate(review_prompt(spec, summary), max_tokens=REVIEW_TOKENS).value()
+        da.llm(MODEL).generate(review_prompt(spec, patches), max_tokens=REVIEW_TOKENS).value()
         da.stub(code_exec)(f"pytest {spec.id} round {round}", spec.test_s[round], spec.tool_time_scale).value()
         return tester_report(spec, round)
 
@@ -305,7 +568,7 @@ def check_outcome(spec: RequestSpec, out: dict) -> None:
 
 
 def describe_specs(specs: list[RequestSpec]) -> dict:
-    """Totals of a request set (for the configuration printout)."""
+    """Totals of a request set (for the configuration printout), with the prompts' token statistics."""
     w = [engine_work(s) for s in specs]
     ideal = sorted(ideal_latency(s) for s in specs)
     n = max(len(specs), 1)
@@ -318,4 +581,5 @@ def describe_specs(specs: list[RequestSpec]) -> dict:
         "mean_decode_tokens": sum(x["decode_tokens"] for x in w) / n,
         "ideal_latency_mean_s": sum(ideal) / n,
         "ideal_latency_p99_s": ideal[min(len(ideal) - 1, math.ceil(0.99 * len(ideal)) - 1)] if ideal else float("nan"),
+        "tokens": token_stats(specs),
     }

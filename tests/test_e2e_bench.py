@@ -29,6 +29,33 @@ def test_specs_are_reproducible_and_follow_the_workflow_rule():
     assert [len(s.id) for s in x] == [len(s.id) for s in y] and x[0].id != y[0].id
     assert [s.failing for s in x] == [s.failing for s in a]
     assert [swe.ideal_latency(s) for s in x] == pytest.approx([swe.ideal_latency(s) for s in y])
+    assert [swe.prompt_tokens(s) for s in x] == [swe.prompt_tokens(s) for s in y]
+
+
+def test_prompts_carry_the_session_history():
+    specs = swe.make_specs(12, 0)
+    spec = next(s for s in specs if s.retries >= 1)
+    calls = swe.session_calls(spec)
+    plan = calls[0]["prompt"]
+    assert plan.startswith(swe.SYSTEM) and spec.id in plan
+    lo, hi = swe.CONTEXT_TOKENS
+    assert lo <= len(swe.repo_context(spec)) == spec.context_tokens <= hi
+    assert all(len(c["prompt"].encode()) == len(c["prompt"]) for c in calls)  # ASCII: one char, one token
+    # Every later call extends the planner's prompt and the plan; a retry extends its own previous attempt.
+    assert all(c["prompt"].startswith(plan + "Plan: " + swe.plan_text(spec)) for c in calls[1:])
+    k = spec.failing[0]
+    first, retry = calls[1 + k]["prompt"], calls[2 + spec.issue.n_subtasks]["prompt"]
+    assert retry.startswith(first) and swe.patch_text(spec, k, 0) in retry
+    assert swe.tester_report(spec, 0).log in retry and len(retry) > len(first) + swe.LOG_TOKENS[0]
+    tester = calls[1 + spec.issue.n_subtasks]["prompt"]
+    assert all(swe.patch_text(spec, j, 0) in tester for j in range(spec.issue.n_subtasks))
+    # Deterministic: the same text for the same spec, whatever the process.
+    again = swe.make_specs(12, 0)[specs.index(spec)]
+    assert [c["prompt"] for c in swe.session_calls(again)] == [c["prompt"] for c in calls]
+    st = swe.token_stats(specs)
+    assert 2000 < st["mean_prompt_tokens_per_call"] < 5000
+    assert 0.5 < st["reusable_share_from_session"] <= st["reusable_share_with_system_prompt"] < 1.0
+    assert max(len(c["prompt"]) for s in specs for c in swe.session_calls(s)) + swe.PATCH_TOKENS <= swe.MAX_MODEL_LEN
 
 
 def test_load_metrics_throughput_and_sustained():
@@ -107,6 +134,8 @@ def test_tiny_run_of_plain_dask_and_dask_agents(tmp_path):
         for k in ("mean_s", "p50_s", "p95_s", "p99_s", "throughput_rps", "offered_realized_rps", "kv_hit_rate"):
             assert isinstance(m[k], (int, float)) and math.isfinite(m[k]) and m[k] >= 0, (name, k, m[k])
         assert m["engines"] == 2 and isinstance(m["sustained"], bool)
+        # Every variant sends exactly the prompts the spec defines (by length; the text is single-sourced).
+        assert m["prompt_tokens"] == sum(swe.prompt_tokens(s) for s in e2e.specs_for(swe.make_specs(3, 1), "any")), name
         assert v["max_sustained_rps"] in (0.0, 3.0)
     s = doc["summary"]["swe"]
     for k in SUMMARY_KEYS:
@@ -137,7 +166,14 @@ def test_tiny_langgraph_run_if_installed():
 
     specs = e2e.specs_for(swe.make_specs(2, 5), "lg-test")
     with e2e_peers.make("langgraph", routing="session_sticky") as peer:
+        sent: list[str] = []
+        for host in peer.engines:  # record what reaches the engines
+            submit = host.submit
+            host.submit = lambda rid, ids, params, session, submit=submit: (
+                sent.append(host.tokenizer.decode(ids)), submit(rid, ids, params, session))[1]
         records = peer.run(specs, [0.0, 0.1], timeout=60)
         stats = peer.engine_stats()
     assert [r["ok"] for r in records] == [True, True], records
     assert len(stats) == 2 and sum(s["decode_tokens"] for s in stats) > 0
+    # Byte-identical to the spec's prompts (the order between the two requests may interleave).
+    assert sorted(sent) == sorted(c["prompt"] for s in specs for c in swe.session_calls(s))
