@@ -36,6 +36,7 @@ class Enforcer:
 
     @property
     def scheduler(self) -> Any:
+        """The scheduler the plugin runs in."""
         return self.plugin.scheduler
 
     def apply(self, actions: Iterable[Action], policy: str) -> int:

@@ -98,12 +98,14 @@ class _Running:
     m2: float = 0.0
 
     def add(self, x: float) -> None:
+        """Add one sample."""
         self.n += 1
         d = x - self.mean
         self.mean += d / self.n
         self.m2 += d * (x - self.mean)
 
     def std(self) -> float | None:
+        """Sample standard deviation (None with fewer than two samples)."""
         return math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else None
 
 
