@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Any
 
 from distributed import Client
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 from dask_agents.models import CallMeta, ComponentStats, GraphEdge, SessionGraph, WorkflowGraph
 

@@ -5,7 +5,6 @@ If a distributed upgrade changes one of them, the failure points here, not at a 
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import dask

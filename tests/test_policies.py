@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_plugin.actions import Migrate, SetPriority
+from scheduler_plugin.actions import Migrate
 from scheduler_plugin.control import load_policies
 from scheduler_plugin.policies.balance import LateBindingBalance
 from scheduler_plugin.policies.prioritize import Prioritize, fifo, priority
