@@ -13,11 +13,17 @@ Static configuration knobs (swept by e2e.py at the calibration load, best one ke
 ``threads`` per worker, and ``llm_slots``: None (LLM tasks may run on any worker thread), or
 k (every worker advertises resource ``LLM=k`` and each LLM task needs ``LLM=1``, so at most k
 calls are in flight per engine and the rest wait in the scheduler, where Dask can place them
-on whichever engine frees a slot first).
+on whichever engine frees a slot first); ``routing``: ``none`` (Dask places every LLM task), or
+``session_sticky`` (what a careful user does for KV reuse, the rule the peers get under the same
+name: at a request's start the driver picks the worker with the fewest requests pinned to it,
+ties rotating, and every LLM task of that request is submitted with ``workers=[addr],
+allow_other_workers=False``, so the session's prompt prefix stays cached on that engine; agent
+and tool tasks stay unpinned).
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 from distributed import WorkerPlugin, get_worker, worker_client
@@ -67,48 +73,92 @@ def code_exec_task(code: str, emulated_s: float, time_scale: float) -> str:
     return swe.sleep_tool("code_exec", code, emulated_s, time_scale)
 
 
-def _llm(c, prompt: str, max_tokens: int, llm_slots: int | None) -> dict:
-    kw = {"resources": {"LLM": 1}} if llm_slots else {}
+ROUTINGS = ("none", "session_sticky")
+
+
+class SessionPinner:
+    """Driver-side choice of the engine worker a request's LLM tasks are pinned to
+    (``session_sticky``): the worker with the fewest requests pinned right now, ties rotating."""
+
+    def __init__(self, workers: list[str]):
+        if not workers:
+            raise ValueError("no workers to pin to")
+        self.workers = list(workers)
+        self.active = dict.fromkeys(self.workers, 0)
+        self.turn = 0
+        self.lock = threading.Lock()
+
+    def acquire(self) -> str:
+        with self.lock:
+            self.turn += 1
+            n = len(self.workers)
+            i = min(range(n), key=lambda j: (self.active[self.workers[j]], (j - self.turn) % n))
+            addr = self.workers[i]
+            self.active[addr] += 1
+            return addr
+
+    def release(self, addr: str) -> None:
+        with self.lock:
+            self.active[addr] -= 1
+
+
+def _llm(c, prompt: str, max_tokens: int, llm_slots: int | None, worker: str | None = None) -> dict:
+    kw: dict = {"resources": {"LLM": 1}} if llm_slots else {}
+    if worker is not None:  # session_sticky: this request's engine only
+        kw.update(workers=[worker], allow_other_workers=False)
     return c.submit(llm_task, prompt, max_tokens, pure=False, **kw).result()
 
 
-def plan_task(spec: swe.RequestSpec, llm_slots: int | None) -> list[str]:
+def plan_task(spec: swe.RequestSpec, llm_slots: int | None, worker: str | None = None) -> list[str]:
     with worker_client() as c:  # secedes: the wait below holds no worker thread
-        _llm(c, swe.plan_prompt(spec), swe.PLAN_TOKENS, llm_slots)
+        _llm(c, swe.plan_prompt(spec), swe.PLAN_TOKENS, llm_slots, worker)
     return swe.subtasks_of(spec)
 
 
 def implement_task(spec: swe.RequestSpec, subtasks: list[str], k: int, feedback: str | None, attempt: int,
-                   llm_slots: int | None) -> swe.Patch:
+                   llm_slots: int | None, worker: str | None = None) -> swe.Patch:
     subtask = subtasks[k]
     ts = spec.tool_time_scale
     with worker_client() as c:
         docs = c.submit(doc_search_task, subtask, spec.doc_s[k][attempt], ts, swe.doc_args(spec, k, attempt),
                         pure=False).result()
-        answer = _llm(c, swe.patch_prompt(spec, subtasks, k, attempt, docs, feedback), swe.PATCH_TOKENS, llm_slots)
+        answer = _llm(c, swe.patch_prompt(spec, subtasks, k, attempt, docs, feedback), swe.PATCH_TOKENS, llm_slots,
+                      worker)
         c.submit(code_exec_task, f"{subtask} attempt {attempt}", spec.code_s[k][attempt], ts, pure=False).result()
     return swe.make_patch(spec, subtasks, k, attempt, answer["output_tokens"])
 
 
-def tester_task(spec: swe.RequestSpec, patches: list[swe.Patch], rnd: int, llm_slots: int | None) -> swe.Report:
+def tester_task(spec: swe.RequestSpec, patches: list[swe.Patch], rnd: int, llm_slots: int | None,
+                worker: str | None = None) -> swe.Report:
     with worker_client() as c:
-        _llm(c, swe.review_prompt(spec, patches), swe.REVIEW_TOKENS, llm_slots)
+        _llm(c, swe.review_prompt(spec, patches), swe.REVIEW_TOKENS, llm_slots, worker)
         c.submit(code_exec_task, f"pytest {spec.id} round {rnd}", spec.test_s[rnd], spec.tool_time_scale,
                  pure=False).result()
     return swe.tester_report(spec, rnd)
 
 
-def solve_dask(client, spec: swe.RequestSpec, llm_slots: int | None = None) -> dict:
-    """Drive one request with plain Dask futures (the same control flow as ``solve_agents``)."""
-    plan = client.submit(plan_task, spec, llm_slots, pure=False)
+def solve_dask(client, spec: swe.RequestSpec, llm_slots: int | None = None,
+               pinner: SessionPinner | None = None) -> dict:
+    """Drive one request with plain Dask futures (the same control flow as ``solve_agents``);
+    with ``pinner`` (routing ``session_sticky``) all its LLM tasks run on one engine worker."""
+    worker = pinner.acquire() if pinner is not None else None
+    try:
+        return _solve(client, spec, llm_slots, worker)
+    finally:
+        if worker is not None:
+            pinner.release(worker)
+
+
+def _solve(client, spec: swe.RequestSpec, llm_slots: int | None, w: str | None) -> dict:
+    plan = client.submit(plan_task, spec, llm_slots, w, pure=False)
     n = len(plan.result())  # like len(subtasks) in the dask-agents driver: wait for the plan
-    patches = [client.submit(implement_task, spec, plan, k, None, 0, llm_slots, pure=False) for k in range(n)]
+    patches = [client.submit(implement_task, spec, plan, k, None, 0, llm_slots, w, pure=False) for k in range(n)]
     retries = 0
-    report = client.submit(tester_task, spec, patches, 0, llm_slots, pure=False).result()
+    report = client.submit(tester_task, spec, patches, 0, llm_slots, w, pure=False).result()
     while not report.passed:
         retries += 1
         k = report.failing
-        patches[k] = client.submit(implement_task, spec, plan, k, report.log, retries, llm_slots, pure=False)
-        report = client.submit(tester_task, spec, list(patches), retries, llm_slots, pure=False).result()
+        patches[k] = client.submit(implement_task, spec, plan, k, report.log, retries, llm_slots, w, pure=False)
+        report = client.submit(tester_task, spec, list(patches), retries, llm_slots, w, pure=False).result()
     done = client.gather(patches)
     return {"retries": retries, "passed": report.passed, "patches": len(done)}

@@ -76,6 +76,43 @@ def test_load_metrics_throughput_and_sustained():
     lost[3] = {**lost[3], "ok": False, "error": "boom"}
     m = e2e.load_metrics(lost, specs, 2.0)
     assert m["completed"] == 19 and not m["sustained"] and m["failed"] == ["boom"]
+    assert set(m) == set(keep_up)  # the verdict's inputs change, the stored keys do not
+
+
+def test_sustained_detects_a_backlog_finished_together():
+    """Saturation that a short run hides from a completion slope: after the warm-up, requests
+    queue and the engines finish them together; the latency stops tracking the request's work."""
+    specs = swe.make_specs(20, 0)
+    ideal = {s.id: swe.ideal_latency(s) for s in specs}
+    arrivals = [0.5 * i for i in range(20)]
+    t_end = arrivals[-1] + 3.0
+
+    def rec(s, a, finish):
+        return {"id": s.id, "arrival": a, "finish": finish, "latency": finish - a, "ok": True}
+
+    clump = [rec(s, a, a + ideal[s.id] + 0.2 if i < 5 else max(t_end, a + ideal[s.id]))
+             for i, (s, a) in enumerate(zip(specs, arrivals))]
+    m = e2e.load_metrics(clump, specs, 2.0)
+    w = e2e.window_stats(clump, specs, m["offered_realized_rps"])
+    assert m["p99_s"] <= m["p99_bound_s"] and not m["sustained"]
+    assert not 1 / e2e.LATENCY_GROWTH_MAX < w["latency_growth"] < e2e.LATENCY_GROWTH_MAX
+    # A backlog that builds only in the last third: the latency grows past 1.5x.
+    late = [rec(s, a, a + ideal[s.id] + (0.2 if i < 15 else 3.0 * ideal[s.id]))
+            for i, (s, a) in enumerate(zip(specs, arrivals))]
+    w = e2e.window_stats(late, specs, 2.0)
+    assert w["latency_growth"] > e2e.LATENCY_GROWTH_MAX and not e2e.load_metrics(late, specs, 2.0)["sustained"]
+
+
+def test_session_pinner_spreads_requests_and_releases():
+    from benchmarks.e2e_baselines import SessionPinner
+
+    p = SessionPinner(["tcp://a", "tcp://b"])
+    a, b = p.acquire(), p.acquire()
+    assert {a, b} == {"tcp://a", "tcp://b"}
+    p.release(a)
+    assert p.acquire() == a and p.active == {"tcp://a": 1, "tcp://b": 1}
+    with pytest.raises(ValueError, match="unknown routing"):
+        e2e.DaskBackend(routing="random")
 
 
 def test_router_rules():
@@ -115,7 +152,9 @@ SUMMARY_KEYS = [f"{m}_vs_{o}" for o in ("dask", "ray", "langgraph")
 @pytest.mark.timeout(120)
 def test_tiny_run_of_plain_dask_and_dask_agents(tmp_path):
     preset = {"loads": [3.0], "requests": 3, "calibration_load": 3.0, "warmup": 1,
-              "dask_sweep": [{"threads": 8, "llm_slots": 8}], "peer_sweep": ["least_loaded"]}
+              "dask_sweep": [{"threads": 8, "llm_slots": 8, "routing": "none"},
+                             {"threads": 8, "llm_slots": 8, "routing": "session_sticky"}],
+              "peer_sweep": ["least_loaded"]}
     lines: list[str] = []
     results, sweeps = e2e.run_benchmark(preset, ["dask", "dask-agents"], seed=1, log=lines.append)
     summary = {"swe": e2e.summarize(results, 3.0)}
@@ -128,6 +167,10 @@ def test_tiny_run_of_plain_dask_and_dask_agents(tmp_path):
     variants = doc["results"]["swe"]["variants"]
     assert set(variants) == {"dask", "dask-agents"}
     assert [r["config"] for r in doc["results"]["swe"]["sweeps"]["dask"]] == preset["dask_sweep"]
+    assert variants["dask"]["best_config"] in preset["dask_sweep"]
+    assert variants["dask"]["description"]["routing"] == variants["dask"]["best_config"]["routing"]
+    for r in doc["results"]["swe"]["sweeps"]["dask"]:  # both routings ran every request
+        assert r["metrics"]["completed"] == r["metrics"]["requests"] == 3, r
     for name, v in variants.items():
         m = v["loads"]["3"]
         assert m["completed"] == m["requests"] == 3, (name, m["failed"])
