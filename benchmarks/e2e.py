@@ -183,13 +183,9 @@ FULL = {"loads": [1.0, 1.5, 2.0, 2.5, 3.0, 4.0], "requests": 60, "calibration_lo
 
 def percentile(xs: list[float], q: float) -> float:
     """The q-th percentile (0..100) by linear interpolation (nan for no data)."""
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    import numpy as np
+
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
 def _mean(xs: list[float]) -> float:

@@ -224,13 +224,9 @@ class Bench:
 # -- statistics ------------------------------------------------------------------------------
 def percentile(xs: list[float], q: float) -> float:
     """The q-th percentile (0..100) by linear interpolation."""
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    import numpy as np
+
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
 def summarize(rounds: dict[str, list[dict]], idle: float) -> dict[str, dict]:
