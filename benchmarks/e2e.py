@@ -110,12 +110,27 @@ Definitions
   = 1 - P99(dask-agents) / P99(X); sustained_load_ratio_vs_X = highest sustained load of
   dask-agents / that of X (null when X sustained none of the loads, or X was skipped).
 
+Router workflow (``--workflow router``; ``--workflow all`` runs swe then router)
+-------------------------------------------------------------------------------
+``benchmarks/e2e_router.py`` (its docstring has the details): examples/router's Router workflow
+over skewed phases of the Azure LLM 2023 trace (coding-dominant, chat-dominant, coding-dominant;
+95% one label per phase; arrival times rescaled to the offered load), EMULATED engines for the
+two models ``chat`` and ``coder`` on 4 engine workers. Variants: ``dask`` (plain Dask, the best
+STATIC chat/coder split of the 4 workers, swept 1/3, 2/2, 3/1, LLM tasks session-pinned to their
+model's workers), ``dask-agents`` (all policies, starting 2/2; reallocation may move workers),
+``dask-agents-no-reallocate``. Peers are not implemented for this workflow and reported as
+skipped (their summary keys are null). Per run, ``reassign_done`` counts the reallocations
+(``reassign-done`` events of ``client.get_events("agents-control")``) and ``phases`` gives the
+mean and P99 latency per phase. The trace files must be in ``../shared/traces`` (or
+``$DASK_AGENTS_TRACES``).
+
 Reproduce
 ---------
 ::
 
     .venv/bin/python benchmarks/e2e.py --quick --json benchmarks/results/e2e-quick.json
     .venv/bin/python benchmarks/e2e.py --json benchmarks/results/e2e.json
+    .venv/bin/python benchmarks/e2e.py --quick --workflow router --json benchmarks/results/e2e-router-quick.json
 
 Noise: one run per point on a shared 2-core machine; the ablations of policies that cannot
 act (reallocate, batching) show how large run-to-run differences are.
@@ -181,6 +196,20 @@ FULL = {"loads": [1.0, 1.5, 2.0, 2.5, 3.0, 4.0], "requests": 60, "calibration_lo
 
 # -- statistics --------------------------------------------------------------------------------
 
+def ideal_of(spec) -> float:
+    """A request's ideal latency: its own ``ideal_latency()`` (router specs) or the swe model's."""
+    f = getattr(spec, "ideal_latency", None)
+    return f() if callable(f) else swe.ideal_latency(spec)
+
+
+def check_outcome(spec, out: dict) -> None:
+    f = getattr(spec, "check_outcome", None)
+    if callable(f):
+        f(out)
+    else:
+        swe.check_outcome(spec, out)
+
+
 def percentile(xs: list[float], q: float) -> float:
     """The q-th percentile (0..100) by linear interpolation (nan for no data)."""
     import numpy as np
@@ -198,7 +227,7 @@ def window_stats(records: list[dict], specs: list[swe.RequestSpec], offered: flo
     The window: the completed requests after the warm-up fraction, in arrival order; its first
     and last thirds are compared as groups, so one request's heavy tool tail, or engines
     finishing a batch of requests together, moves a group's mean rather than an end point."""
-    ideal = {s.id: swe.ideal_latency(s) for s in specs}
+    ideal = {s.id: ideal_of(s) for s in specs}
     done = sorted((r for r in records if r.get("ok")), key=lambda r: r["arrival"])
     measured = done[int(len(specs) * WARMUP_FRACTION):]
     g = len(measured) // 3
@@ -223,7 +252,7 @@ def window_stats(records: list[dict], specs: list[swe.RequestSpec], offered: flo
 def load_metrics(records: list[dict], specs: list[swe.RequestSpec], rate: float) -> dict:
     """Latency percentiles, throughput and the sustained verdict of one run (see the docstring)."""
     n = len(specs)
-    ideal = {s.id: swe.ideal_latency(s) for s in specs}
+    ideal = {s.id: ideal_of(s) for s in specs}
     arrivals = [r["arrival"] for r in records]
     done = [r for r in records if r.get("ok")]
     lat = [r["latency"] for r in done]
@@ -270,7 +299,7 @@ def cache_delta(before: list[dict], after: list[dict]) -> dict:
 def _record(spec: swe.RequestSpec, arrival: float, t0: float, fn: Callable[[], dict]) -> dict:
     try:
         out = fn()
-        swe.check_outcome(spec, out)
+        check_outcome(spec, out)
         ok, err = True, None
     except Exception as e:  # a failed request is recorded, never fatal
         ok, err = False, f"{type(e).__name__}: {e}"[:300]
@@ -312,7 +341,7 @@ async def drive_async(solve, specs: list[swe.RequestSpec], arrivals: list[float]
         spec = specs[i]
         try:
             out = await solve(spec)
-            swe.check_outcome(spec, out)
+            check_outcome(spec, out)
             ok, err = True, None
         except Exception as e:
             ok, err = False, f"{type(e).__name__}: {e}"[:300]
@@ -640,7 +669,7 @@ def summarize(variants: dict[str, dict], ref_load: float) -> dict:
 
 def print_config(config: dict) -> None:
     print()
-    print("dask-agents end-to-end benchmark: Open-SWE workflow on EMULATED resources")
+    print(f"dask-agents end-to-end benchmark: workflow {config.get('workflow', 'swe')} on EMULATED resources")
     print(f"  {EMULATED_NOTE}")
     print("-" * 100)
     for k, v in config.items():
@@ -736,7 +765,7 @@ def plot(path_stem: str, workflow: str, variants: dict) -> tuple[list[str], str 
         ax.set_title(f"{title}, EMULATED")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"Open-SWE ({workflow}) on EMULATED engines and tools: latency and throughput vs load")
+    fig.suptitle(f"{workflow} workflow on EMULATED engines and tools: latency and throughput vs load")
     fig.tight_layout()
     out = f"{path_stem}_{workflow}_latency.png"
     fig.savefig(out, dpi=110)
@@ -840,48 +869,86 @@ def write_json(path: str, config: dict, results: dict, sweeps: dict, summary: di
     return doc
 
 
+def base_config(mode: str, seed: int, workflow: str) -> dict:
+    """The run-wide part of the configuration (every workflow)."""
+    return {"emulated": True, "note": EMULATED_NOTE, "mode": mode, "workflow": workflow, "seed": seed,
+            "python": sys.version.split()[0], "dask": dask.__version__, "distributed": distributed.__version__,
+            "platform": platform.platform(), "cpu_count": os.cpu_count()}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks import e2e_router as router
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="PATH", required=True, help="write the results as JSON to PATH (plots beside it)")
-    p.add_argument("--quick", action="store_true", help="two loads, fewer requests (a few minutes on 2 cores)")
-    p.add_argument("--workflow", default="swe", choices=["swe"], help="workflow to run (only swe so far)")
+    p.add_argument("--quick", action="store_true", help="fewer loads and requests (a few minutes on 2 cores)")
+    p.add_argument("--workflow", default="swe", choices=["swe", "router", "all"],
+                   help="workflow to run: swe (default), router (skewed phases, 2 models on 4 engine workers), all")
     p.add_argument("--variants", help=f"comma-separated subset of {','.join(ALL_VARIANTS)}")
     p.add_argument("--loads", help="comma-separated offered loads in requests/s (overrides the preset)")
     p.add_argument("--requests", type=int, help="requests per load (overrides the preset)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    preset = dict(QUICK if args.quick else FULL)
-    if args.loads:
-        preset["loads"] = [float(x) for x in args.loads.split(",")]
-        if preset["calibration_load"] not in preset["loads"]:
-            preset["calibration_load"] = max(preset["loads"])
-    if args.requests:
-        preset["requests"] = args.requests
-    variants = args.variants.split(",") if args.variants else list(ALL_VARIANTS)
-    unknown = set(variants) - set(ALL_VARIANTS)
+    workflows = ["swe", "router"] if args.workflow == "all" else [args.workflow]
+    presets = {"swe": dict(QUICK if args.quick else FULL), "router": dict(router.QUICK if args.quick else router.FULL)}
+    for preset in presets.values():
+        if args.loads:
+            preset["loads"] = [float(x) for x in args.loads.split(",")]
+            if preset["calibration_load"] not in preset["loads"]:
+                preset["calibration_load"] = max(preset["loads"])
+        if args.requests:
+            preset["requests"] = args.requests
+    known = set(ALL_VARIANTS) | set(router.VARIANTS)
+    asked = args.variants.split(",") if args.variants else None
+    unknown = set(asked or ()) - known
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}")
+    variants = {"swe": asked or list(ALL_VARIANTS), "router": asked or list(router.VARIANTS)}
+    variants = {w: [v for v in vs if v in (ALL_VARIANTS if w == "swe" else router.VARIANTS)]
+                for w, vs in variants.items()}
 
     t0 = time.perf_counter()
-    config = build_config(preset, "quick" if args.quick else "full", args.seed, variants)
+    mode = "quick" if args.quick else "full"
+    if "swe" in workflows:
+        config = build_config(presets["swe"], mode, args.seed, variants["swe"])
+        config["workflow"] = args.workflow
+    else:
+        config = base_config(mode, args.seed, args.workflow)
+    if "router" in workflows:
+        config["router"] = router.build_config(presets["router"], args.seed, variants["router"])
     print_config(config)
-    results, sweeps = run_benchmark(preset, variants, args.seed, log=lambda s: print(s, flush=True))
-    summary = {args.workflow: summarize(results, preset["calibration_load"])}
+    all_results: dict[str, dict] = {}
+    summary: dict[str, Any] = {}
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    for w in workflows:
+        if w == "swe":
+            results, sweeps = run_benchmark(presets["swe"], variants["swe"], args.seed, log=log)
+        else:
+            log("router workflow (skewed phases, EMULATED chat + coder engines on 4 workers)")
+            results, sweeps = router.run_benchmark(presets["router"], variants["router"], args.seed, log=log)
+        all_results[w] = {"variants": results, "sweeps": sweeps}
+        summary[w] = summarize(results, presets[w]["calibration_load"])
     config["wall_s"] = time.perf_counter() - t0
     summary["wall_s"] = config["wall_s"]
     summary["emulated"] = True
-    print_table(args.workflow, results, sweeps, summary[args.workflow])
+    for w in workflows:
+        print_table(w, all_results[w]["variants"], all_results[w]["sweeps"], summary[w])
 
     path = os.path.abspath(args.json)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     stem = os.path.splitext(path)[0]
-    plots, note = plot(stem, args.workflow, results)
+    plots: list[str] = []
+    for w in workflows:
+        files, note = plot(stem, w, all_results[w]["variants"])
+        plots += files
+        if note:
+            config["plots_note"] = note
+            print(f"  {note}")
     config["plots"] = [os.path.basename(f) for f in plots]
-    if note:
-        config["plots_note"] = note
-        print(f"  {note}")
-    write_json(path, config, results, sweeps, summary, args.workflow)
+    doc = jsonable({"config": config, "results": all_results, "summary": summary})
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, default=str, allow_nan=False)
     print(f"wrote {path}" + (f" and {', '.join(plots)}" if plots else ""))
     print(f"wall {config['wall_s']:.0f}s")
     return 0
