@@ -165,7 +165,7 @@ def realloc_views(chat_rate, code_rate, ticks, replicas=None, start=0.0, counter
 
 
 def test_reallocation_moves_a_replica_to_the_persistent_bottleneck():
-    pol = Reallocate(persistence=4)
+    pol = Reallocate(persistence=4, window="5s", min_completions=2)
     views, _ = realloc_views(chat_rate=0.2, code_rate=3, ticks=8)
     acts = [list(pol(v)) for v in views]
     fired = [i for i, a in enumerate(acts) if a]
@@ -175,10 +175,10 @@ def test_reallocation_moves_a_replica_to_the_persistent_bottleneck():
 
 
 def test_no_reallocation_when_balanced_or_below_min_replicas():
-    pol = Reallocate(persistence=2)
+    pol = Reallocate(persistence=2, window="5s", min_completions=2)
     views, _ = realloc_views(chat_rate=2, code_rate=1, ticks=10)
     assert not any(list(pol(v)) for v in views)  # capacity matches demand: nothing to gain
-    pol = Reallocate(persistence=2)
+    pol = Reallocate(persistence=2, window="5s", min_completions=2)
     views, _ = realloc_views(chat_rate=0.1, code_rate=5, ticks=10, replicas={"chat": ("A",), "coder": ("C",)})
     assert not any(list(pol(v)) for v in views)  # the donor would fall below its minimum (1)
 
@@ -210,11 +210,11 @@ def test_reallocation_provisions_when_no_donor_and_allowed():
     from scheduler_plugin.actions import Provision
 
     reps = {"chat": ("A",), "coder": ("C",)}
-    pol = Reallocate(persistence=2, provision=True, provision_cooldown="100s")
+    pol = Reallocate(persistence=2, window="5s", min_completions=2, provision=True, provision_cooldown="100s")
     views, _ = realloc_views(chat_rate=0.1, code_rate=5, ticks=12, replicas=reps)
     acts = [a for v in views for a in pol(v)]
     assert acts == [Provision(1, "coder", reason=acts[0].reason)]  # once: then the cooldown
-    off = Reallocate(persistence=2)
+    off = Reallocate(persistence=2, window="5s", min_completions=2)
     views, _ = realloc_views(chat_rate=0.1, code_rate=5, ticks=12, replicas=reps)
     assert not [a for v in views for a in off(v)]  # opt-in
 
@@ -226,3 +226,10 @@ def test_engine_priority_keeps_the_workflow_order():
     assert engine_priority(starved) < engine_priority(advanced) < engine_priority(new)
     assert engine_priority(priority(-1, 0, 1)) < engine_priority(starved)  # user priority still wins
     assert engine_priority((0, 3, 1)) == 0  # not ours: neutral
+
+
+def test_reallocation_ignores_too_few_completions():
+    """A tick with 0 or 1 completions says little: no service rate until the window holds enough."""
+    pol = Reallocate(persistence=1, window="3s", min_completions=50)
+    views, _ = realloc_views(chat_rate=0.2, code_rate=3, ticks=8)
+    assert not [a for v in views for a in pol(v)] and pol.mu == {}

@@ -1,10 +1,10 @@
 """Dynamic resource reallocation (Nalar Alg. 2) for engine workers.
 
 Per model v, each tick measures
-    mu_v   per-replica service rate: completions / (replicas x seconds), only over intervals
-           in which v had runnable work (an idle replica says nothing about its capacity);
-           smoothed (EWMA)
-    lam_v  arrival rate of v's calls (smoothed). lam_v = p_v x (request rate), with p_v the
+    mu_v   per-replica service rate: completions / (replicas x seconds), only over ticks in
+           which v had runnable work (an idle replica says nothing about its capacity), over a
+           sliding ``window`` and only once it holds ``min_completions``
+    lam_v  arrival rate of v's calls over the same window. lam_v = p_v x (request rate), with p_v the
            visits per request of the flattened graph: the request rate is common to every v,
            so comparing mu_v R_v / lam_v ranks models exactly as Nalar's x_v = mu_v R_v / p_v.
     x_v    = R_v mu_v / max(lam_v, delta)   (normalized capacity)
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from collections import deque
+
 from dask.utils import parse_timedelta
 
 from scheduler_plugin.actions import Provision, Reassign
@@ -32,27 +34,28 @@ from scheduler_plugin.view import ClusterView
 class Reallocate:
     """Suggest moving engine workers between models toward the bottleneck."""
 
-    def __init__(self, persistence: int = 4, epsilon: float = 0.1, delta: float = 1e-3, smoothing: float = 0.3,
-                 provision: bool = False, provision_cooldown: str | float = "30s"):
+    def __init__(self, persistence: int = 4, epsilon: float = 0.1, delta: float = 1e-3, window: str | float = "2s",
+                 min_completions: int = 4, provision: bool = False, provision_cooldown: str | float = "30s"):
         self.persistence = int(persistence)
         self.epsilon = float(epsilon)
         self.delta = float(delta)
-        self.smoothing = float(smoothing)
+        # Rates over a sliding window, not per tick: a 100 ms tick sees 0 or 1 completions, and
+        # a per-tick estimate swings the bottleneck back and forth.
+        self.window = float(parse_timedelta(window, default="s"))
+        self.min_completions = int(min_completions)
         self.mu: dict[str, float] = {}
         self.lam: dict[str, float] = {}
         self._prev: dict[str, tuple[int, int, int]] = {}  # model -> (created, completed, open)
         self._prev_time: float | None = None
+        # model -> ticks (time, dt, arrivals, completions, replica-seconds while work existed)
+        self._ticks: dict[str, deque] = {}
         self.streak: tuple[str | None, int] = (None, 0)
         self.provision = bool(provision)
         self.provision_cooldown = float(parse_timedelta(provision_cooldown, default="s"))
         self._last_provision: float | None = None
 
-    def _ewma(self, table: dict, key: str, value: float) -> None:
-        old = table.get(key)
-        table[key] = value if old is None else (1 - self.smoothing) * old + self.smoothing * value
-
     def observe(self, view: ClusterView) -> None:
-        """Update service and arrival rates from the counters in ``view``."""
+        """Update service and arrival rates from the counters in ``view`` (sliding window)."""
         dt = None if self._prev_time is None else view.now - self._prev_time
         self._prev_time = view.now
         for m in view.models.values():
@@ -62,9 +65,18 @@ class Reallocate:
             self._prev[m.name] = now
             if prev is None or not dt or dt <= 0:
                 continue
-            self._ewma(self.lam, m.name, (now[0] - prev[0]) / dt)
-            if m.replicas and (prev[2] > 0 or now[2] > 0):  # runnable work existed
-                self._ewma(self.mu, m.name, (now[1] - prev[1]) / (len(m.replicas) * dt))
+            worked = bool(m.replicas) and (prev[2] > 0 or now[2] > 0)  # runnable work existed
+            ticks = self._ticks.setdefault(m.name, deque())
+            ticks.append((view.now, dt, now[0] - prev[0], now[1] - prev[1] if worked else 0,
+                          len(m.replicas) * dt if worked else 0.0))
+            while ticks and view.now - ticks[0][0] > self.window:
+                ticks.popleft()
+            span = sum(t[1] for t in ticks)
+            self.lam[m.name] = sum(t[2] for t in ticks) / span if span > 0 else 0.0
+            done = sum(t[3] for t in ticks)
+            busy = sum(t[4] for t in ticks)
+            if busy > 0 and done >= self.min_completions:
+                self.mu[m.name] = done / busy
 
     def capacity(self, model: str, replicas: int) -> float:
         """Normalized capacity x of ``model`` with ``replicas`` replicas."""
