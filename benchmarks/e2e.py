@@ -194,6 +194,14 @@ FULL = {"loads": [1.0, 1.5, 2.0, 2.5, 3.0, 4.0], "requests": 60, "calibration_lo
         "peer_sweep": ["round_robin", "least_loaded", "session_sticky"]}
 
 
+def close_quietly(*things: Any) -> None:
+    """Close clients, clusters and config contexts in order, ignoring errors (best-effort teardown)."""
+    for c in things:
+        if c is not None:
+            with contextlib.suppress(Exception):
+                c.close()
+
+
 # -- statistics --------------------------------------------------------------------------------
 
 def ideal_of(spec) -> float:
@@ -406,10 +414,7 @@ class DaskBackend:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for c in (self.client, self.cluster):
-            if c is not None:
-                with contextlib.suppress(Exception):
-                    c.close()
+        close_quietly(self.client, self.cluster)
 
     def engine_stats(self) -> list[dict]:
         from benchmarks.e2e_baselines import engine_stats
@@ -473,12 +478,7 @@ class AgentsBackend:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for c in (self.client, self.cluster):
-            if c is not None:
-                with contextlib.suppress(Exception):
-                    c.close()
-        if self._config is not None:
-            self._config.close()
+        close_quietly(self.client, self.cluster, self._config)
 
     def engine_stats(self) -> list[dict]:
         return [s for s in self.client.run(_agents_engine_stats).values() if s is not None]

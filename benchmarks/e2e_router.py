@@ -418,12 +418,9 @@ class AgentsRouterBackend:
         return self
 
     def __exit__(self, *exc):
-        for c in (self.client, self.cluster):
-            if c is not None:
-                with contextlib.suppress(Exception):
-                    c.close()
-        if self._config is not None:
-            self._config.close()
+        from benchmarks.e2e import close_quietly
+
+        close_quietly(self.client, self.cluster, self._config)
 
     def engine_stats(self) -> list[dict]:
         return [s for ss in self.client.run(_agents_engine_stats).values() for s in ss]
