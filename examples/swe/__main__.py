@@ -43,6 +43,7 @@ def main() -> None:
 
         n_calls = sum(len(da.telemetry(client, o.session)) for o in outcomes)
         df = wait_for_telemetry(client)
+        ctl = da.control(client).stats()
 
     rows = []
     for o in outcomes:
@@ -57,6 +58,9 @@ def main() -> None:
     print(f"{len(outcomes)} concurrent requests, {n_calls} calls, wall {wall:.1f}s, "
           f"mean latency {table['latency_s'].mean():.2f}s, p95 {table['latency_s'].quantile(0.95):.2f}s, "
           f"prefix-cache hit rate {hit:.0%} (token-weighted); total {time.time() - t_start:.0f}s")
+    p99 = ctl["tick_seconds_p99"]
+    print(f"control loop: {ctl['ticks']} passes, p99 pass {p99 * 1e3 if p99 else 0:.1f} ms, "
+          f"actions applied {ctl['applied'] or 'none'}")
 
 
 if __name__ == "__main__":
