@@ -65,13 +65,8 @@ SPLITS = ((1, 3), (2, 2), (3, 1))  # (chat workers, coder workers) of plain Dask
 START_SPLIT = (2, 2)
 SKIPPED_PEER = "not implemented for the router workflow (skipped to fit the time box)"
 
-ROUTER_SYSTEM = "Route the user's request: answer 'code' for programming work, 'chat' for anything else.\n"
-CHAT_SYSTEM = ("You are a friendly, concise assistant. Answer the user's message helpfully and ask a "
-               "clarifying question when the request is ambiguous.\n")
-CODE_SYSTEM = ("You are a senior software engineer. Write correct, idiomatic Python, explain briefly, "
-               "and make sure the code runs.\n")
-FENCE = "```"
-CLASSIFIER_CHARS = 256
+# The prompts are the example workflow's own (examples/router/workflow.py).
+from examples.router.workflow import CHAT_SYSTEM, CLASSIFIER_CHARS, CODE_SYSTEM, FENCE, ROUTER_SYSTEM  # noqa: E402,F401
 FINAL_TOKENS = 8
 
 
