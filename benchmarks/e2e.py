@@ -1,4 +1,8 @@
-"""End-to-end benchmark of the Open-SWE workflow on EMULATED resources, side by side in one run.
+"""End-to-end benchmark of agentic workflows on EMULATED resources, frameworks side by side in one run.
+
+Three workflows (``--workflow swe`` (default), ``finance``, ``router``, or ``all``: swe, finance,
+router in that order): Open-SWE (below), Financial Analyst and Router (their sections further
+down); each has its own summary entry (``summary.<workflow>``), table and plot.
 
 Every number this prints or stores is EMULATED: the LLM engines are the cost model of
 ``worker_plugin/emulated.py`` and the tools sleep latencies drawn from ``kv/tool_latency``'s
@@ -110,19 +114,60 @@ Definitions
   = 1 - P99(dask-agents) / P99(X); sustained_load_ratio_vs_X = highest sustained load of
   dask-agents / that of X (null when X sustained none of the loads, or X was skipped).
 
-Router workflow (``--workflow router``; ``--workflow all`` runs swe then router)
--------------------------------------------------------------------------------
+Financial Analyst workflow (``--workflow finance``)
+--------------------------------------------------
+``benchmarks/e2e_finance.py`` (its docstring has the details): examples/finance's workflow, one
+session per request: 4 analysts in parallel (an EMULATED ``db_query`` tool call from SAGA's
+db_query prior x 0.1, then an LLM call), a summarizer (one LLM call), then the user's 1-2
+follow-up questions in the same session, each after a think-time pause (0.3-1.2 s in --quick,
+1-3 s in the full run; drawn up front). Every prompt carries the session's history: system
+prompt, session id, the company's report (~600 tokens of figures + 1.5k-3k tokens of seeded
+notes), then the call's own part; a follow-up extends the previous call's prompt (the summary,
+earlier questions and answers), so it prefills ~60-100 tokens on the replica holding its
+session's KV and ~2.5k-4k elsewhere. 6.35 LLM calls and ~3,300 prompt tokens per call (quick,
+seed 0); a perfect prefix cache would serve 80% of the prompt tokens (97% of the follow-ups').
+Same methodology as Open-SWE (Poisson arrivals, warm-up, the sustained rule, the same requests
+and prompts in every variant with run-unique ids), with these differences:
+
+- request latency = arrival to completion *minus the request's think time* (the user's pauses
+  are the same everywhere and would only dilute differences; ``config.finance.latency``); the
+  ideal latency excludes them too (``e2e_finance.ideal_latency``). ``raw_throughput_rps``
+  counts wall time, pauses included.
+- engines: 2 replicas of the Open-SWE engine's cost model at time scale 1.0 (wall = emulated
+  time); the best static configurations saturate near 4 requests/s (quick loads 2 and 4).
+- variants: ``dask`` (plain Dask, its best static configuration swept as Open-SWE's: threads,
+  ``llm_slots``, and ``routing`` ``none`` / ``session_sticky``, the request pinned to one
+  engine worker through its pauses), ``dask-agents`` (the finance components
+  ``FinanceAnalyst``/``FinanceSummarizer``, all policies), ``dask-agents-no-prioritize``,
+  ``dask-agents-no-balance`` (one model and no batchable component: ``reallocate`` and
+  ``batching`` cannot act here, so they are not ablated), ``ray`` and ``langgraph`` (the same
+  logic on e2e_peers' machinery; LangGraph: a StateGraph per session's analysis, ``Send`` one
+  analyst per aspect, then a one-node follow-up graph per question after the pause; routing
+  ``least_loaded`` / ``session_sticky`` (+ ``round_robin`` in the full run) by the same sweep).
+- per run, the prefix-cache hit rate per call role as the engines reported it to the calls
+  (``analysis_kv_hit_rate``, ``summary_kv_hit_rate``, ``followup_kv_hit_rate``: did the
+  session's KV survive the pause where the follow-up ran?) and ``followup_mean_s`` (from the
+  question, after the pause); printed as a second table.
+
+Router workflow (``--workflow router``)
+---------------------------------------
 ``benchmarks/e2e_router.py`` (its docstring has the details): examples/router's Router workflow
 over skewed phases of the Azure LLM 2023 trace (coding-dominant, chat-dominant, coding-dominant;
 95% one label per phase; arrival times rescaled to the offered load), EMULATED engines for the
 two models ``chat`` and ``coder`` on 4 engine workers. Variants: ``dask`` (plain Dask, the best
 STATIC chat/coder split of the 4 workers, swept 1/3, 2/2, 3/1, LLM tasks session-pinned to their
 model's workers), ``dask-agents`` (all policies, starting 2/2; reallocation may move workers),
-``dask-agents-no-reallocate``. Peers are not implemented for this workflow and reported as
-skipped (their summary keys are null). Per run, ``reassign_done`` counts the reallocations
-(``reassign-done`` events of ``client.get_events("agents-control")``) and ``phases`` gives the
-mean and P99 latency per phase. The trace files must be in ``../shared/traces`` (or
-``$DASK_AGENTS_TRACES``).
+``dask-agents-no-reallocate``, ``ray`` and ``langgraph`` (the same logic: a classifier call on
+``coder``, then the chat branch (one ``chat`` call) or the coding branch (draft call, EMULATED
+code_exec, final call); 4 engine replicas hosting both models, the best STATIC chat/coder split
+of them chosen by plain Dask's sweep (1/3, 2/2, 3/1 at the calibration load), a request's calls
+session-sticky within its model's replicas; Ray: engine-replica actors, the logic a coroutine in
+the driver; LangGraph: classify -> conditional edge -> chat | code). Per run, ``reassign_done``
+counts the reallocations (``reassign-done`` events of ``client.get_events("agents-control")``)
+and ``phases`` gives the mean and P99 latency per phase. The quick run has 180 requests (60 per
+phase, ~10 s each at 6/s); with the peers' split sweeps that is 11 runs, ~7 minutes on 2 cores
+(shorter phases would change what reallocation can do, see ``e2e_router.QUICK``). The trace
+files must be in ``../shared/traces`` (or ``$DASK_AGENTS_TRACES``).
 
 Reproduce
 ---------
@@ -130,10 +175,17 @@ Reproduce
 
     .venv/bin/python benchmarks/e2e.py --quick --json benchmarks/results/e2e-quick.json
     .venv/bin/python benchmarks/e2e.py --json benchmarks/results/e2e.json
+    .venv/bin/python benchmarks/e2e.py --quick --workflow finance --json benchmarks/results/e2e-finance-quick.json
     .venv/bin/python benchmarks/e2e.py --quick --workflow router --json benchmarks/results/e2e-router-quick.json
+    .venv/bin/python benchmarks/e2e.py --quick --workflow all --json benchmarks/results/e2e-all-quick.json
+
+On 2 cores --quick takes about 5 minutes per workflow (router: ~7; all three: ~17); the full
+runs take much longer (the sweeps: 12 plain-Dask configurations per Poisson workflow).
 
 Noise: one run per point on a shared 2-core machine; the ablations of policies that cannot
-act (reallocate, batching) show how large run-to-run differences are.
+act (reallocate, batching in Open-SWE) show how large run-to-run differences are. With 16-20
+requests per quick run the completion-slope throughput is noisy (it can read well above the
+offered load); the latency percentiles and the sustained verdict are the figures to read.
 """
 
 from __future__ import annotations
@@ -148,6 +200,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from concurrent.futures import wait as wait_futures
 from typing import Any, Callable
 
@@ -245,7 +298,9 @@ def window_stats(records: list[dict], specs: list[swe.RequestSpec], offered: flo
     first, last = measured[:g], measured[-g:]
     d_a = _mean([r["arrival"] for r in last]) - _mean([r["arrival"] for r in first])
     # (finish - ideal) tracks arrival one-to-one while the system keeps up.
-    d_d = _mean([r["finish"] - ideal[r["id"]] for r in last]) - _mean([r["finish"] - ideal[r["id"]] for r in first])
+    # (arrival + latency is the finish, less the user's think time where a workflow has one)
+    d_d = (_mean([r["arrival"] + r["latency"] - ideal[r["id"]] for r in last])
+           - _mean([r["arrival"] + r["latency"] - ideal[r["id"]] for r in first]))
     if d_a > 0:
         out["slope"] = d_d / d_a
         out["throughput"] = offered / out["slope"] if out["slope"] > 0 else float("inf")
@@ -304,15 +359,27 @@ def cache_delta(before: list[dict], after: list[dict]) -> dict:
 
 # -- load generators ---------------------------------------------------------------------------
 
+def make_record(spec, arrival: float, finish: float, out: dict | None, err: str | None) -> dict:
+    """One request's record. ``latency`` = finish - arrival, less the user's think time
+    (``spec.pause_s``, the finance workflow's pauses before its follow-ups; 0 elsewhere): the
+    pauses are the user's, the same in every variant. ``stats``: what the request reported of
+    its LLM calls (finance: prompt and cached tokens per role), if anything."""
+    rec = {"id": spec.id, "arrival": arrival, "finish": finish,
+           "latency": finish - arrival - getattr(spec, "pause_s", 0.0), "ok": err is None, "error": err}
+    if isinstance(out, dict) and "stats" in out:
+        rec["stats"] = out["stats"]
+    return rec
+
+
 def _record(spec: swe.RequestSpec, arrival: float, t0: float, fn: Callable[[], dict]) -> dict:
+    out = None
     try:
         out = fn()
         check_outcome(spec, out)
-        ok, err = True, None
+        err = None
     except Exception as e:  # a failed request is recorded, never fatal
-        ok, err = False, f"{type(e).__name__}: {e}"[:300]
-    finish = time.perf_counter() - t0
-    return {"id": spec.id, "arrival": arrival, "finish": finish, "latency": finish - arrival, "ok": ok, "error": err}
+        err = f"{type(e).__name__}: {e}"[:300]
+    return make_record(spec, arrival, time.perf_counter() - t0, out, err)
 
 
 def drive_threads(solve: Callable[[swe.RequestSpec], dict], specs: list[swe.RequestSpec],
@@ -346,16 +413,14 @@ async def drive_async(solve, specs: list[swe.RequestSpec], arrivals: list[float]
     records: list[dict | None] = [None] * len(specs)
 
     async def one(i: int) -> None:
-        spec = specs[i]
+        spec, out = specs[i], None
         try:
             out = await solve(spec)
             check_outcome(spec, out)
-            ok, err = True, None
+            err = None
         except Exception as e:
-            ok, err = False, f"{type(e).__name__}: {e}"[:300]
-        finish = time.perf_counter() - t0
-        records[i] = {"id": spec.id, "arrival": arrivals[i], "finish": finish, "latency": finish - arrivals[i],
-                      "ok": ok, "error": err}
+            err = f"{type(e).__name__}: {e}"[:300]
+        records[i] = make_record(spec, arrivals[i], time.perf_counter() - t0, out, err)
 
     tasks = []
     for i, a in enumerate(arrivals):
@@ -374,16 +439,21 @@ async def drive_async(solve, specs: list[swe.RequestSpec], arrivals: list[float]
 # -- Dask backends -----------------------------------------------------------------------------
 
 class DaskBackend:
-    """Plain Dask (no dask-agents): 2 worker processes, each hosting one EMULATED engine."""
+    """Plain Dask (no dask-agents): 2 worker processes, each hosting one EMULATED engine.
+
+    ``engine``: its emulation parameters (default: the Open-SWE engine); ``solve(client, spec,
+    llm_slots, pinner)``: the workflow's plain-Dask driver (default: Open-SWE's)."""
 
     kind = "dask"
 
-    def __init__(self, threads: int = 16, llm_slots: int | None = None, workers: int = 2, routing: str = "none"):
+    def __init__(self, threads: int = 16, llm_slots: int | None = None, workers: int = 2, routing: str = "none",
+                 engine: dict | None = None, solve: Callable | None = None):
         from benchmarks.e2e_baselines import ROUTINGS
 
         if routing not in ROUTINGS:
             raise ValueError(f"unknown routing {routing!r} (known: {', '.join(ROUTINGS)})")
         self.threads, self.llm_slots, self.workers, self.routing = threads, llm_slots, workers, routing
+        self.engine, self.solve = engine, solve
         self.cluster = self.client = None
         self.worker_addrs: list[str] = []
 
@@ -408,7 +478,7 @@ class DaskBackend:
         self.cluster = LocalCluster(n_workers=self.workers, threads_per_worker=self.threads, processes=True,
                                     dashboard_address=None, scheduler_kwargs=NO_DASHBOARD, **kw)
         self.client = Client(self.cluster)
-        self.client.register_plugin(EngineHostPlugin())
+        self.client.register_plugin(EngineHostPlugin(self.engine))
         self.client.wait_for_workers(self.workers)
         self.worker_addrs = sorted(self.client.scheduler_info()["workers"])  # each hosts one engine
         return self
@@ -425,7 +495,8 @@ class DaskBackend:
         from benchmarks.e2e_baselines import SessionPinner, solve_dask
 
         pinner = SessionPinner(self.worker_addrs) if self.routing == "session_sticky" else None
-        return drive_threads(lambda s: solve_dask(self.client, s, self.llm_slots, pinner), specs, arrivals, timeout)
+        solve = self.solve or solve_dask
+        return drive_threads(lambda s: solve(self.client, s, self.llm_slots, pinner), specs, arrivals, timeout)
 
     def extra(self) -> dict:
         return {}
@@ -440,17 +511,22 @@ def _agents_engine_stats(dask_worker) -> dict | None:
 
 
 class AgentsBackend:
-    """dask-agents installed, EMULATED model ``coder`` hosted on both workers; ``disabled`` policy off."""
+    """dask-agents installed, EMULATED model ``coder`` hosted on both workers; ``disabled`` policy off.
+
+    ``entry``: the model's ``agents.llm.models`` entry (default: the Open-SWE engine's);
+    ``solve(client, spec)``: the workflow's dask-agents driver (default: Open-SWE's)."""
 
     kind = "dask-agents"
 
-    def __init__(self, disabled: str | None = None, threads: int = THREADS_AGENTS, workers: int = 2):
+    def __init__(self, disabled: str | None = None, threads: int = THREADS_AGENTS, workers: int = 2,
+                 entry: dict | None = None, solve: Callable | None = None):
         self.disabled, self.threads, self.workers = disabled, threads, workers
+        self.entry, self.solve = entry, solve
         self.cluster = self.client = None
         self._config: contextlib.ExitStack | None = None
 
     def settings(self) -> dict:
-        out: dict = {"agents.llm.models": {swe.MODEL: swe.model_entry()}}
+        out: dict = {"agents.llm.models": {swe.MODEL: self.entry or swe.model_entry()}}
         if self.disabled:
             out[f"agents.control.policies.{self.disabled}.enabled"] = False
         return out
@@ -484,7 +560,8 @@ class AgentsBackend:
         return [s for s in self.client.run(_agents_engine_stats).values() if s is not None]
 
     def run(self, specs, arrivals, timeout: float) -> list[dict]:
-        return drive_threads(lambda s: swe.solve_agents(self.client, s), specs, arrivals, timeout)
+        solve = self.solve or swe.solve_agents
+        return drive_threads(lambda s: solve(self.client, s), specs, arrivals, timeout)
 
     def extra(self) -> dict:
         import dask_agents as da
@@ -513,21 +590,57 @@ def load_key(rate: float) -> str:
     return format(rate, "g")
 
 
+@dataclass(frozen=True)
+class Workflow:
+    """What the generic runners need of a Poisson-arrival workflow (Open-SWE by default; the
+    finance workflow builds its own in ``e2e_finance.workflow``).
+
+    ``make_specs(n, seed)``: the base requests; ``specs_for(base, tag)``: the same requests with
+    run-unique ids; ``arrivals(n, rate, seed)``: arrival offsets; ``dask_backend(**cfg)``: plain
+    Dask with a sweep entry's configuration; ``agents_backend(disabled)``: dask-agents with one
+    policy off (None: all on); ``make_peer(name, tool_threads, routing)``: a peer backend;
+    ``policies``: the policies whose ablations run; ``run_metrics(records, specs)``: extra
+    metrics of one run (or None)."""
+
+    name: str
+    make_specs: Callable
+    specs_for: Callable
+    arrivals: Callable
+    dask_backend: Callable
+    agents_backend: Callable
+    make_peer: Callable
+    policies: tuple = POLICIES
+    run_metrics: Callable | None = None
+
+
+def _swe_peer(name: str, tool_threads: int = PEER_TOOL_THREADS, routing: str = "least_loaded"):
+    from benchmarks import e2e_peers
+
+    return e2e_peers.make(name, tool_threads=tool_threads, routing=routing)
+
+
+def swe_workflow() -> Workflow:
+    return Workflow("swe", swe.make_specs, specs_for, swe.poisson_arrivals, DaskBackend,
+                    lambda disabled=None: AgentsBackend(disabled=disabled), _swe_peer)
+
+
 def run_loads(backend, base: list[swe.RequestSpec], loads: list[float], seed: int, warmup: int,
-              tag: str, log: Callable[[str], None], measured: dict | None = None) -> dict:
+              tag: str, log: Callable[[str], None], measured: dict | None = None,
+              wf: Workflow | None = None) -> dict:
     """Warm the backend up, then run every load in ascending order; metrics per load.
 
     ``measured``: loads already measured for this configuration (its sweep run), kept as they are."""
+    wf = wf or swe_workflow()
     out: dict[str, dict] = dict(measured or {})
     loads = [r for r in loads if load_key(r) not in out]
     if not loads:
         return out
     if warmup:
-        warm = specs_for(swe.make_specs(warmup, seed + 10_000), f"{tag}-warm")
+        warm = wf.specs_for(wf.make_specs(warmup, seed + 10_000), f"{tag}-warm")
         backend.run(warm, [0.25 * i for i in range(len(warm))], timeout=120)
     for rate in sorted(loads):
-        specs = specs_for(base, f"{tag}-L{load_key(rate)}")
-        arrivals = swe.poisson_arrivals(len(specs), rate, seed)
+        specs = wf.specs_for(base, f"{tag}-L{load_key(rate)}")
+        arrivals = wf.arrivals(len(specs), rate, seed)
         before = backend.engine_stats()
         t = time.perf_counter()
         records = backend.run(specs, arrivals, timeout=max(60.0, 10 * len(specs) / rate))
@@ -535,10 +648,14 @@ def run_loads(backend, base: list[swe.RequestSpec], loads: list[float], seed: in
         m = load_metrics(records, specs, rate)
         m["wall_s"] = wall
         m.update(cache_delta(before, backend.engine_stats()))
+        if wf.run_metrics is not None:
+            m.update(wf.run_metrics(records, specs))
         out[load_key(rate)] = m
         growth = window_stats(records, specs, m["offered_realized_rps"])["latency_growth"]
+        fu = (f" follow-up kv {m['followup_kv_hit_rate']:.0%}"
+              if isinstance(m.get("followup_kv_hit_rate"), float) and math.isfinite(m["followup_kv_hit_rate"]) else "")
         log(f"    {tag:36s} load {rate:4g}/s: mean {m['mean_s']:.2f}s p99 {m['p99_s']:.2f}s "
-            f"thr {m['throughput_rps']:.2f}/s growth x{growth:.2f} kv {m.get('kv_hit_rate', float('nan')):.0%} "
+            f"thr {m['throughput_rps']:.2f}/s growth x{growth:.2f} kv {m.get('kv_hit_rate', float('nan')):.0%}{fu} "
             f"{'sustained' if m['sustained'] else 'NOT sustained'} "
             f"({m['completed']}/{m['requests']} done, {wall:.1f}s)")
     return out
@@ -557,21 +674,24 @@ def sweep_score(m: dict) -> tuple:
 
 
 def run_variant(name: str, make_backend: Callable[[], Any], base, loads, seed, warmup, log,
-                measured: dict | None = None) -> dict:
+                measured: dict | None = None, wf: Workflow | None = None) -> dict:
     t = time.perf_counter()
     with make_backend() as b:
         res = {"description": b.describe(),
-               "loads": run_loads(b, base, loads, seed, warmup, name, log, measured)}
+               "loads": run_loads(b, base, loads, seed, warmup, name if wf is None or wf.name == "swe"
+                                  else f"{wf.name}-{name}", log, measured, wf)}
         res.update(b.extra())
     res["max_sustained_rps"] = max_sustained(res["loads"])
     res["wall_s"] = time.perf_counter() - t
     return res
 
 
-def run_dask_sweep(configs: list[dict], base, load: float, seed: int, warmup: int, log) -> list[dict]:
+def run_dask_sweep(configs: list[dict], base, load: float, seed: int, warmup: int, log,
+                   wf: Workflow | None = None) -> list[dict]:
     """Plain Dask's static configurations at the calibration load. Each cluster shape (threads,
     llm_slots) runs on a fresh cluster, warmed up once; adjacent entries that differ only in
     ``routing`` (a driver-side choice) reuse it, as the peers' routings share one instance."""
+    wf = wf or swe_workflow()
     out = []
     with contextlib.ExitStack() as stack:
         b, shape = None, None
@@ -581,10 +701,12 @@ def run_dask_sweep(configs: list[dict], base, load: float, seed: int, warmup: in
             fresh = b is None or cfg_shape != shape
             if fresh:
                 stack.close()
-                b, shape = stack.enter_context(DaskBackend(**cfg)), cfg_shape
+                b, shape = stack.enter_context(wf.dask_backend(**cfg)), cfg_shape
             b.routing = routing
             tag = f"dask-sweep-t{cfg['threads']}-s{cfg['llm_slots']}-{routing}"
-            m = run_loads(b, base, [load], seed, warmup if fresh else 0, tag, log)[load_key(load)]
+            if wf.name != "swe":
+                tag = f"{wf.name}-{tag}"
+            m = run_loads(b, base, [load], seed, warmup if fresh else 0, tag, log, wf=wf)[load_key(load)]
             out.append({"config": cfg, "metrics": m})
     return out
 
@@ -604,23 +726,26 @@ def peer_available(name: str) -> tuple[bool, str]:
         return False, f"not importable ({type(e).__name__}: {e})"
 
 
-def run_peer(name: str, preset: dict, base, loads, seed, warmup, log) -> tuple[dict, list[dict]]:
+def run_peer(name: str, preset: dict, base, loads, seed, warmup, log,
+             wf: Workflow | None = None) -> tuple[dict, list[dict]]:
     """Sweep a peer's routing rule at the calibration load, then run every load with the best."""
-    from benchmarks import e2e_peers
-
+    wf = wf or swe_workflow()
     cal = preset["calibration_load"]
+    pre = "" if wf.name == "swe" else f"{wf.name}-"
     t = time.perf_counter()
-    with e2e_peers.make(name, tool_threads=PEER_TOOL_THREADS) as b:
+    with wf.make_peer(name, tool_threads=PEER_TOOL_THREADS) as b:
         sweep = []
         for routing in preset["peer_sweep"]:
             b.routing = routing
-            m = run_loads(b, base, [cal], seed, warmup if not sweep else 0, f"{name}-sweep-{routing}", log)
+            m = run_loads(b, base, [cal], seed, warmup if not sweep else 0, f"{pre}{name}-sweep-{routing}", log,
+                          wf=wf)
             sweep.append({"config": {"routing": routing}, "metrics": m[load_key(cal)]})
         chosen = min(sweep, key=lambda r: sweep_score(r["metrics"]))
         best = chosen["config"]
         b.routing = best["routing"]
         res = {"description": b.describe(),
-               "loads": run_loads(b, base, loads, seed, 0, name, log, {load_key(cal): chosen["metrics"]})}
+               "loads": run_loads(b, base, loads, seed, 0, f"{pre}{name}", log, {load_key(cal): chosen["metrics"]},
+                                  wf=wf)}
     res["best_config"] = best
     res["max_sustained_rps"] = max_sustained(res["loads"])
     res["wall_s"] = time.perf_counter() - t
@@ -708,6 +833,17 @@ def print_table(workflow: str, variants: dict, sweeps: dict, summary: dict) -> N
                   f"{m['completed']:>3d}/{m['requests']:<3d} {fmt(m.get('kv_hit_rate'), '.0%'):>7s} "
                   f"{fmt(m.get('busiest_engine_share'), '.0%'):>7s} {'yes' if m['sustained'] else 'no':>9s}")
         print(f"  {'':28s} highest load sustained: {fmt(v['max_sustained_rps'], 'g')}/s")
+    roles = [(name, key, m) for name, v in variants.items() if not v.get("skipped")
+             for key, m in sorted(v["loads"].items(), key=lambda kv: float(kv[0])) if "followup_kv_hit_rate" in m]
+    if roles:
+        print()
+        print("  EMULATED prefix-cache hit rate per call role (token-weighted, as the engines reported it to the calls) "
+              "and mean follow-up latency (from the question, after the user's pause):")
+        print(f"    {'variant':28s} {'load':>5s} {'analysts':>8s} {'summary':>8s} {'follow-up':>9s} {'fu mean s':>9s}")
+        for name, key, m in roles:
+            print(f"    {name:28s} {key:>5s} {fmt(m.get('analysis_kv_hit_rate'), '.0%'):>8s} "
+                  f"{fmt(m.get('summary_kv_hit_rate'), '.0%'):>8s} {fmt(m.get('followup_kv_hit_rate'), '.0%'):>9s} "
+                  f"{fmt(m.get('followup_mean_s'), '.3f'):>9s}")
     for peer, rows in sweeps.items():
         if not rows:
             continue
@@ -777,43 +913,46 @@ def plot(path_stem: str, workflow: str, variants: dict) -> tuple[list[str], str 
 # -- main ------------------------------------------------------------------------------------------
 
 def run_benchmark(preset: dict, variants: list[str], seed: int = 0,
-                  log: Callable[[str], None] = print) -> tuple[dict, dict]:
-    """Run the selected variants of the swe workflow; returns (variants, sweeps)."""
-    base = swe.make_specs(preset["requests"], seed)
+                  log: Callable[[str], None] = print, wf: Workflow | None = None) -> tuple[dict, dict]:
+    """Run the selected variants of a Poisson-arrival workflow (default: swe); returns (variants, sweeps)."""
+    wf = wf or swe_workflow()
+    base = wf.make_specs(preset["requests"], seed)
     loads = sorted(preset["loads"])
     cal = preset["calibration_load"]
+    label = "" if wf.name == "swe" else f" ({wf.name})"
     out: dict[str, dict] = {}
     sweeps: dict[str, list] = {}
     if "dask" in variants:
-        log("  plain Dask: static-configuration sweep at the calibration load")
-        sweeps["dask"] = run_dask_sweep(preset["dask_sweep"], base, cal, seed, preset["warmup"], log)
+        log(f"  plain Dask{label}: static-configuration sweep at the calibration load")
+        sweeps["dask"] = run_dask_sweep(preset["dask_sweep"], base, cal, seed, preset["warmup"], log, wf)
         chosen = min(sweeps["dask"], key=lambda r: sweep_score(r["metrics"]))
         best = chosen["config"]
-        log(f"  plain Dask: best static configuration {best}")
-        out["dask"] = run_variant("dask", lambda: DaskBackend(**best), base, loads, seed, preset["warmup"], log,
-                                  {load_key(cal): chosen["metrics"]})
+        log(f"  plain Dask{label}: best static configuration {best}")
+        out["dask"] = run_variant("dask", lambda: wf.dask_backend(**best), base, loads, seed, preset["warmup"], log,
+                                  {load_key(cal): chosen["metrics"]}, wf)
         out["dask"]["best_config"] = best
     if "dask-agents" in variants:
-        out["dask-agents"] = run_variant("dask-agents", AgentsBackend, base, loads, seed, preset["warmup"], log)
-    for p in POLICIES:
+        out["dask-agents"] = run_variant("dask-agents", wf.agents_backend, base, loads, seed, preset["warmup"], log,
+                                         wf=wf)
+    for p in wf.policies:
         name = f"dask-agents-no-{p}"
         if name in variants:
-            out[name] = run_variant(name, lambda p=p: AgentsBackend(disabled=p), base, loads, seed,
-                                    preset["warmup"], log)
+            out[name] = run_variant(name, lambda p=p: wf.agents_backend(disabled=p), base, loads, seed,
+                                    preset["warmup"], log, wf=wf)
     for peer in ("ray", "langgraph"):
         if peer not in variants:
             continue
         ok, info = peer_available(peer)
         if not ok:
-            log(f"  {peer}: SKIPPED, {info}")
+            log(f"  {peer}{label}: SKIPPED, {info}")
             out[peer] = {"skipped": info}
             sweeps[peer] = []
             continue
         try:
-            out[peer], sweeps[peer] = run_peer(peer, preset, base, loads, seed, preset["warmup"], log)
+            out[peer], sweeps[peer] = run_peer(peer, preset, base, loads, seed, preset["warmup"], log, wf)
             out[peer]["version"] = info
         except Exception as e:  # a broken peer install must not lose the other results
-            log(f"  {peer}: FAILED ({type(e).__name__}: {e}); reported as skipped")
+            log(f"  {peer}{label}: FAILED ({type(e).__name__}: {e}); reported as skipped")
             out[peer] = {"skipped": f"failed: {type(e).__name__}: {e}"[:300]}
             sweeps[peer] = []
     return out, sweeps
@@ -876,22 +1015,29 @@ def base_config(mode: str, seed: int, workflow: str) -> dict:
             "platform": platform.platform(), "cpu_count": os.cpu_count()}
 
 
+WORKFLOWS = ("swe", "finance", "router")  # --workflow all: in this order
+
+
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks import e2e_finance as finance
     from benchmarks import e2e_router as router
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="PATH", required=True, help="write the results as JSON to PATH (plots beside it)")
     p.add_argument("--quick", action="store_true", help="fewer loads and requests (a few minutes on 2 cores)")
-    p.add_argument("--workflow", default="swe", choices=["swe", "router", "all"],
-                   help="workflow to run: swe (default), router (skewed phases, 2 models on 4 engine workers), all")
+    p.add_argument("--workflow", default="swe", choices=[*WORKFLOWS, "all"],
+                   help="workflow to run: swe (default), finance (parallel analysts, summary, delayed follow-ups), "
+                        "router (skewed phases, 2 models on 4 engine workers), all (swe, finance, router)")
     p.add_argument("--variants", help=f"comma-separated subset of {','.join(ALL_VARIANTS)}")
     p.add_argument("--loads", help="comma-separated offered loads in requests/s (overrides the preset)")
     p.add_argument("--requests", type=int, help="requests per load (overrides the preset)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    workflows = ["swe", "router"] if args.workflow == "all" else [args.workflow]
-    presets = {"swe": dict(QUICK if args.quick else FULL), "router": dict(router.QUICK if args.quick else router.FULL)}
+    workflows = list(WORKFLOWS) if args.workflow == "all" else [args.workflow]
+    presets = {"swe": dict(QUICK if args.quick else FULL),
+               "finance": dict(finance.QUICK if args.quick else finance.FULL),
+               "router": dict(router.QUICK if args.quick else router.FULL)}
     for preset in presets.values():
         if args.loads:
             preset["loads"] = [float(x) for x in args.loads.split(",")]
@@ -899,14 +1045,13 @@ def main(argv: list[str] | None = None) -> int:
                 preset["calibration_load"] = max(preset["loads"])
         if args.requests:
             preset["requests"] = args.requests
-    known = set(ALL_VARIANTS) | set(router.VARIANTS)
+    per_workflow = {"swe": ALL_VARIANTS, "finance": finance.VARIANTS, "router": router.VARIANTS}
+    known = set().union(*per_workflow.values())
     asked = args.variants.split(",") if args.variants else None
     unknown = set(asked or ()) - known
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}")
-    variants = {"swe": asked or list(ALL_VARIANTS), "router": asked or list(router.VARIANTS)}
-    variants = {w: [v for v in vs if v in (ALL_VARIANTS if w == "swe" else router.VARIANTS)]
-                for w, vs in variants.items()}
+    variants = {w: [v for v in (asked or vs) if v in vs] for w, vs in per_workflow.items()}
 
     t0 = time.perf_counter()
     mode = "quick" if args.quick else "full"
@@ -915,6 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
         config["workflow"] = args.workflow
     else:
         config = base_config(mode, args.seed, args.workflow)
+    if "finance" in workflows:
+        config["finance"] = finance.build_config(presets["finance"], args.seed, variants["finance"])
     if "router" in workflows:
         config["router"] = router.build_config(presets["router"], args.seed, variants["router"])
     print_config(config)
@@ -924,6 +1071,9 @@ def main(argv: list[str] | None = None) -> int:
     for w in workflows:
         if w == "swe":
             results, sweeps = run_benchmark(presets["swe"], variants["swe"], args.seed, log=log)
+        elif w == "finance":
+            log("finance workflow (parallel analysts, summary, delayed follow-ups; EMULATED engines and db_query)")
+            results, sweeps = finance.run_benchmark(presets["finance"], variants["finance"], args.seed, log=log)
         else:
             log("router workflow (skewed phases, EMULATED chat + coder engines on 4 workers)")
             results, sweeps = router.run_benchmark(presets["router"], variants["router"], args.seed, log=log)

@@ -1,20 +1,31 @@
-"""Peer frameworks for ``benchmarks/e2e.py``: the same Open-SWE logic on Ray and on LangGraph,
-against the same EMULATED engine class (two replicas, batch capacity 8 each) and the same
-tools. Kept small on purpose; both import lazily, so a missing peer only skips its variant.
+"""Peer frameworks for ``benchmarks/e2e.py``: the same workflow logic on Ray and on LangGraph,
+against the same EMULATED engine class and the same tools. Kept small on purpose; both import
+lazily, so a missing peer only skips its variant.
 
-Neither framework manages LLM engines, so each needs a rule for which replica serves a call
-(``routing``, swept by e2e.py at the calibration load; the best is kept):
+This module holds the machinery every workflow's peers share, and the Open-SWE logic;
+``e2e_finance.py`` and ``e2e_router.py`` subclass :class:`RayPeer` and :class:`LangGraphPeer`
+with their own logic (and a LangGraph graph of their own).
+
+Engines: ``replicas`` engine replicas, each hosting one EMULATED engine per model of ``models``
+(name -> emulation parameters; default: the Open-SWE engine ``coder``). ``split`` (model ->
+number of replicas, in ``models`` order; None: every model on every replica) makes a STATIC
+assignment of replicas to models: replica i serves only the model its place in the split gives
+it (the router workflow's chat/coder split; the other engine of a replica stays idle, as in the
+plain-Dask router baseline, whose workers host both engines).
+
+Neither framework manages LLM engines, so each needs a rule for which replica (of the call's
+model) serves a call (``routing``, swept by e2e.py at the calibration load; the best is kept):
 ``round_robin`` per call; ``least_loaded`` (fewest calls in flight, counted by the driver);
-``session_sticky`` (a request's first call goes to the least loaded replica, the rest follow
-it: its session-specific prefix is cached there).
+``session_sticky`` (a request's first call of a model goes to that model's least loaded
+replica, the rest follow it: its session-specific prefix is cached there).
 
 - Ray: each engine replica lives in an async actor (``num_cpus=0``) that awaits the engine's
   future; tools run in two threaded actors (16 threads each, like 2 Dask workers x 16); agents
   are coroutines in the driver awaiting actor calls (the fast Ray form in
   ../shared/notes/peers-measured.md: Ray tasks per agent step were 2-7x slower there).
-- LangGraph: a ``StateGraph`` per request: plan -> ``Send`` one ``develop`` per subtask ->
-  test -> (``Send`` the failing ``develop`` again -> test)*; engines are in-process objects
-  shared by every request's coroutines; tools run on a 32-thread pool.
+- LangGraph: a ``StateGraph`` per request (Open-SWE: plan -> ``Send`` one ``develop`` per
+  subtask -> test -> (``Send`` the failing ``develop`` again -> test)*); engines are in-process
+  objects shared by every request's coroutines; tools run on a 32-thread pool.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import contextlib
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any, TypedDict  # module level: the graph's state hints resolve here
+from typing import Annotated, Any, Callable, TypedDict  # module level: the graph's state hints resolve here
 
 from benchmarks import e2e_swe as swe
 
@@ -38,6 +49,8 @@ class Router:
     def __init__(self, n: int, rule: str):
         if rule not in ROUTINGS:
             raise ValueError(f"unknown routing {rule!r} (known: {', '.join(ROUTINGS)})")
+        if n < 1:
+            raise ValueError("a model needs at least one engine replica")
         self.rule, self.inflight, self.rr, self.sticky = rule, [0] * n, 0, {}
 
     def pick(self, session: str) -> int:
@@ -65,21 +78,66 @@ def _result(host, out) -> dict:
             "cached_tokens": out.num_cached_tokens, "output_tokens": len(toks)}
 
 
+def replica_groups(models: list[str], replicas: int, split: dict | None) -> dict[str, list[int]]:
+    """Per model, the replicas serving it: all of them (``split`` None), or consecutive blocks
+    of ``split[model]`` replicas in ``models`` order."""
+    if split is None:
+        return {m: list(range(replicas)) for m in models}
+    if set(split) != set(models) or sum(split.values()) != replicas or min(split.values()) < 1:
+        raise ValueError(f"split {split} must give each of {models} at least one of the {replicas} replicas")
+    out, i = {}, 0
+    for m in models:
+        out[m] = list(range(i, i + split[m]))
+        i += split[m]
+    return out
+
+
 class _AsyncPeer:
-    """What both peers share: the request logic as coroutines over ``llm`` and ``tool``."""
+    """What both peers share: engine replicas per model, routing, tools, and the Open-SWE logic
+    as coroutines over ``llm`` and ``tool`` (other workflows override ``solve``)."""
 
     name = "peer"
 
-    def __init__(self, tool_threads: int = 32, routing: str = "least_loaded"):
+    def __init__(self, tool_threads: int = 32, routing: str = "least_loaded", models: dict | None = None,
+                 replicas: int = 2, split: dict | None = None):
         self.tool_threads = tool_threads
         self.routing = routing
-        self.router: Router | None = None
+        self.models = {k: dict(v) for k, v in (models or {swe.MODEL: swe.ENGINE}).items()}
+        self.replicas = replicas
+        self.split = split
+        replica_groups(list(self.models), replicas, split)  # validate now
+        self.routers: dict[str, Router] = {}
+        self._groups: dict[str, list[int]] = {}
 
-    async def llm(self, spec: swe.RequestSpec, prompt: str, max_tokens: int) -> dict:
+    # -- engines, routing, tools (per framework) -------------------------------------------------
+
+    async def _generate(self, replica: int, model: str, prompt: str, max_tokens: int) -> dict:
         raise NotImplementedError
+
+    async def call_tool(self, fn: Callable, *args: Any) -> Any:
+        """Run ``fn(*args)`` (a module-level function: an EMULATED tool body) on a tool thread."""
+        raise NotImplementedError
+
+    async def llm(self, spec, prompt: str, max_tokens: int, model: str | None = None) -> dict:
+        """One call on a replica of ``model`` (default: the first model) chosen by ``routing``."""
+        model = model or next(iter(self.models))
+        router = self.routers[model]
+        i = router.pick(spec.id)
+        try:
+            return await self._generate(self._groups[model][i], model, prompt, max_tokens)
+        finally:
+            router.done(i)
 
     async def tool(self, kind: str, payload: str, emulated_s: float, time_scale: float, answer: tuple = ()) -> str:
-        raise NotImplementedError
+        return await self.call_tool(swe.sleep_tool, kind, payload, emulated_s, time_scale, answer)
+
+    def describe_engines(self) -> str:
+        per = ", ".join(self.models)
+        if self.split is None:
+            return f"{self.replicas} replicas, each hosting model(s) {per}"
+        return f"{self.replicas} replicas hosting {per}; static split {self.split}"
+
+    # -- the Open-SWE logic ----------------------------------------------------------------------
 
     async def plan(self, spec):
         await self.llm(spec, swe.plan_prompt(spec), swe.PLAN_TOKENS)
@@ -100,7 +158,8 @@ class _AsyncPeer:
     def run(self, specs, arrivals, timeout: float) -> list[dict]:
         from benchmarks.e2e import drive_async
 
-        self.router = Router(self.replicas, self.routing)
+        self._groups = replica_groups(list(self.models), self.replicas, self.split)
+        self.routers = {m: Router(len(g), self.routing) for m, g in self._groups.items()}
         return asyncio.run(drive_async(self.solve, specs, arrivals, timeout))
 
     def extra(self) -> dict:
@@ -110,17 +169,18 @@ class _AsyncPeer:
 # -- Ray -----------------------------------------------------------------------------------------
 
 class EngineActor:
-    """One EMULATED engine replica in a Ray async actor."""
+    """One engine replica in a Ray async actor: an EMULATED engine per model of ``models``."""
 
-    def __init__(self, engine: dict):
-        self.host = swe.make_engine(swe.MODEL, engine)
+    def __init__(self, models: dict):
+        self.hosts = {m: swe.make_engine(m, p) for m, p in models.items()}
 
-    async def generate(self, prompt: str, max_tokens: int) -> dict:
-        out = await asyncio.wrap_future(swe.engine_call(self.host, prompt, max_tokens, uuid.uuid4().hex))
-        return _result(self.host, out)
+    async def generate(self, prompt: str, max_tokens: int, model: str | None = None) -> dict:
+        host = self.hosts[model] if model else next(iter(self.hosts.values()))
+        out = await asyncio.wrap_future(swe.engine_call(host, prompt, max_tokens, uuid.uuid4().hex))
+        return _result(host, out)
 
-    async def stats(self) -> dict:
-        return self.host.stats()
+    async def stats(self) -> list[dict]:
+        return [h.stats() for h in self.hosts.values()]
 
 
 class ToolActor:
@@ -129,15 +189,19 @@ class ToolActor:
     def run(self, kind: str, payload: str, emulated_s: float, time_scale: float, answer: tuple = ()) -> str:
         return swe.sleep_tool(kind, payload, emulated_s, time_scale, answer)
 
+    def call(self, fn: Callable, *args: Any) -> Any:
+        """Any EMULATED tool body (a module-level function, shipped by reference)."""
+        return fn(*args)
+
 
 class RayPeer(_AsyncPeer):
     name = "ray"
-    replicas = 2
 
     def describe(self) -> dict:
         import ray
 
-        return {"framework": f"ray {ray.__version__}", "engines": "2 async actors (num_cpus=0), one engine each",
+        return {"framework": f"ray {ray.__version__}",
+                "engines": f"{self.replicas} async actors (num_cpus=0): {self.describe_engines()}",
                 "tools": f"2 threaded actors x {self.tool_threads // 2} threads",
                 "agents": "coroutines in the driver awaiting actor calls", "routing": self.routing,
                 "init": "ray.init(num_cpus=2, include_dashboard=False, _node_ip_address='127.0.0.1')"}
@@ -150,9 +214,9 @@ class RayPeer(_AsyncPeer):
                  job_config=ray.job_config.JobConfig(code_search_path=[_ROOT]))
         engine_cls = ray.remote(num_cpus=0)(EngineActor)
         tool_cls = ray.remote(num_cpus=0, max_concurrency=max(1, self.tool_threads // 2))(ToolActor)
-        self.engines = [engine_cls.remote(dict(swe.ENGINE)) for _ in range(self.replicas)]
+        self.actors = [engine_cls.remote(self.models) for _ in range(self.replicas)]
         self.tools = [tool_cls.remote() for _ in range(2)]
-        ray.get([e.stats.remote() for e in self.engines])  # all up
+        ray.get([e.stats.remote() for e in self.actors])  # all up
         self._next_tool = 0
         return self
 
@@ -163,20 +227,17 @@ class RayPeer(_AsyncPeer):
             ray.shutdown()
 
     def engine_stats(self) -> list[dict]:
+        """Per replica and model (replica-major): the engines' counters."""
         import ray
 
-        return ray.get([e.stats.remote() for e in self.engines])
+        return [s for ss in ray.get([e.stats.remote() for e in self.actors]) for s in ss]
 
-    async def llm(self, spec, prompt, max_tokens):
-        i = self.router.pick(spec.id)
-        try:
-            return await self.engines[i].generate.remote(prompt, max_tokens)
-        finally:
-            self.router.done(i)
+    async def _generate(self, replica, model, prompt, max_tokens):
+        return await self.actors[replica].generate.remote(prompt, max_tokens, model)
 
-    async def tool(self, kind, payload, emulated_s, time_scale, answer=()):
+    async def call_tool(self, fn, *args):
         self._next_tool = (self._next_tool + 1) % len(self.tools)
-        return await self.tools[self._next_tool].run.remote(kind, payload, emulated_s, time_scale, answer)
+        return await self.tools[self._next_tool].call.remote(fn, *args)
 
     async def solve(self, spec: swe.RequestSpec) -> dict:
         subtasks = await self.plan(spec)
@@ -211,21 +272,26 @@ class SWEState(TypedDict, total=False):
 
 class LangGraphPeer(_AsyncPeer):
     name = "langgraph"
-    replicas = 2
+    graph_description = "StateGraph: plan -> Send(develop) per subtask -> test -> Send(develop) on failure"
 
     def describe(self) -> dict:
         from importlib.metadata import version
 
-        return {"framework": f"langgraph {version('langgraph')}",
-                "graph": "StateGraph: plan -> Send(develop) per subtask -> test -> Send(develop) on failure",
-                "engines": "2 in-process engine objects", "tools": f"ThreadPoolExecutor({self.tool_threads})",
-                "routing": self.routing}
+        return {"framework": f"langgraph {version('langgraph')}", "graph": self.graph_description,
+                "engines": f"in-process engine objects: {self.describe_engines()}",
+                "tools": f"ThreadPoolExecutor({self.tool_threads})", "routing": self.routing}
 
     def __enter__(self) -> "LangGraphPeer":
-        self.engines = [swe.make_engine() for _ in range(self.replicas)]
+        # hosts[replica][model]: one EMULATED engine per model on every replica
+        self.hosts = [{m: swe.make_engine(m, p) for m, p in self.models.items()} for _ in range(self.replicas)]
         self.pool = ThreadPoolExecutor(self.tool_threads, thread_name_prefix="e2e-lg-tool")
         self.graph = self._build()
         return self
+
+    @property
+    def engines(self) -> list:
+        """Every engine host, replica-major (one per replica when there is one model)."""
+        return [h for r in self.hosts for h in r.values()]
 
     def __exit__(self, *exc: Any) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -235,18 +301,13 @@ class LangGraphPeer(_AsyncPeer):
     def engine_stats(self) -> list[dict]:
         return [e.stats() for e in self.engines]
 
-    async def llm(self, spec, prompt, max_tokens):
-        i = self.router.pick(spec.id)
-        try:
-            host = self.engines[i]
-            out = await asyncio.wrap_future(swe.engine_call(host, prompt, max_tokens, uuid.uuid4().hex))
-            return _result(host, out)
-        finally:
-            self.router.done(i)
+    async def _generate(self, replica, model, prompt, max_tokens):
+        host = self.hosts[replica][model]
+        out = await asyncio.wrap_future(swe.engine_call(host, prompt, max_tokens, uuid.uuid4().hex))
+        return _result(host, out)
 
-    async def tool(self, kind, payload, emulated_s, time_scale, answer=()):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, swe.sleep_tool, kind, payload,
-                                                                emulated_s, time_scale, answer)
+    async def call_tool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def _build(self):
         from langgraph.graph import END, START, StateGraph
@@ -292,9 +353,9 @@ class LangGraphPeer(_AsyncPeer):
 
 
 def make(name: str, tool_threads: int = 32, routing: str = "least_loaded") -> _AsyncPeer:
-    """A peer backend by name (``ray`` or ``langgraph``)."""
+    """A peer backend of the Open-SWE workflow by name (``ray`` or ``langgraph``)."""
     cls = {"ray": RayPeer, "langgraph": LangGraphPeer}[name]
     return cls(tool_threads=tool_threads, routing=routing)
 
 
-__all__ = ["LangGraphPeer", "RayPeer", "Router", "make"]
+__all__ = ["LangGraphPeer", "RayPeer", "Router", "make", "replica_groups"]

@@ -30,7 +30,18 @@ Variants
 ``dask-agents``   ``da.install(client, models={0: ["chat"], 1: ["chat"], 2: ["coder"], 3: ["coder"]})``
                   (start at 2/2), every default policy on; ``reallocate`` may move workers.
 ``dask-agents-no-reallocate``  the same with reallocation off (stays 2/2).
-Peers (ray, langgraph) are not implemented for this workflow: reported as skipped.
+``ray``           Ray (``e2e_peers``' machinery): 4 engine replicas in async actors (``num_cpus=0``),
+                  each hosting both EMULATED engines, as plain Dask's workers do; the request's
+                  logic a coroutine in the driver; code_exec on the threaded tool actors. A STATIC
+                  split of the 4 replicas between chat and coder, chosen by the same sweep as plain
+                  Dask's (1/3, 2/2, 3/1 at the calibration load, on one instance; the best split's
+                  number is its sweep run); within a model's replicas a request's calls are
+                  ``session_sticky`` (its first call of the model goes to the replica with the
+                  fewest calls in flight, the rest follow), the counterpart of plain Dask's pinning.
+``langgraph``     LangGraph: a StateGraph per request (classify -> conditional edge -> chat | code),
+                  4 replicas of in-process engine objects (both models each), tools on a thread
+                  pool; the same split sweep and routing as Ray.
+Peers that are not importable are skipped (reported so, their summary keys null).
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict  # module level: the graph's state hints resolve here
 
 import dask
 import distributed
@@ -63,7 +74,6 @@ TOOL_TIME_SCALE = 0.1
 TRACE_START_S = 260.0  # from 260 s on both labels alternate in the trace (examples.router)
 SPLITS = ((1, 3), (2, 2), (3, 1))  # (chat workers, coder workers) of plain Dask's static sweep
 START_SPLIT = (2, 2)
-SKIPPED_PEER = "not implemented for the router workflow (skipped to fit the time box)"
 
 # The prompts are the example workflow's own (examples/router/workflow.py).
 from examples.router.workflow import CHAT_SYSTEM, CLASSIFIER_CHARS, CODE_SYSTEM, FENCE, ROUTER_SYSTEM  # noqa: E402,F401
@@ -300,6 +310,89 @@ def solve_dask(client, spec: RouterSpec, pinner: Pinner) -> dict:
             pinner.p[m].release(w)
 
 
+# -- peers (e2e_peers' machinery) ------------------------------------------------------------------
+
+class _RouterPeer:
+    """The Router logic as a coroutine over a peer's ``llm`` (per model) and ``call_tool``."""
+
+    async def classify(self, spec: RouterSpec) -> str:
+        await self.llm(spec, classifier_prompt(spec), 1, model="coder")
+        return route_of(spec.text)
+
+    async def chat(self, spec: RouterSpec) -> int:
+        await self.llm(spec, chat_prompt(spec), spec.max_tokens, model="chat")
+        return 1
+
+    async def code(self, spec: RouterSpec) -> int:
+        await self.llm(spec, draft_prompt(spec), spec.max_tokens, model="coder")
+        await self.call_tool(_sleep_tool, spec.id, spec.tool_s)
+        await self.llm(spec, final_prompt(spec), FINAL_TOKENS, model="coder")
+        return 2
+
+    async def solve(self, spec: RouterSpec) -> dict:
+        branch = await self.classify(spec)
+        calls = await (self.code(spec) if branch == "code" else self.chat(spec))
+        return {"branch": branch, "calls": 1 + calls}
+
+
+class RouterState(TypedDict, total=False):
+    spec: Any
+    branch: str
+    calls: int
+
+
+def _peer_classes() -> dict:
+    from benchmarks.e2e_peers import LangGraphPeer, RayPeer
+
+    class RouterRayPeer(_RouterPeer, RayPeer):
+        """Ray: 4 engine-replica actors (both models each), the logic a coroutine in the driver."""
+
+    class RouterLangGraphPeer(_RouterPeer, LangGraphPeer):
+        """LangGraph: classify -> conditional edge -> chat | code, per request."""
+
+        graph_description = "StateGraph: classify -> conditional edge -> chat | code"
+
+        def _build(self):
+            from langgraph.graph import END, START, StateGraph
+
+            async def classify(state: RouterState) -> dict:
+                return {"branch": await self.classify(state["spec"])}
+
+            async def chat(state: RouterState) -> dict:
+                return {"calls": 1 + await self.chat(state["spec"])}
+
+            async def code(state: RouterState) -> dict:
+                return {"calls": 1 + await self.code(state["spec"])}
+
+            g = StateGraph(RouterState)
+            g.add_node("classify", classify)
+            g.add_node("chat", chat)
+            g.add_node("code", code)
+            g.add_edge(START, "classify")
+            g.add_conditional_edges("classify", lambda s: "code" if s["branch"] == "code" else "chat",
+                                    ["chat", "code"])
+            g.add_edge("chat", END)
+            g.add_edge("code", END)
+            return g.compile()
+
+        async def solve(self, spec: RouterSpec) -> dict:
+            state = await self.graph.ainvoke({"spec": spec})
+            return {"branch": state["branch"], "calls": state["calls"]}
+
+    return {"ray": RouterRayPeer, "langgraph": RouterLangGraphPeer}
+
+
+PEER_ROUTING = "session_sticky"
+
+
+def make_peer(name: str, split: tuple[int, int] = START_SPLIT, tool_threads: int = 32):
+    """A router peer backend (``ray`` or ``langgraph``): 4 replicas hosting both models, the
+    ``split`` (chat, coder) of them static; calls session-sticky within a model's replicas."""
+    cls = _peer_classes()[name]
+    return cls(tool_threads=tool_threads, routing=PEER_ROUTING, models={m: dict(ENGINE) for m in MODELS},
+               replicas=WORKERS, split=dict(zip(MODELS, split)))
+
+
 # -- backends --------------------------------------------------------------------------------------
 
 def _cluster(threads: int):
@@ -528,15 +621,59 @@ def run_benchmark(preset: dict, variants: list[str], seed: int = 0,
         res["wall_s"] = time.perf_counter() - t
         out[name] = res
     for peer in ("ray", "langgraph"):
-        if peer in variants:
-            log(f"  {peer} (router): SKIPPED, {SKIPPED_PEER}")
-            out[peer] = {"skipped": SKIPPED_PEER}
+        if peer not in variants:
+            continue
+        ok, info = e2e.peer_available(peer)
+        if not ok:
+            log(f"  {peer} (router): SKIPPED, {info}")
+            out[peer] = {"skipped": info}
+            sweeps[peer] = []
+            continue
+        try:
+            out[peer], sweeps[peer] = run_peer(peer, preset, base, trace_at, loads, seed, log)
+            out[peer]["version"] = info
+        except Exception as e:  # a broken peer install must not lose the other results
+            log(f"  {peer} (router): FAILED ({type(e).__name__}: {e}); reported as skipped")
+            out[peer] = {"skipped": f"failed: {type(e).__name__}: {e}"[:300]}
             sweeps[peer] = []
     return out, sweeps
 
 
+def run_peer(name: str, preset: dict, base, trace_at, loads, seed, log) -> tuple[dict, list[dict]]:
+    """A peer's static chat/coder split by plain Dask's sweep (at the calibration load, on one
+    instance, warm-up before the first split only), then every other load with the best split."""
+    from benchmarks import e2e
+
+    cal = preset["calibration_load"]
+    t = time.perf_counter()
+    rows = []
+    with make_peer(name, tool_threads=e2e.PEER_TOOL_THREADS) as b:
+        for i, split in enumerate(preset["splits"]):
+            b.split = dict(zip(MODELS, split))
+            m = run_loads(b, base, trace_at, [cal], seed, preset["warmup"] if i == 0 else 0,
+                          f"router-{name}-split-{split[0]}-{split[1]}", log)
+            rows.append({"config": {"chat_workers": split[0], "coder_workers": split[1]},
+                         "metrics": m[e2e.load_key(cal)]})
+        chosen = min(rows, key=lambda r: e2e.sweep_score(r["metrics"]))
+        best = chosen["config"]
+        b.split = {"chat": best["chat_workers"], "coder": best["coder_workers"]}
+        log(f"  {name} (router): best static split {best}")
+        res = {"description": {**b.describe(), "split": dict(b.split)},
+               "loads": run_loads(b, base, trace_at, loads, seed, 0, f"router-{name}", log,
+                                  {e2e.load_key(cal): chosen["metrics"]})}
+    res["best_config"] = best
+    res["max_sustained_rps"] = e2e.max_sustained(res["loads"])
+    res["wall_s"] = time.perf_counter() - t
+    return res, rows
+
+
 VARIANTS = ["dask", "dask-agents", "dask-agents-no-reallocate", "ray", "langgraph"]
 
+# Quick: 180 requests (60 per phase, ~10 s at 6/s). With the peers' split sweeps that is 11 runs,
+# ~7 minutes on 2 cores. Shorter phases change the result, not just the noise: at 120 requests
+# (~6.7 s phases) reallocation moved replicas too late for the phase they were meant for, and
+# dask-agents was slower than dask-agents-no-reallocate (mean 2.30 s vs 1.93 s, P99 8.2 s vs 4.0 s,
+# one run), while at 180 it was faster (1.91 s vs 2.28 s, one run).
 QUICK = {"loads": [6.0], "calibration_load": 6.0, "requests": 180, "phases": 3, "warmup": 6, "threads": 16,
          "splits": [list(s) for s in SPLITS]}
 FULL = {"loads": [4.0, 6.0, 8.0], "calibration_load": 6.0, "requests": 360, "phases": 3, "warmup": 8, "threads": 16,
@@ -560,5 +697,6 @@ def build_config(preset: dict, seed: int, variants: list[str]) -> dict:
                  "arrival times rescaled to the offered load",
         "requests": describe_specs(base, preset["phases"]),
         "threads": preset["threads"], "dask_splits_chat_coder": preset["splits"],
-        "peers": SKIPPED_PEER,
+        "peers": {"engines": f"{WORKERS} replicas, both models on each, static split swept as plain Dask's",
+                  "routing": f"{PEER_ROUTING} within a model's replicas", "tool_threads": 32},
     }

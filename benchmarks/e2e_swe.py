@@ -73,7 +73,16 @@ import time
 from dataclasses import dataclass
 
 import dask_agents as da
-from examples.swe.workflow import FAIL_PROBABILITY, MAX_RETRIES, SYSTEM, Issue, Patch, Report, _context, make_issues
+from examples.swe.workflow import (
+    FAIL_PROBABILITY,
+    MAX_RETRIES,
+    SYSTEM,
+    Issue,
+    Patch,
+    Report,
+    _context,
+    make_issues,
+)
 from kv.tool_latency import prior
 
 MODEL = "coder"  # the model name the Open-SWE agents call (da.llm("coder"))
@@ -235,14 +244,15 @@ _WORDS = ("def", "class", "return", "self", "if", "else", "for", "in", "import",
 
 
 @functools.lru_cache(maxsize=8192)
-def synthetic_text(seed: str, n: int) -> str:
-    """Exactly ``n`` ASCII characters of code-like text, a pure function of (seed, n)."""
+def synthetic_text(seed: str, n: int, words: tuple = _WORDS, newline: float = 0.08) -> str:
+    """Exactly ``n`` ASCII characters of text drawn from ``words`` (code-like by default), a pure
+    function of the arguments; ``newline``: chance of a line break after a word."""
     rng = random.Random(seed)
     out: list[str] = []
     size = 0
     while size < n:
-        w = rng.choice(_WORDS)
-        sep = "\n" if rng.random() < 0.08 else " "
+        w = rng.choice(words)
+        sep = "\n" if rng.random() < newline else " "
         out.append(w + sep)
         size += len(w) + 1
     return "".join(out)[:n]

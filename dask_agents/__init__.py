@@ -36,6 +36,7 @@ from dask_agents.hints import BatchingHint, ComponentHints, ToolHints
 from dask_agents.install import install, installed
 from dask_agents.llm import LLM, llm
 from dask_agents.models import CallMeta, LLMResult, SessionGraph, WorkflowGraph
+from dask_agents.progress import progress
 from dask_agents.scaling import ClusterLink, attach_cluster
 from dask_agents.session import Session, session
 from dask_agents.stubs import FunctionStub, Stub, stub
@@ -47,6 +48,6 @@ __all__ = [
     "ComponentHints", "ComponentSpec", "Control", "control", "FunctionStub", "HintError", "LLM", "LLMResult",
     "NoClientError", "NotAComponentError", "NotInstalledError", "PromptTooLongError", "Session",
     "SessionGraph", "Stub", "ToolHints", "UnknownModelError", "WorkflowGraph", "agent", "current_call", "current_session", "install",
-    "installed", "llm", "session", "session_graph", "spec_of", "stub", "telemetry", "tool",
+    "installed", "llm", "progress", "session", "session_graph", "spec_of", "stub", "telemetry", "tool",
     "workflow_graph",
 ]

@@ -80,16 +80,41 @@ def workflow_graph(client: Client) -> WorkflowGraph:
 COLUMNS = [
     "key", "session", "component", "method", "kind", "creator", "state", "worker", "created",
     "ready", "started", "finished", "n_dependencies", "prompt_tokens", "cached_tokens", "output_tokens", "kv_bytes",
-    "emulated", "migrations", "priority_changes",
+    "emulated", "migrations", "priority_changes", "tenant", "model", "retry", "queue_s", "service_s",
 ]
+SESSION_COLUMNS = [
+    "session", "tenant", "state", "created", "completed", "age_s", "calls", "progress", "open", "failed",
+    "retries", "current",
+]
+KV_COLUMNS = ["time", "worker", "model", "tier", "bytes", "capacity_bytes"]
+TABLES = {"calls": COLUMNS, "sessions": SESSION_COLUMNS, "kv": KV_COLUMNS}
 
 
-def telemetry(client: Client, session: Any = None):
-    """One row per call (pandas DataFrame): timestamps are POSIX seconds, tokens for LLM calls."""
+def telemetry(client: Client, session: Any = None, table: str = "calls"):
+    """Telemetry as a pandas DataFrame (timestamps are POSIX seconds).
+
+    ``table="calls"`` (default): one row per call; ``queue_s`` is runnable -> started,
+    ``service_s`` started -> finished (the workers' exact times), ``retry`` marks a re-visit
+    (see the dashboard's retries), tokens for LLM calls.
+    ``table="sessions"``: one row per retained session (state, age or latency, calls,
+    progress, open, failed, retries, current components).
+    ``table="kv"``: the engines' KV residency samples (time, worker, model, tier, bytes,
+    capacity), one per engine and tier about every ``agents.dashboard.engine-stats-interval``;
+    only engines that report KV bytes appear (today: the emulated engine)."""
     import pandas as pd
 
+    if table not in TABLES:
+        raise ValueError(f"unknown telemetry table {table!r} (one of {', '.join(TABLES)})")
     sid = getattr(session, "id", session)
-    return _call(client, "agents_telemetry", lambda rows: pd.DataFrame(rows, columns=COLUMNS), session=sid)
+    columns = TABLES[table]
+    return _call(client, "agents_telemetry", lambda rows: pd.DataFrame(rows, columns=columns), session=sid,
+                 table=table)
+
+
+def session_progress(client: Client, sessions: list[str]) -> dict[str, dict | None]:
+    """Session id -> its summary (state, calls, progress, open, failed, retries, current), or
+    None for unknown/expired ones. A coroutine with an asynchronous client."""
+    return _call(client, "agents_progress", sessions=list(sessions))
 
 
 def hosted_models(client: Client) -> dict[str, list[str]]:

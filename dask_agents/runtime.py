@@ -95,8 +95,18 @@ def _invoke(header: Header, fn: Any, args: tuple, kwargs: dict) -> Any:
         raise _fail(header, e) from e
 
 
-def run_llm(header: Header, model: str, args: tuple, kwargs: dict) -> Any:
-    """Generate with the engine this worker hosts for ``model``."""
-    plugin = _plugin()
-    with call_context(header):
-        return plugin.engines.generate(header, model, *args, **kwargs)
+async def run_llm(header: Header, model: str, args: tuple, kwargs: dict) -> Any:
+    """Generate with the engine this worker hosts for ``model``.
+
+    A coroutine: Dask runs it on the worker's event loop, where it leaves the worker's slots
+    and awaits the engine (no thread per waiting call; the engine batches them all). An LLM
+    call submits nothing itself, so it needs no session context, only the worker plugin."""
+    import asyncio
+
+    from dask_agents.errors import NotInstalledError
+    from worker_plugin.plugin import get_plugin
+
+    plugin = get_plugin(wait=False)
+    if not plugin.ready.is_set() and not await asyncio.to_thread(plugin.ready.wait, 60):
+        raise NotInstalledError("the dask-agents worker plugin did not become ready")
+    return await plugin.engines.agenerate(header, model, *args, **kwargs)

@@ -219,3 +219,64 @@ def move_task(scheduler: Scheduler, ts: Any, victim: str, thief: str) -> str:
 def add_event(scheduler: Scheduler, topic: str, msg: dict) -> None:
     """Record ``msg`` on a scheduler event topic (``client.get_events(topic)``)."""
     scheduler.log_event(topic, msg)
+
+
+# -- dashboard and metrics ---------------------------------------------------------------------
+
+def task_key(ts: Any) -> Any:
+    """The task's key."""
+    return ts.key
+
+
+def running_on_worker(ws: Any) -> list[Any]:
+    """Tasks executing (or seceded) on ``ws`` as far as the scheduler knows (a heartbeat late)."""
+    out = list(ws.executing)
+    out.extend(ts for ts in ws.long_running if ts not in ws.executing)
+    return out
+
+
+def _dask_bokeh_app(scheduler: Scheduler) -> Any:
+    for app in getattr(getattr(scheduler, "http_application", None), "applications", ()):
+        paths = getattr(app, "app_paths", None)
+        if paths and "/status" in paths:
+            return app
+    return None
+
+
+def dashboard_prefix(scheduler: Scheduler) -> str | None:
+    """The URL prefix of Dask's dashboard (``""`` at the root); None when it is off."""
+    app = _dask_bokeh_app(scheduler)
+    return None if app is None else app.prefix
+
+
+def dashboard_template_variables(scheduler: Scheduler) -> dict:
+    """The variables Dask's dashboard pages render their navigation bar with (shared, mutable)."""
+    from distributed.dashboard.scheduler import template_variables
+
+    return template_variables(scheduler)
+
+
+def add_dashboard_page_link(scheduler: Scheduler, page: str) -> None:
+    """Link ``page`` from the navigation bar of Dask's dashboard pages (rendered after this)."""
+    pages = dashboard_template_variables(scheduler).get("pages")
+    if isinstance(pages, list) and page not in pages:
+        pages.append(page)
+
+
+def remove_dashboard_page_link(scheduler: Scheduler, page: str) -> None:
+    """Undo :func:`add_dashboard_page_link`."""
+    pages = dashboard_template_variables(scheduler).get("pages")
+    if isinstance(pages, list) and page in pages:
+        pages.remove(page)
+
+
+def add_http_application(scheduler: Scheduler, app: Any) -> None:
+    """Serve a tornado application (a Bokeh server) from the scheduler's HTTP server."""
+    scheduler.http_application.add_application(app)
+
+
+def remove_http_application(scheduler: Scheduler, app: Any) -> None:
+    """Stop serving an application added with :func:`add_http_application`."""
+    apps = scheduler.http_application.applications
+    if app in apps:
+        apps.remove(app)

@@ -24,7 +24,7 @@ from distributed import Scheduler, SchedulerPlugin
 
 import dask_agents.config as agents_config
 from dask_agents.calls import ANNOTATION
-from scheduler_plugin import dask_compat
+from scheduler_plugin import dask_compat, metrics
 from scheduler_plugin.actions import Kill, Provision
 from scheduler_plugin.control import ControlLoop
 from scheduler_plugin.policies import prioritize
@@ -49,7 +49,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.model_workers: dict[str, set[str]] = defaultdict(set)
         self.bindings: dict[tuple[str, str], str] = {}  # (session, component or llm:model) -> worker
         self.session_bindings: dict[str, list[tuple[str, str]]] = defaultdict(list)  # index by session
-        self.session_workers: dict[str, set[str]] = defaultdict(set)  # stateful hosts per session
+        self.session_workers: dict[str, set[str]] = defaultdict(set)  # stateful hosts, LLM KV holders
         self.bound: dict[str, int] = defaultdict(int)  # worker -> live sessions bound to it (KV/instances held)
         self.assigned: dict[str, int] = defaultdict(int)  # worker -> sessions ever bound (round-robin tie-break)
         # open calls placed per (worker, what): the load that matters when choosing an engine
@@ -67,6 +67,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.pending_add = 0
         self.pending_remove: list[str] = []
         self.provision_for: deque[str] = deque()  # models new workers should host
+        # what the dashboard and /metrics show (scheduler_plugin/metrics.py, dashboard.py)
+        self.aggregates = metrics.Aggregates()
+        self.dashboard: Any = None
 
     def __getstate__(self) -> dict:
         return {}
@@ -88,6 +91,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             "agents_ping": self._ping,
             "agents_control": self._control,
             "agents_scale_requests": self._scale_requests,
+            "agents_progress": self._progress,
         }.items():
             dask_compat.add_rpc_handler(scheduler, name, handler)
         dask_compat.set_worker_stream_interval(
@@ -103,8 +107,17 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             self._stopped_stealing = await dask_compat.stop_builtin_balancing(scheduler)
         if agents_config.get("control.enabled"):
             self.control.start()
+        metrics.register(self)
+        if agents_config.get("dashboard.enabled"):
+            from scheduler_plugin import dashboard
+
+            self.dashboard = dashboard.install(self)
 
     async def close(self) -> None:
+        metrics.unregister(self)
+        if self.dashboard is not None:
+            self.dashboard.uninstall()
+            self.dashboard = None
         if self.scheduler is not None:
             dask_compat.remove_periodic(self.scheduler, "dask-agents-housekeeping")
             if self.control is not None:
@@ -125,6 +138,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         for k in [k for k in self.open_placed if k[0] == worker]:
             del self.open_placed[k]
         self.assigned.pop(worker, None)
+        self.aggregates.forget_worker(worker)
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         now = time.time()
@@ -210,6 +224,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if finish == "processing":
             ts = dask_compat.task(self.scheduler, key)
             worker = dask_compat.processing_on(ts) if ts is not None else None
+            if worker is not None and rec.kind == "llm" and rec.session is not None:
+                self.session_workers[rec.session].add(worker)  # its KV is there: dropped at session end
         if not self.state.on_transition(key, finish, time.time(), worker):
             return
         self._unplace(key)
@@ -218,9 +234,13 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             if s is not None and s.state == "completed":
                 self._on_session_completed(rec.session)
 
-    def _on_reports(self, worker: str | None = None, reports: list | None = None, **kw: Any) -> None:
+    def _on_reports(self, worker: str | None = None, reports: list | None = None, engines: dict | None = None,
+                    **kw: Any) -> None:
         for r in reports or ():
             self.state.on_report(r["key"], r["started"], r["finished"], worker, r.get("metrics"))
+            self.aggregates.on_report(self.state.calls.get(r["key"]))
+        if engines is not None and worker is not None:
+            self.aggregates.on_engine_stats(worker, engines, time.time())
 
     # -- called by the enforcement layer ---------------------------------------------------
     def on_migrated(self, key: str, source: str, target: str) -> None:
@@ -281,6 +301,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             self._on_session_completed(sid)
 
     def _on_session_completed(self, sid: str) -> None:
+        s = self.state.sessions.get(sid)
+        if s is not None:
+            self.aggregates.on_session_completed(s)
         for key in self.session_bindings.pop(sid, ()):
             w = self.bindings.pop(key, None)
             if w is not None and self.bound.get(w, 0) > 0:
@@ -296,7 +319,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             logger.debug("dask-agents: end_session on %s failed: %s", addr, e)
 
     def housekeeping(self) -> None:
-        """Drop completed sessions past retention (bounded memory)."""
+        """Drop completed sessions past retention (bounded memory); fold tick times into metrics."""
+        self.aggregates.fold_ticks(self.control)
         self.state.expire(
             time.time(), agents_config.seconds("scheduler.session-retention"),
             int(agents_config.get("scheduler.max-retained-sessions")),
@@ -350,8 +374,22 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             return None
         return self.state.session_graph(session).model_dump(mode="json")
 
-    def _telemetry(self, session: str | None = None) -> list[dict]:
-        return self.state.rows(session)
+    def _telemetry(self, session: str | None = None, table: str = "calls") -> list[dict] | dict:
+        if table == "calls":
+            return self.state.rows(session)
+        if table == "sessions":
+            now = time.time()
+            if session is not None:
+                row = self.state.session_summary(session, now)
+                return [row] if row is not None else []
+            return self.state.session_rows(now)
+        if table == "kv":
+            return self.aggregates.kv_rows()
+        return {"error": f"unknown telemetry table {table!r} (calls, sessions, kv)"}
+
+    def _progress(self, sessions: list[str] | None = None) -> dict:
+        now = time.time()
+        return {sid: self.state.session_summary(sid, now) for sid in sessions or ()}
 
     def _workflow_graph(self) -> dict:
         return self.state.workflow_graph().model_dump(mode="json")

@@ -46,9 +46,12 @@ class CallRecord:
     metrics: dict = field(default_factory=dict)
     stateful: bool = False
     model: str | None = None  # for LLM calls: the model
+    tool_kind: str | None = None  # for tools: their kind hint (code_exec, file_io, ...)
     migrations: int = 0
     priority_changes: int = 0
     batch_max: int | None = None  # the component's batching hint
+    tenant: str | None = None
+    retry: bool = False  # a re-visit: see SessionRecord.retries
 
     def meta(self) -> CallMeta:
         """As the shared pydantic model."""
@@ -72,6 +75,9 @@ class CallRecord:
             "output_tokens": m.get("output_tokens"), "kv_bytes": m.get("kv_bytes"),
             "emulated": m.get("emulated"),
             "migrations": self.migrations, "priority_changes": self.priority_changes,
+            "tenant": self.tenant, "model": self.model or m.get("model"), "retry": self.retry,
+            "queue_s": self.started - self.ready if self.started is not None and self.ready is not None else None,
+            "service_s": self.finished - self.started if self.finished is not None and self.started is not None else None,
         }
 
 
@@ -87,6 +93,15 @@ class SessionRecord:
     open_calls: int = 0
     progress: int = 0
     completed_at: float | None = None
+    # Bumped on every change of the session or one of its calls: views (the dashboard) redo
+    # only the sessions whose version moved.
+    version: int = 0
+    # Re-visits: calls of a component created after a finished call consumed that component's
+    # result in this session (a loop back in the workflow: a developer re-run after a failed
+    # test, a planner asked again). Counted from the graph; the scheduler cannot see intent.
+    retries: int = 0
+    failed: int = 0  # calls that erred (the session went on)
+    consumed: set[str] = field(default_factory=set)  # components a finished call consumed
 
 
 @dataclass(slots=True)
@@ -124,6 +139,10 @@ class WorkflowState:
         self.sessions_seen = 0
         self.durations: dict[str, _Running] = {}
         self.edges: Counter[tuple[str, str]] = Counter()
+        # (component, state) -> calls in that non-terminal state now; terminal ones cumulative
+        self.open_by_state: Counter[tuple[str, str]] = Counter()
+        self.terminal_per_component: Counter[tuple[str, str]] = Counter()
+        self.sessions_completed = 0
 
     # -- events -----------------------------------------------------------------------
     def session(self, sid: str, tenant: str | None, now: float) -> SessionRecord:
@@ -149,12 +168,13 @@ class WorkflowState:
             key=key, component=ann.get("component") or key_split(key), method=ann.get("method"),
             kind=ann.get("kind") or "task", session=sid, creator=ann.get("creator") or "driver",
             dependencies=deps, created=ann.get("created") or now,
-            stateful=bool(ann.get("stateful")), model=ann.get("llm_model"),
-            batch_max=(ann.get("batching") or {}).get("max_batch"),
+            stateful=bool(ann.get("stateful")), model=ann.get("llm_model"), tool_kind=ann.get("tool_kind"),
+            batch_max=(ann.get("batching") or {}).get("max_batch"), tenant=ann.get("tenant"),
         )
         self.calls[key] = rec
         self.calls_per_component[rec.component] += 1
         self.open_per_component[rec.component] += 1
+        self.open_by_state[(rec.component, rec.state)] += 1
         for d in deps:
             dep = self.calls[d]
             dep.consumers.append(key)
@@ -169,10 +189,15 @@ class WorkflowState:
                 gone = self.calls.pop(old, None)
                 if gone is not None and gone.state not in TERMINAL:
                     self.open_per_component[gone.component] -= 1
+                    self.open_by_state[(gone.component, gone.state)] -= 1
         else:
             s = self.session(sid, ann.get("tenant"), now)
             s.calls[key] = rec
             s.open_calls += 1
+            s.version += 1
+            if rec.component in s.consumed:
+                rec.retry = True
+                s.retries += 1
             if s.state == "completed":  # a late call reopens a completed session
                 s.state = "closing"
                 s.completed_at = None
@@ -195,7 +220,7 @@ class WorkflowState:
             rec.worker = worker
         if rec.state == "running" and state == "processing":
             return False  # the worker's start report arrived first
-        rec.state = state
+        self._set_state(rec, state)
         if state in TERMINAL:
             if rec.finished is None and state != "cancelled":
                 rec.finished = now
@@ -214,6 +239,7 @@ class WorkflowState:
         if metrics:
             rec.metrics.update(metrics)
         self.durations.setdefault(rec.component, _Running()).add(finished - started)
+        self._touch(rec)
 
     def on_priority(self, key: str, priority: tuple) -> None:
         """A policy changed the call's priority."""
@@ -227,9 +253,25 @@ class WorkflowState:
         if rec is not None:
             rec.migrations += 1
             rec.worker = target
+            self._touch(rec)
+
+    def _set_state(self, rec: CallRecord, state: str) -> None:
+        """Change a call's state, keeping the per-state counters and the session version."""
+        self.open_by_state[(rec.component, rec.state)] -= 1
+        rec.state = state
+        if state not in TERMINAL:
+            self.open_by_state[(rec.component, state)] += 1
+        self._touch(rec)
+
+    def _touch(self, rec: CallRecord) -> None:
+        if rec.session is not None:
+            s = self.sessions.get(rec.session)
+            if s is not None:
+                s.version += 1
 
     def _terminal(self, rec: CallRecord, now: float) -> None:
         self.open_per_component[rec.component] -= 1
+        self.terminal_per_component[(rec.component, rec.state)] += 1
         if rec.state == "finished":
             self.completed_per_component[rec.component] += 1
         if rec.session is None:
@@ -240,6 +282,13 @@ class WorkflowState:
         s.open_calls -= 1
         if rec.state == "finished":
             s.progress += 1
+            calls = s.calls
+            for d in rec.dependencies:  # the components whose results this call consumed
+                dep = calls.get(d)
+                if dep is not None and dep.component != rec.component:
+                    s.consumed.add(dep.component)
+        elif rec.state == "erred":
+            s.failed += 1
         self._maybe_complete(s, now)
 
     def close_session(self, sid: str, now: float) -> SessionRecord:
@@ -247,6 +296,7 @@ class WorkflowState:
         s = self.session(sid, None, now)
         if s.state == "active":
             s.state = "closing"
+            s.version += 1
         self._maybe_complete(s, now)
         return s
 
@@ -254,6 +304,8 @@ class WorkflowState:
         if s.state == "closing" and s.open_calls <= 0:
             s.state = "completed"
             s.completed_at = now
+            s.version += 1
+            self.sessions_completed += 1
             self.completed[s.id] = now
             self.completed.move_to_end(s.id)
 
@@ -308,6 +360,36 @@ class WorkflowState:
             sessions=self.sessions_seen, components=comps,
             edges={f"{a}->{b}": k for (a, b), k in self.edges.items()},
         )
+
+    def session_summary(self, sid: str, now: float) -> dict | None:
+        """One session as the dashboard, ``da.progress`` and telemetry show it (None if unknown).
+
+        ``current``: components of its calls assigned to a worker now (processing or running).
+        Cheap: open calls are the newest, so the scan from the newest stops after them."""
+        s = self.sessions.get(sid)
+        if s is None:
+            return None
+        current: list[str] = []
+        left = s.open_calls
+        if left > 0:
+            for rec in reversed(s.calls.values()):
+                if rec.state not in TERMINAL:
+                    left -= 1
+                    if rec.state in ("processing", "running") and rec.component not in current:
+                        current.append(rec.component)
+                    if left <= 0:
+                        break
+        end = s.completed_at if s.completed_at is not None else now
+        return {
+            "session": sid, "tenant": s.tenant, "state": s.state, "created": s.created,
+            "completed": s.completed_at, "age_s": end - s.created, "calls": len(s.calls),
+            "progress": s.progress, "open": s.open_calls, "failed": s.failed, "retries": s.retries,
+            "current": ", ".join(sorted(current)), "version": s.version,
+        }
+
+    def session_rows(self, now: float) -> list[dict]:
+        """One row per retained session (telemetry's sessions table)."""
+        return [self.session_summary(sid, now) for sid in self.sessions]
 
     def rows(self, session: str | None = None) -> list[dict]:
         """Telemetry rows for every retained call (or one session's)."""

@@ -131,6 +131,32 @@ async def test_secede_once_frees_the_slot(c: Client, s: Scheduler, a: Worker):
     assert await blocker
 
 
+async def wait_seceded_async(key_box: list):
+    import asyncio
+
+    from distributed import get_worker
+
+    key = next(k for k, ts in get_worker().state.tasks.items()
+               if ts.state == "executing" and str(k).startswith("wait_seceded_async"))
+    first = wc.secede_async_task(key)
+    second = wc.secede_async_task(key)  # no longer executing: a no-op
+    state = get_worker().state.tasks[key].state
+    await asyncio.to_thread(EV.wait, 30)
+    return first, second, state
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_async_task_secedes_and_frees_the_slot(c: Client, s: Scheduler, a: Worker):
+    EV.clear()
+    ev = EV
+    blocker = c.submit(wait_seceded_async, [], key="wait_seceded_async-1")
+    other = c.submit(inc, 1)  # the single slot was freed: this runs while the coroutine waits
+    assert await other == 2
+    ev.set()
+    assert await blocker == (True, False, "long-running")
+    assert wc.secede_async_task("no-such-key") is False  # not on a worker
+
+
 class Spy(WorkerPlugin):
     def setup(self, worker):
         self.worker = worker
@@ -166,3 +192,60 @@ async def test_worker_annotations_and_transition_hook_order(c: Client, s: Schedu
 async def test_worker_asks_scheduler_for_a_handler(c: Client, s: Scheduler, a: Worker):
     assert await wc.scheduler_has_handler(a, "run_function")
     assert not await wc.scheduler_has_handler(a, "agents_no_such_handler")
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_running_and_waiting_on_worker(c: Client, s: Scheduler, a: Worker):
+    EV.clear()
+    ev = EV
+    first = c.submit(wait_ev, pure=False)
+    second = c.submit(wait_ev, pure=False)
+    await async_wait_for(lambda: len(s.workers[a.address].processing) == 2)
+    ws = s.workers[a.address]
+    # the scheduler learns what executes from the worker's heartbeat
+    await async_wait_for(lambda: len(sc.running_on_worker(ws)) == 1, timeout=10)
+    running = [sc.task_key(ts) for ts in sc.running_on_worker(ws)]
+    waiting = [sc.task_key(ts) for ts in sc.waiting_on_worker(ws)]
+    assert sorted(running + waiting) == sorted([first.key, second.key]) and not set(running) & set(waiting)
+    ev.set()
+    await c.gather([first, second])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], scheduler_kwargs={"dashboard": True, "dashboard_address": ":0"})
+async def test_dashboard_application_and_navigation(c: Client, s: Scheduler, a: Worker):
+    from bokeh.models import Div
+    from distributed.dashboard.core import BokehApplication
+    from tornado.httpclient import AsyncHTTPClient
+    from tornado.ioloop import IOLoop
+
+    prefix = sc.dashboard_prefix(s)
+    assert prefix == ""
+    tv = sc.dashboard_template_variables(s)
+    assert "status" in tv["pages"]
+    sc.add_dashboard_page_link(s, "compat-page")
+    sc.add_dashboard_page_link(s, "compat-page")
+    assert sc.dashboard_template_variables(s)["pages"].count("compat-page") == 1
+
+    def doc_fn(scheduler, extra, doc):
+        doc.add_root(Div(text="compat page"))
+
+    app = BokehApplication({"/compat-page": doc_fn}, s, prefix=prefix, template_variables=tv)
+    sc.add_http_application(s, app)
+    app.initialize(IOLoop.current())
+    app.start()
+    http = AsyncHTTPClient()
+    page = await http.fetch(f"http://127.0.0.1:{s.http_server.port}/compat-page")
+    assert page.code == 200
+    status = await http.fetch(f"http://127.0.0.1:{s.http_server.port}/status")
+    assert b'href="compat-page"' in status.body  # linked from Dask's own pages
+    sc.remove_http_application(s, app)
+    app.stop()
+    sc.remove_dashboard_page_link(s, "compat-page")
+    assert "compat-page" not in sc.dashboard_template_variables(s)["pages"]
+    gone = await http.fetch(f"http://127.0.0.1:{s.http_server.port}/compat-page", raise_error=False)
+    assert gone.code == 404
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_dashboard_prefix_is_none_without_dashboard(c: Client, s: Scheduler, a: Worker):
+    assert sc.dashboard_prefix(s) is None

@@ -129,6 +129,16 @@ def test_router_rules():
         Router(2, "random")
 
 
+def test_replica_groups_of_a_static_split():
+    from benchmarks.e2e_peers import replica_groups
+
+    assert replica_groups(["coder"], 2, None) == {"coder": [0, 1]}
+    assert replica_groups(["chat", "coder"], 4, {"chat": 1, "coder": 3}) == {"chat": [0], "coder": [1, 2, 3]}
+    for bad in ({"chat": 0, "coder": 4}, {"chat": 2, "coder": 1}, {"coder": 4}):
+        with pytest.raises(ValueError, match="split"):
+            replica_groups(["chat", "coder"], 4, bad)
+
+
 def test_summary_with_skipped_peers_and_strict_json(tmp_path):
     m = {"mean_s": 2.0, "p99_s": 4.0, "sustained": True, "offered_rps": 2.0}
     variants = {"dask": {"loads": {"2": {**m, "mean_s": 3.0, "p99_s": 5.0}}, "max_sustained_rps": 2.0},
@@ -223,10 +233,12 @@ def test_tiny_langgraph_run_if_installed():
 
 
 @pytest.mark.timeout(90)
-def test_tiny_router_run_schema_and_completion(tmp_path):
+def test_tiny_router_run_schema_and_completion(tmp_path, monkeypatch):
     """--workflow router at a tiny scale: every variant completes every request; the JSON keeps
-    the summary keys per workflow (peers null, reported skipped). No speed assertions."""
+    the summary keys per workflow (a missing peer null, reported skipped). No speed assertions."""
     from benchmarks import e2e_router as router
+
+    monkeypatch.setattr(e2e, "peer_available", lambda name: (False, f"not importable (no module {name})"))
 
     try:
         router.make_specs(6, 0, 2)
@@ -256,3 +268,139 @@ def test_tiny_router_run_schema_and_completion(tmp_path):
         assert k in s
     assert math.isfinite(s["mean_speedup_vs_dask"]) and s["mean_speedup_vs_ray"] is None
     assert doc["config"]["router"]["engine"]["engine_workers"] == 4
+
+
+# -- finance workflow -----------------------------------------------------------------------------
+
+def test_finance_specs_and_prompts_carry_the_session_history():
+    from benchmarks import e2e_finance as fin
+
+    a, b = fin.make_specs(6, 3, fin.THINK_QUICK), fin.make_specs(6, 3, fin.THINK_QUICK)
+    assert a == b and fin.make_specs(6, 4, fin.THINK_QUICK) != a
+    for s in a:
+        r = s.request
+        assert 1 <= len(r.follow_ups) == len(r.think_s) <= 2 and len(s.db_s) == len(s.db_tokens) == len(s.aspects) == 4
+        assert all(fin.THINK_QUICK[0] <= t <= fin.THINK_QUICK[1] for t in r.think_s)
+        assert s.pause_s == pytest.approx(sum(r.think_s))
+        calls = fin.session_calls(s)
+        assert [c["role"] for c in calls] == ["analysis"] * 4 + ["summary"] + ["follow_up"] * len(r.follow_ups)
+        ctx = fin.context(s)
+        assert ctx.startswith(fin.SYSTEM + f"Session {s.id}\n") and all(c["prompt"].startswith(ctx) for c in calls)
+        assert all(c["prompt"].isascii() for c in calls)  # one character, one token
+        # Every follow-up extends the previous call's prompt: the session's KV is reusable.
+        summary, fus = calls[4]["prompt"], [c["prompt"] for c in calls[5:]]
+        assert fus[0].startswith(summary + " " + fin.summary_text(s))
+        assert all(y.startswith(x + " " + fin.answer_text(s, j)) for j, (x, y) in enumerate(zip(fus, fus[1:])))
+        assert all(fin.analysis_text(s, k) in summary for k in range(4))
+        assert 0 < fin.ideal_latency(s) < 10
+        assert max(len(c["prompt"]) for c in calls) + fin.SUMMARY_TOKENS <= fin.swe.MAX_MODEL_LEN
+    x, y = fin.specs_for(a, "finance-dask-L3"), fin.specs_for(a, "finance-dask-agents-no-balance-L3")
+    assert x[0].id != y[0].id and [fin.prompt_tokens(s) for s in x] == [fin.prompt_tokens(s) for s in y]
+    assert [fin.ideal_latency(s) for s in x] == pytest.approx([fin.ideal_latency(s) for s in y])
+    st = fin.token_stats(x)
+    assert 0.5 < st["reusable_share_perfect_cache"] < st["reusable_share_follow_ups"] < 1.0
+
+
+def test_finance_record_excludes_think_time_and_run_metrics():
+    from benchmarks import e2e_finance as fin
+
+    spec = fin.make_specs(1, 0, fin.THINK_QUICK)[0]
+    stats = {"analysis": [400, 100], "summary": [100, 90], "follow_up": [200, 190], "follow_up_s": [0.1, 0.3]}
+    rec = e2e.make_record(spec, 1.0, 5.0, {"stats": stats}, None)
+    assert rec["latency"] == pytest.approx(4.0 - spec.pause_s) and rec["ok"] and rec["stats"] == stats
+    m = fin.run_metrics([rec, {**rec, "ok": False}], [spec])
+    assert m["followup_kv_hit_rate"] == pytest.approx(0.95) and m["analysis_kv_hit_rate"] == pytest.approx(0.25)
+    assert m["followup_mean_s"] == pytest.approx(0.2) and m["followup_prompt_tokens"] == 200
+
+
+@pytest.mark.timeout(90)
+def test_tiny_finance_run_schema_completion_and_kv_reuse(tmp_path):
+    """--workflow finance at a tiny scale: plain Dask (session-sticky) and dask-agents complete
+    every request, send exactly the spec's prompts, and the follow-ups hit the session's KV."""
+    from benchmarks import e2e_finance as fin
+
+    preset = {"loads": [3.0], "requests": 3, "calibration_load": 3.0, "warmup": 0, "think_s": [0.05, 0.15],
+              "dask_sweep": [{"threads": 4, "llm_slots": None, "routing": "session_sticky"}],
+              "peer_sweep": ["session_sticky"]}
+    variants = ["dask", "dask-agents"]
+    lines: list[str] = []
+    results, sweeps = fin.run_benchmark(preset, variants, seed=1, log=lines.append)
+    summary = {"finance": e2e.summarize(results, 3.0)}
+    config = {**e2e.base_config("test", 1, "finance"), "finance": fin.build_config(preset, 1, variants)}
+    e2e.write_json(str(tmp_path / "f.json"), config, results, sweeps, summary, workflow="finance")
+    doc = json.loads((tmp_path / "f.json").read_text())
+    v = doc["results"]["finance"]["variants"]
+    assert set(v) == set(variants) and v["dask"]["best_config"] == preset["dask_sweep"][0]
+    sent = sum(fin.prompt_tokens(s) for s in fin.specs_for(fin.make_specs(3, 1, (0.05, 0.15)), "any"))
+    for name in variants:
+        m = v[name]["loads"]["3"]
+        assert m["completed"] == m["requests"] == 3, (name, m["failed"])
+        assert m["prompt_tokens"] == sent, name  # exactly the spec's prompts
+        assert m["followup_kv_hit_rate"] > 0 and m["followup_prompt_tokens"] > 0, (name, m)
+        assert 0 < m["kv_hit_rate"] < 1 and math.isfinite(m["followup_mean_s"])
+    s = doc["summary"]["finance"]
+    for k in SUMMARY_KEYS:
+        assert k in s
+    assert math.isfinite(s["mean_speedup_vs_dask"]) and s["mean_speedup_vs_ray"] is None
+    assert doc["config"]["emulated"] is True and doc["config"]["finance"]["engine"]["replicas"] == 2
+    assert doc["config"]["finance"]["policies_ablated"] == ["prioritize", "balance"]
+
+
+def test_finance_missing_peer_is_skipped_and_said_so(monkeypatch):
+    from benchmarks import e2e_finance as fin
+
+    monkeypatch.setattr(e2e, "peer_available", lambda name: (False, f"not importable (no module {name})"))
+    lines: list[str] = []
+    preset = {**fin.QUICK, "requests": 2, "warmup": 0, "dask_sweep": []}
+    results, _ = fin.run_benchmark(preset, ["ray", "langgraph", "dask-agents-no-batching"], log=lines.append)
+    assert results == {"ray": {"skipped": "not importable (no module ray)"},
+                       "langgraph": {"skipped": "not importable (no module langgraph)"}}
+    assert any("ray (finance): SKIPPED" in line for line in lines)
+    s = e2e.summarize(results, fin.QUICK["calibration_load"])
+    assert s["mean_speedup_vs_langgraph"] is None and set(s["skipped"]) == {"ray", "langgraph"}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("peer", ["langgraph", "ray"])
+def test_tiny_finance_peer_if_installed(peer):
+    pytest.importorskip(peer)
+    from benchmarks import e2e_finance as fin
+
+    specs = fin.specs_for(fin.make_specs(2, 5, (0.05, 0.1)), f"{peer}-test")
+    with fin.make_peer(peer, routing="session_sticky") as b:
+        records = b.run(specs, [0.0, 0.1], timeout=60)
+        stats = b.engine_stats()
+    assert [r["ok"] for r in records] == [True, True], records
+    assert len(stats) == 2 and sum(s["queries"] for s in stats) == sum(fin.prompt_tokens(s) for s in specs)
+    m = fin.run_metrics(records, specs)
+    assert m["followup_kv_hit_rate"] > 0.5  # the session's KV is on the replica its follow-ups go to
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("peer", ["langgraph", "ray"])
+def test_tiny_router_peer_if_installed(peer):
+    """Router peers: the static split sweep runs, every request completes with the spec's prompts."""
+    pytest.importorskip(peer)
+    from benchmarks import e2e_router as router
+
+    try:
+        base, _ = router.make_specs(6, 0, 2)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    preset = {"loads": [4.0], "calibration_load": 4.0, "requests": 6, "phases": 2, "warmup": 0, "threads": 4,
+              "splits": [[1, 3], [2, 2]]}
+    results, sweeps = router.run_benchmark(preset, [peer], seed=0, log=lambda line: None)
+    v = results[peer]
+    assert not v.get("skipped"), v
+    assert [r["config"] for r in sweeps[peer]] == [{"chat_workers": 1, "coder_workers": 3},
+                                                   {"chat_workers": 2, "coder_workers": 2}]
+    assert v["best_config"] in [r["config"] for r in sweeps[peer]]
+    m = v["loads"]["4"]
+    assert m["completed"] == m["requests"] == 6, m["failed"]
+    sent = 0
+    for s in router.specs_for(base, "any"):
+        sent += len(router.classifier_prompt(s)) + (len(router.chat_prompt(s)) if s.branch == "chat" else
+                                                   len(router.draft_prompt(s)) + len(router.final_prompt(s)))
+    assert m["prompt_tokens"] == sent and set(m["phases"]) == {"0", "1"}
+    s = e2e.summarize({"dask-agents": v, peer: v}, 4.0)
+    assert s[f"mean_speedup_vs_{peer}"] == pytest.approx(1.0)

@@ -82,3 +82,31 @@ def test_prompt_longer_than_context_is_an_error_and_session_goes_on(client):
     with da.session(client):
         with pytest.raises(ValueError, match="max_tokens"):
             coder.generate("hi", max_tokens=0).value(120)
+
+
+def _kv(model: str, op: str, session: str, dask_worker=None) -> dict | str:
+    try:
+        return dask_worker.plugins["dask-agents"].engines.kv_directive(model, op, session)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_session_kv_is_tracked_and_dropped_when_the_session_ends(client):
+    coder = da.llm("coder")
+    with da.session(client) as s:
+        r = coder.generate(SYSTEM + " Explain the failing test in detail, please.", max_tokens=4).value(300)
+        seen = client.run(_kv, "coder", "inspect", s.id, workers=[r.worker])[r.worker]
+        assert seen["residency"]["device_blocks"] == r.prompt_tokens // 128 > 0, (seen, r)
+        off = client.run(_kv, "coder", "offload", s.id, workers=[r.worker])[r.worker]
+        assert off["result"] == seen["residency"]["device_blocks"] and off["residency"]["host_blocks"] > 0
+        again = coder.generate(SYSTEM + " Explain the failing test in detail, please.", max_tokens=4).value(120)
+        assert again.cached_tokens == seen["residency"]["device_blocks"] * 128  # restored on demand
+        assert again.token_ids == r.token_ids
+
+    def gone():
+        out = client.run(_kv, "coder", "inspect", s.id, workers=[r.worker])[r.worker]
+        return out if isinstance(out, str) else None
+
+    assert "no KV for session" in wait_for(gone)  # session end invalidated it on the engine
+    bad = client.run(_kv, "coder", "shrink", s.id, workers=[r.worker])[r.worker]
+    assert "unknown KV directive 'shrink'" in bad

@@ -44,6 +44,27 @@ def secede_if_in_task() -> bool:
     return True
 
 
+def secede_async_task(key: Any) -> bool:
+    """Mark the coroutine task ``key`` running on this worker's event loop as long-running, as
+    ``distributed.secede`` does for a thread: it stops counting against the worker's slots.
+    Returns False (and does nothing) outside a worker or for a key that is not executing."""
+    from time import time
+
+    from distributed import get_worker
+    from distributed.worker_state_machine import SecedeEvent
+
+    try:
+        worker = get_worker()
+    except ValueError:
+        return False
+    ts = worker.state.tasks.get(key)
+    if ts is None or ts.state != "executing":
+        return False
+    start = getattr(ts, "start_time", None) or time()
+    worker.handle_stimulus(SecedeEvent(key=key, compute_duration=time() - start, stimulus_id=f"agents-secede-{time()}"))
+    return True
+
+
 def task_annotations(worker: Worker, key: Any) -> dict:
     """Annotations of a task the worker knows (empty if unknown)."""
     ts = worker.state.tasks.get(key)

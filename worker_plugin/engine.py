@@ -45,6 +45,19 @@ class ModelSettings(BaseModel):
     max_model_len: int = Field(2048, alias="max-model-len", ge=16)
     kv_cache_memory_bytes: int | str = Field("256 MiB", alias="kv-cache-memory-bytes")
     enable_prefix_caching: bool = Field(True, alias="enable-prefix-caching")
+    # KV tiers below the device (kv/engine_kv.py): host memory for offloaded sessions, and an
+    # optional disk tier that the host tier spills to. Memory is only used when a session is
+    # offloaded. Pins (retained sessions) are bounded to a share of the device blocks.
+    kv_host_bytes: int | str = Field("1 GiB", alias="kv-host-bytes")
+    kv_disk_bytes: int | str = Field(0, alias="kv-disk-bytes")
+    kv_disk_path: str | None = Field(None, alias="kv-disk-path")
+    kv_pin_fraction: float = Field(0.5, alias="kv-pin-fraction", ge=0.0, le=1.0)
+    # The workflow-aware KV manager (kv/manager.py) on the engine thread: a policy name runs
+    # that policy on this engine's KV; "none" leaves vLLM's prefix cache alone (directives still
+    # work); unset: agents.kv.policy. Defaults to the configured policy ("ours") because with no
+    # hints at all it only acts on what the engine itself shows (pauses between a session's
+    # requests), it never blocks admission, and with no lower tier it can only drop or reorder.
+    kv_policy: Literal["none", "lru", "wa_lru", "nalar", "ours"] | None = Field(None, alias="kv-policy")
     # "priority": the engine admits calls in the control plane's priority order (progress
     # first), FIFO among equals; "fcfs": arrival order.
     scheduling: Literal["priority", "fcfs"] = "priority"
@@ -63,8 +76,33 @@ class ModelSettings(BaseModel):
 
     def kv_bytes(self) -> int:
         """KV cache budget in bytes."""
-        v = self.kv_cache_memory_bytes
-        return int(v) if isinstance(v, int) else int(parse_bytes(v))
+        return _bytes(self.kv_cache_memory_bytes)
+
+    def kv_tiers(self, name: str) -> Any:
+        """The engine's tier configuration (``kv.engine_kv.TierConfig``); a disk tier without a
+        path gets a per-process temporary directory."""
+        import tempfile
+
+        from kv.engine_kv import TierConfig
+
+        disk = _bytes(self.kv_disk_bytes)
+        path = self.kv_disk_path
+        if disk and not path:
+            path = tempfile.mkdtemp(prefix=f"dask-agents-kv-{name.replace('/', '_')}-")
+        return TierConfig(host_bytes=_bytes(self.kv_host_bytes), disk_bytes=disk, disk_path=path,
+                          pin_fraction=self.kv_pin_fraction)
+
+    def kv_policy_name(self) -> str:
+        """The KV policy this engine runs ("none": no manager)."""
+        if self.kv_policy is not None:
+            return self.kv_policy
+        import dask_agents.config as agents_config
+
+        return str(agents_config.get("kv.policy") or "none")
+
+
+def _bytes(v: int | str) -> int:
+    return int(v) if isinstance(v, int) else int(parse_bytes(v))
 
 
 @dataclass
@@ -74,6 +112,7 @@ class _Request:
     params: Any
     session: str | None
     future: Future
+    engine_id: str = ""  # vLLM's own id for the request (it appends a suffix)
 
 
 class EngineHost:
@@ -87,6 +126,10 @@ class EngineHost:
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
         self._inbox: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Any, Future]] = queue.SimpleQueue()
+        self.kv: Any = None  # kv.engine_kv.EngineKV once loaded (per-session KV control)
+        self.kv_manager: Any = None  # kv.manager.KVManager once loaded, unless kv-policy is "none"
+        self._manager_failures = 0
         self._pending: dict[str, _Request] = {}
         self._engine: Any = None
         self._thread = threading.Thread(target=self._run, name=f"dask-agents-engine-{name}", daemon=True)
@@ -136,6 +179,22 @@ class EngineHost:
         dtype = self.settings.dtype if self.settings.dtype != "auto" else "auto"
         return KVGeometry.from_model_dir(path, dtype, block)
 
+    def _session_kv(self) -> Any:
+        if not self.settings.enable_prefix_caching:
+            return None  # nothing is cached, so there is nothing to keep per session
+        from kv import vllm_compat
+        from kv.engine_kv import EngineKV
+
+        return EngineKV(vllm_compat.engine_parts(self._engine), self.settings.kv_tiers(self.name))
+
+    def _make_manager(self) -> Any:
+        name = self.settings.kv_policy_name()
+        if self.kv is None or name == "none":
+            return None
+        from kv.manager import KVManager
+
+        return KVManager(self.kv, name)
+
     def sampling_params(self, max_tokens: int, temperature: float, seed: int | None,
                         priority: tuple = ()) -> Any:
         """vLLM sampling parameters for one call (EOS ignored: agents ask for a token budget).
@@ -156,16 +215,126 @@ class EngineHost:
         self._inbox.put(_Request(request_id, token_ids, params, session, fut))
         return fut
 
+    def kv_call(self, fn: Any, *args: Any) -> Future:
+        """Run ``fn(self.kv, *args)`` on the stepping thread between two steps (where touching the
+        engine's KV is safe); the future holds its result or exception."""
+        fut: Future = Future()
+        if self._closed:
+            fut.set_exception(RuntimeError(f"engine {self.name!r} is closed"))
+        elif self.load_error is not None:
+            fut.set_exception(RuntimeError(f"engine {self.name!r} failed to load: {self.load_error}"))
+        else:
+            self._calls.put((lambda: fn(self._kv_or_raise(), *args), fut))
+            self._inbox.put(None)  # wake the thread if it is idle
+        return fut
+
+    def kv_hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
+                at: float | None = None) -> Future | None:
+        """Tell this engine's KV manager the workflow state of ``session`` (see
+        ``kv.manager.KVManager.hint``); ``at`` is a Unix time (``time.time()``), default now.
+        Non-blocking: returns the future of the hint on the engine thread, or None when there is
+        no manager or it never saw the session (nothing to do here). Raises KVDirectiveError
+        for an unknown state."""
+        from kv.engine_kv import KVDirectiveError
+        from kv.manager import STATES
+
+        if state not in STATES:
+            raise KVDirectiveError(f"unknown session state {state!r} (known: {', '.join(STATES)})")
+        manager = self.kv_manager
+        if manager is None or not manager.knows(session):
+            return None
+        # the sender's wall clock -> this engine's monotonic clock (a skewed future is "now")
+        mono = None if at is None else time.monotonic() - max(0.0, time.time() - float(at))
+        return self.kv_call(lambda kv: manager.hint(session, state, node, wait_key, mono))
+
+    def kv_report(self) -> dict | None:
+        """Per-tier KV bytes (as of the engine thread's last snapshot), tier capacities and
+        cumulative traffic, for telemetry; None before load or without KV control."""
+        kv = self.kv
+        if kv is None:
+            return None
+        parts, tiers, st = kv.parts, kv.tiers, kv.stats
+        manager = self.kv_manager
+        return {"kv_policy": manager.policy.name if manager is not None else "none",
+                "kv_bytes": dict(kv.snapshot),
+                "kv_capacity_bytes": {"device": parts.num_blocks * kv.bytes_per_block,
+                                      "host": tiers.host_bytes, "disk": tiers.disk_bytes},
+                "kv_traffic_bytes": {"offloaded": st.offloaded_bytes, "spilled": st.spilled_bytes,
+                                     "restored": st.restored_bytes}}
+
+    def _kv_or_raise(self) -> Any:
+        if self.load_error is not None:
+            raise RuntimeError(f"engine {self.name!r} failed to load: {self.load_error}")
+        if self.kv is None:
+            from kv.engine_kv import KVDirectiveError
+
+            raise KVDirectiveError(f"engine {self.name!r} has no per-session KV control (prefix caching is off)")
+        return self.kv
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # a bad directive fails its caller, not the engine
+                fut.set_exception(e)
+
     def _admit(self, req: _Request) -> None:
         from vllm.inputs import TokensPrompt
 
         params, priority = req.params
         try:
-            self._engine.add_request(req.request_id, TokensPrompt(prompt_token_ids=req.token_ids), params,
-                                     priority=priority if self.settings.scheduling == "priority" else 0)
+            req.engine_id = self._engine.add_request(
+                req.request_id, TokensPrompt(prompt_token_ids=req.token_ids), params,
+                priority=priority if self.settings.scheduling == "priority" else 0)
             self._pending[req.request_id] = req
         except Exception as e:  # bad request: fail this call only
             req.future.set_exception(e)
+            return
+        if self.kv is not None:
+            try:
+                if self.kv_manager is not None:
+                    self.kv_manager.on_admit(req.session, req.engine_id)
+                else:
+                    self.kv.on_admit(req.session, req.engine_id)
+            except Exception:  # KV bookkeeping must never fail a call
+                logger.exception("engine %s: KV tracking of %s failed", self.name, req.request_id)
+
+    def _finished(self, req: _Request) -> None:
+        if self.kv is not None:
+            try:
+                if self.kv_manager is not None:
+                    self.kv_manager.on_finish(req.session, req.engine_id)
+                else:
+                    self.kv.on_finish(req.session, req.engine_id)
+            except Exception:
+                logger.exception("engine %s: KV tracking of %s failed", self.name, req.request_id)
+
+    def _kv_poll(self) -> None:
+        """Between steps: the KV manager's look (it keeps pins in order itself), else EngineKV's
+        housekeeping. A manager that keeps failing is switched off (logged): serving goes on
+        with vLLM's prefix cache alone."""
+        if self.kv_manager is not None:
+            try:
+                self.kv_manager.poll()
+                self._manager_failures = 0
+            except Exception:
+                logger.exception("engine %s: KV manager look failed", self.name)
+                self._manager_failures += 1
+                if self._manager_failures >= 5:
+                    logger.error("engine %s: KV manager switched off after repeated failures", self.name)
+                    self.kv_manager = None
+        elif self.kv is not None:
+            self.kv.maintain()
+
+    def _idle_wait(self) -> float:
+        """How long an idle loop sleeps: a manager's paused sessions need looks while idle."""
+        return min(0.5, max(0.005, self.kv_manager.tick_s)) if self.kv_manager is not None else 0.5
 
     def _take(self, item: _Request | None) -> None:
         if item is not None:
@@ -176,16 +345,21 @@ class EngineHost:
             with _LOAD_LOCK:
                 self._engine = self._load()
             self.geometry = self._geometry()
+            self.kv = self._session_kv()
+            self.kv_manager = self._make_manager()
         except BaseException as e:  # reported to every caller by wait_loaded
             logger.exception("loading engine %s failed", self.name)
             self.load_error = e
             self.loaded.set()
+            self._run_calls()  # directives queued meanwhile fail with the load error
             return
         self.loaded.set()
         while not self._closed:
+            self._run_calls()
+            self._kv_poll()
             if not self._engine.has_unfinished_requests():
                 try:  # idle: sleep until a request (or close) arrives
-                    self._take(self._inbox.get(timeout=0.5))
+                    self._take(self._inbox.get(timeout=self._idle_wait()))
                 except queue.Empty:
                     continue
             while True:  # admit everything that is waiting: it joins the next step's batch
@@ -201,6 +375,7 @@ class EngineHost:
                 except Exception as e:  # an engine failure fails what is in flight, not the worker
                     logger.exception("engine %s step failed", self.name)
                     for req in self._pending.values():
+                        self._finished(req)
                         req.future.set_exception(e)
                     self._pending.clear()
                     continue
@@ -209,9 +384,11 @@ class EngineHost:
                     if out.finished:
                         req = self._pending.pop(out.request_id, None)
                         if req is not None:
+                            self._finished(req)
                             req.future.set_result(out)
         for req in self._pending.values():
             req.future.set_exception(RuntimeError(f"engine {self.name!r} closed"))
+        self._run_calls()  # directives queued before close still get an answer
 
     def close(self) -> None:
         """Stop the stepping thread; in-flight requests fail with a clear error."""
@@ -220,6 +397,9 @@ class EngineHost:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self._engine = None
+
+
+KV_OPS = ("inspect", "retain", "release", "offload", "prefetch", "invalidate")
 
 
 def engine_priority(priority: tuple) -> int:
@@ -302,25 +482,26 @@ class Engines:
                         self.on_new_model(name)
         return host
 
-    def generate(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None = None,
-                 temperature: float = 0.0, seed: int | None = None) -> Any:
-        """Run one generation for a call (``header`` from the runtime) and return an LLMResult."""
+    def _prepare(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None,
+                 temperature: float, seed: int | None) -> tuple[Any, list[int], Any]:
+        """Validate one call; returns (engine host, token ids, params). The host may still be loading."""
         import dask_agents.config as agents_config
 
-        from dask_agents.errors import PromptTooLongError, where
-        from dask_agents.models import LLMResult
-        from worker_plugin.dask_compat import secede_if_in_task
-        from worker_plugin.plugin import get_plugin
+        from dask_agents.errors import where
 
-        component, method, sid, key = header[:4]
+        component, method, sid = header[:3]
         if max_tokens is None:
             max_tokens = int(agents_config.get("llm.default-max-tokens"))
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"{where(component, method, sid)}: max_tokens must be a positive int, got {max_tokens!r}")
-        host = self.start(model)
-        if not host.loaded.is_set():
-            secede_if_in_task()
-        host.wait_loaded()
+        return self.start(model), prompt, (max_tokens, temperature, seed)
+
+    def _submit(self, header: tuple, model: str, host: Any, prompt: str | list[int], sampling: tuple) -> tuple:
+        """Tokenize and check against the loaded engine, then queue; returns (future, ids)."""
+        from dask_agents.errors import PromptTooLongError, where
+
+        component, method, sid, key = header[:4]
+        max_tokens, temperature, seed = sampling
         if isinstance(prompt, str):
             if host.tokenizer is None:
                 raise TypeError(f"{where(component, method, sid)}: model {model!r} takes token ids here")
@@ -334,16 +515,19 @@ class Engines:
                 f"{where(component, method, sid)}: prompt of {len(ids)} tokens + max_tokens={max_tokens} "
                 f"exceeds model {model!r}'s context of {host.max_model_len} tokens (call {key})"
             )
-        priority = task_priority(key)
-        fut = host.submit(key, ids, host.sampling_params(max_tokens, temperature, seed, priority), sid)
-        secede_if_in_task()  # the engine works for us; free the worker slot meanwhile
-        out = fut.result()
+        params = host.sampling_params(max_tokens, temperature, seed, task_priority(key))
+        return host.submit(key, ids, params, sid), ids
+
+    def _result(self, header: tuple, model: str, host: Any, ids: list[int], out: Any) -> Any:
+        from dask_agents.models import LLMResult
+        from worker_plugin.plugin import get_plugin
+
         comp = out.outputs[0]
         toks = list(comp.token_ids)
         cached = int(out.num_cached_tokens or 0)
         kv_bytes = host.geometry.bytes_for(len(ids) + len(toks)) if host.geometry else None
         emulated = bool(getattr(out, "emulated", False))
-        get_plugin().record_metrics(key, prompt_tokens=len(ids), cached_tokens=cached,
+        get_plugin().record_metrics(header[3], prompt_tokens=len(ids), cached_tokens=cached,
                                     output_tokens=len(toks), model=model, kv_bytes=kv_bytes,
                                     emulated=emulated)
         return LLMResult(
@@ -351,6 +535,38 @@ class Engines:
             token_ids=toks, prompt_tokens=len(ids), cached_tokens=cached, output_tokens=len(toks),
             worker=self.worker_address, finish_reason=comp.finish_reason, emulated=emulated,
         )
+
+    def generate(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None = None,
+                 temperature: float = 0.0, seed: int | None = None) -> Any:
+        """Run one generation for a call (``header`` from the runtime) and return an LLMResult.
+
+        Blocking; a task thread secedes while the engine works (see :meth:`agenerate`)."""
+        from worker_plugin.dask_compat import secede_if_in_task
+
+        host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
+        if not host.loaded.is_set():
+            secede_if_in_task()
+        host.wait_loaded()
+        fut, ids = self._submit(header, model, host, prompt, sampling)
+        secede_if_in_task()  # the engine works for us; free the worker slot meanwhile
+        return self._result(header, model, host, ids, fut.result())
+
+    async def agenerate(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None = None,
+                        temperature: float = 0.0, seed: int | None = None) -> Any:
+        """:meth:`generate` for a task that runs on the worker's event loop: the call leaves
+        the worker's slots at once (it is long-running while the engine works) and waits on
+        the engine's future without a thread, so any number of calls wait for one engine."""
+        import asyncio
+
+        from worker_plugin.dask_compat import secede_async_task
+
+        host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
+        secede_async_task(header[3])
+        if not host.loaded.is_set():
+            await asyncio.to_thread(host.wait_loaded)
+        host.wait_loaded()
+        fut, ids = self._submit(header, model, host, prompt, sampling)
+        return self._result(header, model, host, ids, await asyncio.wrap_future(fut))
 
     def stop(self, name: str) -> bool:
         """Close the engine for ``name`` and stop hosting it; True if it was hosted."""
@@ -370,6 +586,61 @@ class Engines:
         if add:
             self.start(add).wait_loaded(timeout)
         return list(self.hosted)
+
+    def kv_directive(self, model: str, op: str, session: str, timeout: float = 60.0, **args: Any) -> dict:
+        """Apply one KV directive (``KV_OPS``) for ``session`` on this worker's engine for
+        ``model``, between engine steps; returns ``{"result": ..., "residency": {...}}``."""
+        import dataclasses
+
+        from kv.engine_kv import KVDirectiveError
+
+        if op not in KV_OPS:
+            raise KVDirectiveError(f"unknown KV directive {op!r} (known: {', '.join(KV_OPS)})")
+        if not isinstance(session, str) or not session:
+            raise KVDirectiveError(f"a KV directive needs a session id, got {session!r}")
+        host = self._hosts.get(model)
+        if host is None or model not in self.hosted:
+            raise KVDirectiveError(f"model {model!r} is not hosted on worker {self.worker_address}")
+        if not hasattr(host, "kv_call"):
+            raise KVDirectiveError(f"the engine for {model!r} ({type(host).__name__}) has no per-session KV control")
+
+        def apply(kv: Any) -> dict:
+            result = getattr(kv, op)(session, **args)
+            out: dict = {"result": dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result}
+            if op != "invalidate":
+                out["residency"] = dataclasses.asdict(kv.inspect(session))
+            return out
+
+        return host.kv_call(apply).result(timeout)
+
+    def kv_hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
+                at: float | None = None) -> list[str]:
+        """Forward a session's workflow state to the KV manager of every engine here that saw the
+        session (non-blocking; see ``EngineHost.kv_hint``); returns those models' names.
+
+        ``state``: "running" (the session's next step starts), "paused" (the step labelled
+        ``node`` ended; the session waits on ``wait_key``, a tool kind or a dependency key) or
+        "finished". ``at``: Unix time of the change (default now). Raises KVDirectiveError for
+        an unknown state or an empty session id."""
+        from kv.engine_kv import KVDirectiveError
+        from kv.manager import STATES
+
+        if state not in STATES:
+            raise KVDirectiveError(f"unknown session state {state!r} (known: {', '.join(STATES)})")
+        if not isinstance(session, str) or not session:
+            raise KVDirectiveError(f"a KV hint needs a session id, got {session!r}")
+        out = []
+        for name, host in list(self._hosts.items()):
+            ready = hasattr(host, "kv_hint") and host.loaded.is_set() and host.load_error is None
+            if ready and host.kv_hint(session, state, node, wait_key, at) is not None:
+                out.append(name)
+        return out
+
+    def end_session(self, session: str) -> None:
+        """Invalidate ``session``'s KV on every engine here (asynchronously: nobody waits)."""
+        for host in list(self._hosts.values()):
+            if hasattr(host, "kv_call") and host.loaded.is_set() and host.load_error is None:
+                host.kv_call(lambda kv: kv.invalidate(session))
 
     def loaded_models(self) -> list[str]:
         """Models whose engine finished loading."""

@@ -1,9 +1,11 @@
 """Component instances hosted on a worker.
 
 Stateless class components: one shared instance per worker (threads may call it at once).
-Stateful ones: one instance per (component, session); its calls run one at a time in the
-order the worker started them (tickets taken in the worker's ``ready -> executing``
-transition, which follows the scheduler's priority order, i.e. submission order).
+Stateful ones: one instance per (component, session); its calls run one at a time in
+submission order. Tickets are taken as each call *arrives* on the worker (all calls of a
+session's stateful instance are sent to the worker that hosts it) and kept sorted by the
+client's submission time, so a later call that the worker happens to start first (priorities
+change while calls wait) still waits for the earlier ones.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class StatefulSlot:
 
     instance: Any = None
     queue: deque = field(default_factory=deque)
+    order: dict = field(default_factory=dict)  # key -> its sort key (submission time, arrival)
     cond: threading.Condition = field(default_factory=threading.Condition)
     calls: int = 0
 
@@ -50,12 +53,20 @@ class Instances:
                 slot = self._stateful[(component, session)] = StatefulSlot()
             return slot
 
-    def ticket(self, component: str, session: str | None, key: str) -> None:
-        """Queue ``key`` for its stateful instance (called as the task starts executing)."""
+    def ticket(self, component: str, session: str | None, key: str, created: float | None = None) -> None:
+        """Queue ``key`` for its stateful instance, in submission order (``created``: the
+        client's submission time; None sorts after every stamped call). Idempotent."""
         slot = self._slot(component, session)
         with slot.cond:
-            if key not in slot.queue:
-                slot.queue.append(key)
+            if key in slot.order:
+                return
+            rank = (created if created is not None else float("inf"), len(slot.order) + slot.calls)
+            slot.order[key] = rank
+            i = len(slot.queue)
+            while i > 0 and slot.order.get(slot.queue[i - 1], rank) > rank:
+                i -= 1
+            slot.queue.insert(i, key)
+            slot.cond.notify_all()
 
     def done(self, component: str, session: str | None, key: str) -> None:
         """Drop ``key`` from its instance's queue (idempotent) and wake the next call."""
@@ -63,6 +74,7 @@ class Instances:
         if slot is None:
             return
         with slot.cond:
+            slot.order.pop(key, None)
             try:
                 slot.queue.remove(key)
             except ValueError:
@@ -75,6 +87,7 @@ class Instances:
         slot = self._slot(component, session)
         with slot.cond:
             if key not in slot.queue:
+                slot.order[key] = (float("inf"), len(slot.order) + slot.calls)
                 slot.queue.append(key)
             if slot.queue[0] != key:
                 from worker_plugin.dask_compat import secede_if_in_task

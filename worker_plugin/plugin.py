@@ -31,10 +31,14 @@ NAME = "dask-agents"
 REPORT_OP = "agents-report"
 REPRIORITIZE_OP = "agents-reprioritize"  # scheduler_plugin.enforce.REPRIORITIZE_OP
 _END = ("memory", "error", "released", "cancelled", "forgotten", "rescheduled")
+_ARRIVED = ("waiting", "ready", "constrained", "executing")
 
 
-def get_plugin(worker: Worker | None = None) -> "AgentsWorkerPlugin":
-    """The plugin on this worker, once it is ready (raises NotInstalledError if absent)."""
+def get_plugin(worker: Worker | None = None, wait: bool = True) -> "AgentsWorkerPlugin":
+    """The plugin on this worker, once it is ready (raises NotInstalledError if absent).
+
+    ``wait=False``: do not block for readiness (for code on the worker's event loop, which
+    must not block the setup it would wait for); check ``plugin.ready`` yourself."""
     worker = worker or get_worker()
     plugin = worker.plugins.get(NAME)
     if not isinstance(plugin, AgentsWorkerPlugin):
@@ -42,7 +46,7 @@ def get_plugin(worker: Worker | None = None) -> "AgentsWorkerPlugin":
             f"the dask-agents worker plugin is not installed on worker {worker.address}: "
             "call da.install(client), or start workers with --preload dask_agents.preload"
         )
-    if not plugin.ready.wait(timeout=60):
+    if wait and not plugin.ready.wait(timeout=60):
         raise NotInstalledError(f"the dask-agents worker plugin on {worker.address} did not become ready")
     return plugin
 
@@ -74,6 +78,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         self._started: dict[Any, float] = {}
         self._metrics: dict[Any, dict] = {}
         self._reports: list[dict] = []
+        self._engines_sent = 0.0  # when engine stats last went to the scheduler
 
     def __getstate__(self) -> dict:
         return {"models": self.models}
@@ -93,6 +98,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         dask_compat.add_rpc_handler(worker, "agents_end_session", self._end_session_handler)
         dask_compat.add_rpc_handler(worker, "agents_worker_info", self._info_handler)
         dask_compat.add_rpc_handler(worker, "agents_swap_model", self._swap_handler)
+        dask_compat.add_rpc_handler(worker, "agents_kv", self._kv_handler)
         # Registered before the hello: the scheduler only streams this op to workers that said hello.
         dask_compat.add_stream_handler(worker, REPRIORITIZE_OP, self._reprioritize)
         self.ready.set()
@@ -132,20 +138,21 @@ class AgentsWorkerPlugin(WorkerPlugin):
 
     # -- fast path: called by the worker state machine on its event loop -------------
     def transition(self, key: Any, start: str, finish: str, **kwargs: Any) -> None:
-        if finish == "executing":
+        if finish in _ARRIVED:
             ann = self._agents_annotation(key)
             if ann is None:
                 return
-            self._started[key] = time.time()
-            if ann.get("stateful"):
-                self.instances.ticket(ann["component"], ann.get("session"), key)
-        elif start in ("executing", "long-running") and finish in _END:
-            t0 = self._started.pop(key, None)
-            if t0 is None:
-                return
+            if ann.get("stateful"):  # a ticket in submission order as soon as the call is here
+                self.instances.ticket(ann["component"], ann.get("session"), key, ann.get("created"))
+            if finish == "executing":
+                self._started[key] = time.time()
+        elif finish in _END:
             ann = self._agents_annotation(key) or {}
-            if ann.get("stateful"):
+            if ann.get("stateful"):  # idempotent: also for calls released before they started
                 self.instances.done(ann["component"], ann.get("session"), key)
+            t0 = self._started.pop(key, None)
+            if t0 is None or start not in ("executing", "long-running"):
+                return
             report = {"key": key, "started": t0, "finished": time.time(), "state": finish}
             m = self._metrics.pop(key, None)
             if m:
@@ -163,18 +170,48 @@ class AgentsWorkerPlugin(WorkerPlugin):
             self._metrics.setdefault(key, {}).update(metrics)
 
     def flush(self) -> None:
-        """Send pending reports to the scheduler plugin (one batched message)."""
-        if not self._reports or not self.scheduler_ok or self.worker is None:
+        """Send pending reports to the scheduler plugin (one batched message); every
+        ``agents.dashboard.engine-stats-interval`` the engines' stats ride along."""
+        if not self.scheduler_ok or self.worker is None:
             return
-        reports, self._reports = self._reports, []
+        msg: dict[str, Any] = {"op": REPORT_OP, "worker": self.worker.address}
+        now = time.monotonic()
+        if self.engines is not None and now - self._engines_sent >= agents_config.seconds("dashboard.engine-stats-interval"):
+            self._engines_sent = now
+            engines = self.engine_stats()
+            if engines:
+                msg["engines"] = engines
+        if not self._reports and "engines" not in msg:
+            return
+        msg["reports"], self._reports = self._reports, []
         try:
-            dask_compat.send_to_scheduler(self.worker, {"op": REPORT_OP, "worker": self.worker.address, "reports": reports})
+            dask_compat.send_to_scheduler(self.worker, msg)
         except Exception as e:  # disconnected: these reports are lost, the calls are not
             logger.debug("dask-agents: could not send reports: %s", e)
 
+    def engine_stats(self) -> dict[str, dict]:
+        """model -> :func:`engine_report` of each loaded engine on this worker."""
+        out = {}
+        for model in self.engines.loaded_models() if self.engines is not None else ():
+            host = self.engines._hosts.get(model)  # noqa: SLF001 (no public accessor yet)
+            if host is not None:
+                try:
+                    out[model] = engine_report(host)
+                except Exception as e:  # stats are best effort: never break the reports
+                    logger.debug("dask-agents: stats of engine %s failed: %s", model, e)
+        return out
+
     # -- handlers ---------------------------------------------------------------------
     def _end_session_handler(self, session: str) -> int:
+        if self.engines is not None:
+            self.engines.end_session(session)  # drop its KV at once (engines apply it between steps)
         return self.instances.end_session(session)
+
+    async def _kv_handler(self, model: str, op: str, session: str, args: dict | None = None) -> dict:
+        """A KV directive from the controller (``Engines.kv_directive``); errors go back to it."""
+        import asyncio
+
+        return await asyncio.to_thread(self.engines.kv_directive, model, op, session, **(args or {}))
 
     def _reprioritize(self, priorities: dict | None = None, **kw: Any) -> None:
         dask_compat.reprioritize(self.worker, priorities or {})
@@ -190,3 +227,32 @@ class AgentsWorkerPlugin(WorkerPlugin):
             "loaded": self.engines.loaded_models() if self.engines else [],
             "stateful_instances": self.instances.stateful_count(),
         }
+
+
+def engine_report(host: Any) -> dict:
+    """What the scheduler shows of one engine (dashboard, ``/metrics``): never invented numbers.
+
+    ``engine`` (``vllm``/``emulated``), ``emulated``, ``steps``; with the emulated engine's
+    counters also ``running``, ``waiting``, ``evictions``, ``hit_tokens``/``query_tokens``
+    and ``kv_bytes``/``kv_capacity_bytes`` per tier (``device`` only). An engine with a
+    ``kv_report()`` (per-session KV tiers) adds ``kv_bytes``/``kv_capacity_bytes`` for its
+    tiers and ``kv_traffic_bytes`` (cumulative bytes ``offloaded``/``spilled``/``restored``)."""
+    settings = host.settings
+    out: dict[str, Any] = {"engine": settings.engine, "emulated": settings.engine == "emulated",
+                           "steps": int(getattr(host, "steps", 0))}
+    stats = getattr(host, "stats", None)
+    if callable(stats):
+        st = stats()
+        out.update(running=st.get("running"), waiting=st.get("waiting"), evictions=st.get("evictions"),
+                   hit_tokens=st.get("hits"), query_tokens=st.get("queries"))
+        geometry = getattr(host, "geometry", None)
+        if geometry is not None and st.get("used_blocks") is not None:
+            out["kv_bytes"] = {"device": int(st["used_blocks"]) * geometry.bytes_per_block}
+            out["kv_capacity_bytes"] = {"device": int(st["capacity_blocks"]) * geometry.bytes_per_block}
+    kv_report = getattr(host, "kv_report", None)
+    if callable(kv_report):
+        kv = kv_report() or {}
+        for k in ("kv_bytes", "kv_capacity_bytes", "kv_traffic_bytes"):
+            if kv.get(k):
+                out[k] = {**out.get(k, {}), **kv[k]}
+    return out

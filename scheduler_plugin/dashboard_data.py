@@ -1,0 +1,439 @@
+"""The data behind the Agents dashboard page, computed from the scheduler plugin (no Bokeh).
+
+One :class:`DashboardModel` per plugin serves every open page: it recomputes at most once per
+refresh, whatever the number of open pages, and only redoes a session's row when the
+session's version moved. Everything runs on the scheduler's event loop and is bounded:
+O(live sessions + assigned tasks + calls finished in the window) per refresh.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+import dask_agents.config as agents_config
+from scheduler_plugin.metrics import TIERS, queue_counts
+
+STATE_COLORS = {
+    "pending": "#bdbdbd", "waiting": "#9e9e9e", "queued": "#fdd835", "processing": "#fb8c00",
+    "running": "#1e88e5", "finished": "#43a047", "erred": "#e53935", "cancelled": "#424242",
+}
+"""Colour of a call node by state (session graph)."""
+SESSION_COLORS = {"active": "#1e88e5", "closing": "#fb8c00", "completed": "#43a047"}
+"""Colour of a session's progress bar by state."""
+
+SESSION_COLUMNS = ["session", "tenant", "state", "age_s", "progress", "calls", "open", "pct", "current",
+                   "retries", "failed", "color"]
+COMPONENT_COLUMNS = ["component", "kind", "replicas", "queued", "per_replica", "running", "busy", "service_rate",
+                     "throughput", "arrival_rate", "mean_queue_s", "mean_service_s", "capacity_x", "bottleneck"]
+ENGINE_COLUMNS = ["worker", "model", "engine", "sessions", "running", "waiting", "kv_device", "kv_capacity",
+                  "kv_host", "kv_disk", "hit_rate", "cached_tokens", "recomputed_tokens", "offloaded", "restored",
+                  "evictions", "stats_age_s"]
+DECISION_COLUMNS = ["time", "action", "policy", "details"]
+
+
+def short(address: str | None) -> str:
+    """A worker address without the protocol (``127.0.0.1:40123``)."""
+    if not address:
+        return ""
+    return address.split("://", 1)[-1]
+
+
+def fmt_bytes(n: float | None) -> str:
+    """``1.5 MiB``; ``—`` for unknown (never a made-up zero)."""
+    if n is None:
+        return "—"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@dataclass
+class _Sample:
+    time: float
+    created: Counter
+    busy: Counter  # component -> replicas with a call running
+
+
+@dataclass
+class SessionsView:
+    """The sessions shown now: creation order, versions, rows (``rows[sid] = (version, row)``)."""
+
+    order: list[str]
+    versions: dict[str, int]
+    rows: dict[str, tuple[int, dict]]
+    live: int = 0
+
+    def row(self, sid: str) -> dict:
+        """The table row of ``sid``."""
+        return self.rows[sid][1]
+
+
+class _Window:
+    """Per-component sums over the workers' reports of the last ``seconds`` (incremental)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.seen = 0
+        self.entries: deque[tuple[float, str, str | None, float | None, float]] = deque()
+        self.done: Counter = Counter()
+        self.q_sum: Counter = Counter()
+        self.q_n: Counter = Counter()
+        self.s_sum: Counter = Counter()
+        self.workers: dict[str, Counter] = {}
+
+    def advance(self, agg: Any, now: float) -> None:
+        """Take the reports that arrived since the last call; drop those out of the window."""
+        new = min(agg.reports - self.seen, len(agg.recent))
+        self.seen = agg.reports
+        if new > 0:
+            for comp, w, ready, started, finished in itertools.islice(agg.recent, len(agg.recent) - new, None):
+                q = max(started - ready, 0.0) if ready is not None else None
+                self.entries.append((finished, comp, w, q, finished - started))
+                self._add(comp, w, q, finished - started, 1)
+        horizon = now - self.seconds
+        while self.entries and self.entries[0][0] < horizon:
+            _, comp, w, q, svc = self.entries.popleft()
+            self._add(comp, w, q, svc, -1)
+
+    def _add(self, comp: str, w: str | None, q: float | None, svc: float, sign: int) -> None:
+        self.done[comp] += sign
+        self.s_sum[comp] += sign * svc
+        if q is not None:
+            self.q_sum[comp] += sign * q
+            self.q_n[comp] += sign
+        if w:
+            ws = self.workers.setdefault(comp, Counter())
+            ws[w] += sign
+            if ws[w] <= 0:
+                del ws[w]
+
+
+class DashboardModel:
+    """Snapshots of one plugin for the page(s); shared by every open page."""
+
+    def __init__(self, plugin: Any):
+        self.plugin = plugin
+        self.interval = agents_config.seconds("dashboard.update-interval")
+        self.max_sessions = int(agents_config.get("dashboard.max-sessions"))
+        self.completed_rows = int(agents_config.get("dashboard.completed-sessions"))
+        self.max_graph_nodes = int(agents_config.get("dashboard.max-graph-nodes"))
+        self.decisions = int(agents_config.get("dashboard.decisions"))
+        self.window = agents_config.seconds("dashboard.window")
+        self._rows: dict[str, tuple[int, dict]] = {}  # session -> (version, row)
+        self._sessions: tuple[float, SessionsView] | None = None
+        self._components: tuple[float, list[dict]] | None = None
+        self._engines: tuple[float, list[dict]] | None = None
+        self._samples: deque[_Sample] = deque()
+        self._graphs: dict[str, tuple[int, dict]] = {}
+        self._kinds: dict[str, str] = {}
+        self._window = _Window(self.window)
+        self.since = time.time()
+
+    def _fresh(self, cached: tuple[float, Any] | None, now: float) -> bool:
+        return cached is not None and now - cached[0] < self.interval / 2
+
+    # -- sessions ------------------------------------------------------------------------------
+    def sessions(self, now: float | None = None) -> SessionsView:
+        """Live sessions (newest ``max-sessions``) and the most recently completed ones."""
+        now = time.time() if now is None else now
+        if self._fresh(self._sessions, now):
+            return self._sessions[1]
+        state = self.plugin.state
+        live = [sid for sid, s in state.sessions.items() if s.state != "completed"]
+        n_live = len(live)
+        if len(live) > self.max_sessions:
+            live = live[-self.max_sessions:]
+        done = set(itertools.islice(reversed(state.completed), self.completed_rows))
+        shown = set(live) | done
+        order = [sid for sid in state.sessions if sid in shown] if done else live
+        versions = {}
+        rows = self._rows  # kept between refreshes: a row is redone only when its session moved
+        sessions = state.sessions
+        for sid in order:
+            v = versions[sid] = sessions[sid].version
+            cached = rows.get(sid)
+            if cached is None or cached[0] != v:
+                rows[sid] = (v, self.session_row(sid, now))
+        if len(rows) > len(order) + 256:  # forget rows of sessions no longer shown
+            self._rows = rows = {sid: rows[sid] for sid in order}
+        view = SessionsView(order, versions, rows, n_live)
+        self._sessions = (now, view)
+        return view
+
+    def session_row(self, sid: str, now: float) -> dict:
+        """One row of the sessions table."""
+        d = self.plugin.state.session_summary(sid, now)
+        calls = d["calls"]
+        return {
+            "session": sid, "tenant": d["tenant"] or "", "state": d["state"], "age_s": round(d["age_s"], 2),
+            "progress": d["progress"], "calls": calls, "open": d["open"],
+            "pct": round(100.0 * d["progress"] / calls, 1) if calls else 0.0, "current": d["current"],
+            "retries": d["retries"], "failed": d["failed"], "color": SESSION_COLORS.get(d["state"], "#9e9e9e"),
+            "created": d["created"], "completed": d["completed"],  # for the ages (not columns)
+        }
+
+    # -- components ----------------------------------------------------------------------------
+    def components(self, now: float | None = None) -> list[dict]:
+        """One row per component: replicas, queues, busy fraction, rates, bottleneck."""
+        now = time.time() if now is None else now
+        if self._fresh(self._components, now):
+            return self._components[1]
+        p = self.plugin
+        state = p.state
+        waiting, running, held = queue_counts(p)
+        busy_now: Counter = Counter()
+        workers_of: dict[str, set[str]] = {}
+        for (comp, w), n in itertools.chain(running.items(), waiting.items()):
+            workers_of.setdefault(comp, set()).add(w)
+        for (comp, _w), n in running.items():
+            busy_now[comp] += 1
+        self._samples.append(_Sample(now, Counter(state.calls_per_component), busy_now))
+        while len(self._samples) > 2 and now - self._samples[0].time > self.window:
+            self._samples.popleft()
+        first = self._samples[0]
+        span = now - first.time
+        # busy replica-seconds: each sample's busy count held until the next sample
+        busy_s: Counter = Counter()
+        for a, b in zip(self._samples, itertools.islice(self._samples, 1, None)):
+            for comp, n in a.busy.items():
+                busy_s[comp] += n * (b.time - a.time)
+        # completions and mean times from the workers' reports within the window
+        win_ = self._window
+        win_.advance(p.aggregates, now)
+        done, q_sum, q_n, s_sum = win_.done, win_.q_sum, win_.q_n, win_.s_sum
+        win = max(min(self.window, now - self.since), 1e-9)
+        model_of = {p.component_of(m): m for m in p.model_workers}
+        bottleneck_policy = self._policy_bottleneck()
+        rows = []
+        for comp in sorted(state.calls_per_component):
+            model = model_of.get(comp)
+            if model is not None:
+                replicas = len(p.model_workers.get(model) or ())
+                kind = f"llm ({model})"
+            else:
+                replicas = len(workers_of.get(comp, set()) | set(win_.workers.get(comp, ())))
+                kind = self._kind(comp)
+            per = {w: waiting.get((comp, w), 0) for w in sorted(workers_of.get(comp, ()))}
+            queued = sum(per.values()) + held.get(comp, 0)
+            arrivals = state.calls_per_component[comp] - first.created.get(comp, 0) if span > 0 else 0
+            lam = arrivals / span if span > 0 else None
+            busy_frac = busy_s[comp] / (replicas * span) if replicas and span > 0 else None
+            mu = done[comp] / busy_s[comp] if busy_s[comp] > 0 else None
+            x = replicas * mu / max(lam, 1e-3) if mu is not None and lam is not None and replicas else None
+            rows.append({
+                "component": comp, "kind": kind, "replicas": replicas, "queued": queued,
+                "per_replica": " ".join(f"{short(w)}:{n}" for w, n in per.items())
+                + (f" scheduler:{held[comp]}" if held.get(comp) else ""),
+                "running": sum(n for (c, _w), n in running.items() if c == comp),
+                "busy": None if busy_frac is None else round(min(busy_frac, 1.0), 3),
+                "service_rate": None if mu is None else round(mu, 3),
+                "throughput": round(done[comp] / win, 3) if done[comp] else 0.0,
+                "arrival_rate": None if lam is None else round(lam, 3),
+                "mean_queue_s": round(q_sum[comp] / q_n[comp], 4) if q_n[comp] else None,
+                "mean_service_s": round(s_sum[comp] / done[comp], 4) if done[comp] else None,
+                "capacity_x": None if x is None else round(x, 3),
+                "bottleneck": "",
+            })
+        # Nalar's bottleneck: the smallest normalized capacity among components with waiting work
+        candidates = [r for r in rows if r["capacity_x"] is not None and r["queued"] > 0]
+        if candidates:
+            min(candidates, key=lambda r: r["capacity_x"])["bottleneck"] = "lowest capacity"
+        if bottleneck_policy is not None:
+            comp, streak = bottleneck_policy
+            for r in rows:
+                if r["component"] == comp:
+                    r["bottleneck"] = f"reallocate policy ({streak} ticks)"
+        self._components = (now, rows)
+        return rows
+
+    def _kind(self, component: str) -> str:
+        kind = self._kinds.get(component)
+        if kind is None:  # once per component: the newest call of it says its kind
+            kind = next((r.kind for r in reversed(self.plugin.state.calls.values()) if r.component == component), "")
+            self._kinds[component] = kind
+        return kind
+
+    def _policy_bottleneck(self) -> tuple[str, int] | None:
+        """(component, consecutive ticks) the reallocation policy names as bottleneck now."""
+        control = self.plugin.control
+        if control is None:
+            return None
+        for policy in control.policies.values():
+            streak = getattr(policy, "streak", None)
+            if isinstance(streak, tuple) and len(streak) == 2 and streak[0]:
+                return self.plugin.component_of(streak[0]), int(streak[1])
+        return None
+
+    # -- engines and KV --------------------------------------------------------------------------
+    def engines(self, now: float | None = None) -> list[dict]:
+        """One row per (worker, model) engine: sessions, queue, KV bytes per tier, hit rate."""
+        now = time.time() if now is None else now
+        if self._fresh(self._engines, now):
+            return self._engines[1]
+        p = self.plugin
+        agg = p.aggregates
+        sessions: Counter = Counter()
+        for (_sid, what), w in p.bindings.items():
+            if what.startswith("llm:"):
+                sessions[(w, what[4:])] += 1
+        pairs = {(w, m) for m, ws in p.model_workers.items() for w in ws}
+        pairs |= {(w, m) for w, rep in agg.engines.items() for m in rep["models"]}
+        pairs |= {(w, m) for (w, m) in agg.tokens if m}
+        rows = []
+        for w, m in sorted(pairs):
+            rep = agg.engines.get(w)
+            st = (rep or {}).get("models", {}).get(m, {})
+            kv = st.get("kv_bytes") or {}
+            cap = st.get("kv_capacity_bytes") or {}
+            moved = st.get("kv_traffic_bytes") or {}
+            n, prompt, cached, _out = agg.tokens.get((w, m), (0, 0, 0, 0))
+            rows.append({
+                "worker": short(w), "model": m,
+                "engine": (st.get("engine") or "?") + (" (EMULATED)" if st.get("emulated") else ""),
+                "sessions": sessions.get((w, m), 0),
+                "running": st.get("running"), "waiting": st.get("waiting"),
+                "kv_device": fmt_bytes(kv.get(TIERS[0])), "kv_capacity": fmt_bytes(cap.get(TIERS[0])),
+                "kv_host": fmt_bytes(kv.get(TIERS[1])), "kv_disk": fmt_bytes(kv.get(TIERS[2])),
+                "hit_rate": round(cached / prompt, 3) if prompt else None,
+                "cached_tokens": cached, "recomputed_tokens": prompt - cached,
+                "offloaded": fmt_bytes(moved.get("offloaded")), "restored": fmt_bytes(moved.get("restored")),
+                "evictions": st.get("evictions"),
+                "stats_age_s": round(now - rep["time"], 1) if rep else None,
+            })
+        self._engines = (now, rows)
+        return rows
+
+    # -- control loop ----------------------------------------------------------------------------
+    def control_summary(self) -> dict:
+        """Tick times and decision counters of the control loop (empty if there is none)."""
+        control = self.plugin.control
+        if control is None:
+            return {}
+        st = control.stats()
+        st.pop("recent", None)
+        return st
+
+    def new_ticks(self, seen: int) -> tuple[int, list[tuple[int, float]]]:
+        """Tick times after tick number ``seen``: (ticks now, [(tick, seconds), ...])."""
+        control = self.plugin.control
+        if control is None:
+            return seen, []
+        total = control.ticks
+        window = list(control.tick_seconds)
+        new = min(total - seen, len(window))
+        if new <= 0:
+            return total, []
+        return total, [(total - new + i + 1, dt) for i, dt in enumerate(window[-new:])]
+
+    def new_decisions(self, seen: int) -> tuple[int, list[dict]]:
+        """Decisions applied after the ``seen``-th: (decisions now, rows)."""
+        control = self.plugin.control
+        if control is None:
+            return seen, []
+        enf = control.enforcer
+        total = sum(enf.applied.values())
+        new = min(total - seen, len(enf.recent), self.decisions)
+        if new <= 0:
+            return total, []
+        rows = []
+        for rec in list(enf.recent)[-new:]:
+            details = " ".join(f"{k}={_brief(v)}" for k, v in rec.items() if k not in ("action", "policy", "time"))
+            rows.append({"time": time.strftime("%H:%M:%S", time.localtime(rec.get("time", 0))),
+                         "action": rec.get("action", ""), "policy": rec.get("policy", ""), "details": details})
+        return total, rows
+
+    # -- a session's graph -----------------------------------------------------------------------
+    def pick_session(self) -> str | None:
+        """The session a page follows by default: the newest live one, else the newest."""
+        sessions = self.plugin.state.sessions
+        for sid in reversed(sessions):
+            if sessions[sid].state != "completed":
+                return sid
+        return next(reversed(sessions), None)
+
+    def graph(self, sid: str | None) -> tuple[int, dict] | None:
+        """(version, layout) of a session's live call graph; None if unknown.
+
+        Layout: x = depth (longest chain of dependencies/creators before the call), y = order
+        within its depth; only the newest ``max-graph-nodes`` calls."""
+        s = self.plugin.state.sessions.get(sid) if sid else None
+        if s is None:
+            return None
+        cached = self._graphs.get(sid)
+        if cached is not None and cached[0] == s.version:
+            return cached
+        recs = list(s.calls.values())[-self.max_graph_nodes:]
+        keys = {r.key for r in recs}
+        depth: dict[str, int] = {}
+        parents_of: dict[str, list[str]] = {}
+        for r in recs:  # creation order: a call's dependencies and creator come first
+            parents = [d for d in r.dependencies if d in keys]
+            if r.creator in keys:
+                parents.append(r.creator)
+            parents_of[r.key] = parents
+            depth[r.key] = 1 + max((depth[d] for d in parents), default=-1)
+        levels: dict[int, list[str]] = {}
+        for r in recs:
+            levels.setdefault(depth[r.key], []).append(r.key)
+        pos: dict[str, tuple[float, float]] = {}
+        order = {r.key: i for i, r in enumerate(recs)}
+        for d in sorted(levels):  # children sit next to their parents (fewer crossing edges)
+            ks = levels[d]
+            if d > 0:
+                ks.sort(key=lambda k: (-sum(pos[q][1] for q in parents_of[k]) / len(parents_of[k]), order[k]))
+            for i, k in enumerate(ks):
+                pos[k] = (float(d), (len(ks) - 1) / 2.0 - i)
+        nodes = {c: [] for c in ("key", "component", "method", "state", "color", "x", "y", "worker", "duration",
+                                 "retry")}
+        for r in recs:
+            x, y = pos[r.key]
+            nodes["key"].append(r.key)
+            nodes["component"].append(r.component)
+            nodes["method"].append(r.method or "")
+            nodes["state"].append(r.state)
+            nodes["color"].append(STATE_COLORS.get(r.state, "#9e9e9e"))
+            nodes["x"].append(x)
+            nodes["y"].append(y)
+            nodes["worker"].append(short(r.worker))
+            nodes["duration"].append(round(r.finished - r.started, 4)
+                                     if r.started is not None and r.finished is not None else float("nan"))
+            nodes["retry"].append("retry" if r.retry else "")
+        edges = {"xs": [], "ys": [], "kind": [], "color": [], "dash": []}
+        for r in recs:
+            for src, kind in [(d, "dependency") for d in r.dependencies] + [(r.creator, "created")]:
+                if src in pos:
+                    (x0, y0), (x1, y1) = pos[src], pos[r.key]
+                    edges["xs"].append([x0, x1])
+                    edges["ys"].append([y0, y1])
+                    edges["kind"].append(kind)
+                    edges["color"].append("#555555" if kind == "dependency" else "#aaaaaa")
+                    edges["dash"].append("solid" if kind == "dependency" else "dashed")
+        counts = Counter(nodes["state"])
+        layout = {"session": sid, "state": s.state, "progress": s.progress, "calls": len(s.calls),
+                  "shown": len(recs), "nodes": nodes, "edges": edges, "counts": dict(counts)}
+        if len(self._graphs) > 64:
+            self._graphs.clear()
+        self._graphs[sid] = (s.version, layout)
+        return self._graphs[sid]
+
+    def session_choices(self, limit: int = 200) -> list[tuple[str, str]]:
+        """(id, label) of the newest sessions, live ones first, for the graph's selector."""
+        sessions = self.plugin.state.sessions
+        live, done = [], []
+        for sid in reversed(sessions):
+            s = sessions[sid]
+            (live if s.state != "completed" else done).append((sid, f"{sid} ({s.state})"))
+            if len(live) >= limit:
+                break
+        return (live + done)[:limit]
+
+
+def _brief(v: Any) -> str:
+    s = str(v)
+    return s if len(s) <= 48 else s[:45] + "..."

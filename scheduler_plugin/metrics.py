@@ -1,0 +1,358 @@
+"""What the dashboard and Prometheus show: aggregates fed by the scheduler plugin, and the
+collector that serves them on the scheduler's existing ``/metrics`` (prefix ``dask_agents_``).
+
+:class:`Aggregates` is plain Python, fed on the scheduler's event loop in O(1) per event:
+per-component queueing and service histograms (from the workers' exact start/finish reports),
+session latencies, control-loop tick times, LLM token counters per (worker, model), the recent
+completions the dashboard derives rates from, and the engines' latest stats (KV bytes per tier).
+
+The collector is registered in ``prometheus_client``'s default registry (the one Dask's
+``/metrics`` serves) once per process while at least one plugin is running, and unregistered
+when the last one closes. With several schedulers in one process (tests), it reports the one
+started last, as Dask's own collectors do.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import weakref
+from collections import Counter, deque
+from typing import Any, Iterator
+
+from scheduler_plugin import dask_compat
+
+PREFIX = "dask_agents"
+TIERS = ("device", "host", "disk")
+"""KV tiers: the engine's own cache (``device``: GPU memory, CPU memory for CPU engines), host
+memory, disk. Only tiers an engine reports are shown: today only the emulated engine reports
+``device`` bytes; offload tiers appear when engines report them (``kv_report()``)."""
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0, 600.0)
+TICK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class Histogram:
+    """A cumulative histogram with fixed upper bounds (Prometheus semantics, ``+Inf`` implied)."""
+
+    __slots__ = ("bounds", "counts", "sum", "count")
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS):
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, x: float) -> None:
+        """Add one sample."""
+        self.counts[bisect.bisect_left(self.bounds, x)] += 1
+        self.sum += x
+        self.count += 1
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """``[(upper bound, cumulative count), ...]`` ending with ``+Inf``."""
+        out, total = [], 0
+        for b, c in zip(self.bounds + (math.inf,), self.counts):
+            total += c
+            out.append(("+Inf" if b == math.inf else repr(float(b)), total))
+        return out
+
+    def mean(self) -> float | None:
+        """Mean of the samples (None when empty)."""
+        return self.sum / self.count if self.count else None
+
+
+class Aggregates:
+    """Counters and histograms behind the dashboard and ``/metrics``; fed by the plugin."""
+
+    def __init__(self, recent: int = 50_000, kv_samples: int = 100_000):
+        self.queue: dict[str, Histogram] = {}  # component -> ready -> started
+        self.service: dict[str, Histogram] = {}  # component -> started -> finished
+        self.session_latency = Histogram()
+        self.tick = Histogram(TICK_BUCKETS)
+        self._ticks_seen = 0
+        # (worker, model) -> [calls, prompt tokens, cached (hit) tokens, output tokens]
+        self.tokens: dict[tuple[str, str], list[int]] = {}
+        # (component, worker, ready, started, finished) of recent reports: rates over a window
+        self.recent: deque[tuple[str, str | None, float | None, float, float]] = deque(maxlen=recent)
+        self.reports = 0  # appended to ``recent`` so far (readers keep a cursor)
+        self.engines: dict[str, dict] = {}  # worker -> {"time": t, "models": {model: stats}}
+        # (time, worker, model, tier, bytes, capacity bytes or None)
+        self.kv_samples: deque[tuple[float, str, str, str, int, int | None]] = deque(maxlen=kv_samples)
+
+    # -- events (scheduler event loop) -------------------------------------------------------
+    def on_report(self, rec: Any) -> None:
+        """A worker reported a call's exact start/finish (``rec``: the call's CallRecord)."""
+        if rec is None or rec.started is None or rec.finished is None:
+            return
+        comp = rec.component
+        self.service.setdefault(comp, Histogram()).observe(max(rec.finished - rec.started, 0.0))
+        if rec.ready is not None:
+            self.queue.setdefault(comp, Histogram()).observe(max(rec.started - rec.ready, 0.0))
+        self.recent.append((comp, rec.worker, rec.ready, rec.started, rec.finished))
+        self.reports += 1
+        m = rec.metrics
+        if m.get("prompt_tokens") is not None:
+            model = rec.model or m.get("model") or ""
+            t = self.tokens.setdefault((rec.worker or "", model), [0, 0, 0, 0])
+            t[0] += 1
+            t[1] += int(m.get("prompt_tokens") or 0)
+            t[2] += int(m.get("cached_tokens") or 0)
+            t[3] += int(m.get("output_tokens") or 0)
+
+    def on_session_completed(self, session: Any) -> None:
+        """A session completed (``session``: its SessionRecord)."""
+        if session.completed_at is not None:
+            self.session_latency.observe(max(session.completed_at - session.created, 0.0))
+
+    def on_engine_stats(self, worker: str, engines: dict, now: float) -> None:
+        """A worker's engines reported (model -> stats, see ``worker_plugin.plugin.engine_report``)."""
+        self.engines[worker] = {"time": now, "models": engines}
+        for model, st in engines.items():
+            caps = st.get("kv_capacity_bytes") or {}
+            for tier, b in (st.get("kv_bytes") or {}).items():
+                self.kv_samples.append((now, worker, model, tier, int(b), caps.get(tier)))
+
+    def forget_worker(self, worker: str) -> None:
+        """The worker left: its engines no longer hold anything."""
+        self.engines.pop(worker, None)
+
+    def fold_ticks(self, control: Any) -> None:
+        """Move control-loop tick times measured since the last fold into the tick histogram.
+
+        The loop keeps its last 1000 tick times; folding every second keeps this exact."""
+        if control is None:
+            return
+        new = control.ticks - self._ticks_seen
+        if new <= 0:
+            return
+        window = list(control.tick_seconds)
+        for dt in window[-min(new, len(window)):]:
+            self.tick.observe(dt)
+        self._ticks_seen = control.ticks
+
+    # -- derived -----------------------------------------------------------------------------
+    def kv_rows(self) -> list[dict]:
+        """KV residency samples as telemetry rows (``da.telemetry(client, table="kv")``)."""
+        return [{"time": t, "worker": w, "model": m, "tier": tier, "bytes": b, "capacity_bytes": c}
+                for t, w, m, tier, b, c in self.kv_samples]
+
+
+def queue_counts(plugin: Any) -> tuple[Counter, Counter, Counter]:
+    """Agents calls by (component, worker) now: waiting on the worker (assigned, not started),
+    running there, and (component,) held back on the scheduler. O(assigned tasks)."""
+    s = plugin.scheduler
+    calls = plugin.state.calls
+    waiting: Counter = Counter()
+    running: Counter = Counter()
+    held: Counter = Counter()
+    for ws in dask_compat.workers(s):
+        address = dask_compat.worker_summary(ws)[0]
+        for ts in dask_compat.running_on_worker(ws):
+            rec = calls.get(dask_compat.task_key(ts))
+            if rec is not None:
+                running[(rec.component, address)] += 1
+        for ts in dask_compat.waiting_on_worker(ws):
+            rec = calls.get(dask_compat.task_key(ts))
+            if rec is not None:
+                waiting[(rec.component, address)] += 1
+    for (comp, st), n in plugin.state.open_by_state.items():
+        if st == "queued" and n > 0:
+            held[comp] += n
+    return waiting, running, held
+
+
+# -- Prometheus ------------------------------------------------------------------------------
+
+def families(plugin: Any) -> Iterator[Any]:
+    """The ``dask_agents_*`` metric families of one scheduler plugin."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    state = plugin.state
+    agg: Aggregates = plugin.aggregates
+    agg.fold_ticks(plugin.control)
+
+    def name(n: str) -> str:
+        return f"{PREFIX}_{n}"
+
+    g = GaugeMetricFamily(name("sessions"), "Sessions by state (completed: still retained)", labels=["state"])
+    by_state = Counter(s.state for s in state.sessions.values())
+    for st in ("active", "closing", "completed"):
+        g.add_metric([st], by_state.get(st, 0))
+    yield g
+    yield CounterMetricFamily(name("sessions_started"), "Sessions seen", value=state.sessions_seen)
+    yield CounterMetricFamily(name("sessions_completed"), "Sessions completed", value=state.sessions_completed)
+
+    g = GaugeMetricFamily(name("calls"), "Calls not finished yet, by component and state", labels=["component", "state"])
+    for (comp, st), n in sorted(state.open_by_state.items()):
+        if n > 0:
+            g.add_metric([comp, st], n)
+    yield g
+    c = CounterMetricFamily(name("calls_created"), "Calls created, by component", labels=["component"])
+    for comp, n in sorted(state.calls_per_component.items()):
+        c.add_metric([comp], n)
+    yield c
+    c = CounterMetricFamily(name("calls_ended"), "Calls that ended, by component and final state",
+                            labels=["component", "state"])
+    for (comp, st), n in sorted(state.terminal_per_component.items()):
+        c.add_metric([comp, st], n)
+    yield c
+
+    waiting, running, held = queue_counts(plugin)
+    g = GaugeMetricFamily(name("queue_length"), "Calls waiting to start, by component and worker "
+                          "(worker=\"scheduler\": held back on the scheduler)", labels=["component", "worker"])
+    for (comp, w), n in sorted(waiting.items()):
+        g.add_metric([comp, w], n)
+    for comp, n in sorted(held.items()):
+        g.add_metric([comp, "scheduler"], n)
+    yield g
+    g = GaugeMetricFamily(name("running"), "Calls running, by component and worker", labels=["component", "worker"])
+    for (comp, w), n in sorted(running.items()):
+        g.add_metric([comp, w], n)
+    yield g
+
+    for metric, hists, doc in (
+        ("call_queue_seconds", agg.queue, "Time from runnable to started on the worker, by component"),
+        ("call_service_seconds", agg.service, "Time from started to finished on the worker, by component"),
+    ):
+        h = HistogramMetricFamily(name(metric), doc, labels=["component"])
+        for comp, hist in sorted(hists.items()):
+            h.add_metric([comp], hist.buckets(), hist.sum)
+        yield h
+    h = HistogramMetricFamily(name("session_latency_seconds"), "Session latency: created to completed")
+    h.add_metric([], agg.session_latency.buckets(), agg.session_latency.sum)
+    yield h
+    h = HistogramMetricFamily(name("control_tick_seconds"), "Duration of control-loop passes")
+    h.add_metric([], agg.tick.buckets(), agg.tick.sum)
+    yield h
+
+    c = CounterMetricFamily(name("control_decisions"), "Control-plane actions by kind and outcome",
+                            labels=["kind", "outcome"])
+    if plugin.control is not None:
+        enf = plugin.control.enforcer
+        for outcome, counter in (("applied", enf.applied), ("rejected", enf.rejected)):
+            for kind, n in sorted(counter.items()):
+                c.add_metric([kind, outcome], n)
+    yield c
+
+    kv = GaugeMetricFamily(name("kv_bytes"), "KV cache bytes resident, by worker, model and tier",
+                           labels=["worker", "model", "tier"])
+    cap = GaugeMetricFamily(name("kv_capacity_bytes"), "KV cache capacity, by worker, model and tier",
+                            labels=["worker", "model", "tier"])
+    traffic = CounterMetricFamily(name("kv_traffic_bytes"), "KV bytes moved between tiers (offloaded: device "
+                                  "to host, spilled: host to disk, restored: back to device)",
+                                  labels=["worker", "model", "direction"])
+    emulated = GaugeMetricFamily(name("engine_emulated"), "1 if the engine is the emulated cost model",
+                                 labels=["worker", "model"])
+    for w, rep in sorted(agg.engines.items()):
+        for model, st in sorted(rep["models"].items()):
+            for tier, b in sorted((st.get("kv_bytes") or {}).items()):
+                kv.add_metric([w, model, tier], b)
+            for tier, b in sorted((st.get("kv_capacity_bytes") or {}).items()):
+                cap.add_metric([w, model, tier], b)
+            for direction, b in sorted((st.get("kv_traffic_bytes") or {}).items()):
+                traffic.add_metric([w, model, direction], b)
+            emulated.add_metric([w, model], 1 if st.get("emulated") else 0)
+    yield kv
+    yield cap
+    yield traffic
+    yield emulated
+
+    fams = {k: CounterMetricFamily(name(f"llm_{k}"), doc, labels=["worker", "model"]) for k, doc in (
+        ("calls", "LLM calls finished, by worker and model"),
+        ("prompt_tokens", "Prompt tokens of LLM calls"),
+        ("cached_tokens", "Prompt tokens served from the prefix cache (hits)"),
+        ("recomputed_tokens", "Prompt tokens computed by prefill (prompt - cached)"),
+        ("output_tokens", "Generated tokens"),
+    )}
+    for (w, model), (n, prompt, cached, out) in sorted(agg.tokens.items()):
+        fams["calls"].add_metric([w, model], n)
+        fams["prompt_tokens"].add_metric([w, model], prompt)
+        fams["cached_tokens"].add_metric([w, model], cached)
+        fams["recomputed_tokens"].add_metric([w, model], prompt - cached)
+        fams["output_tokens"].add_metric([w, model], out)
+    yield from fams.values()
+
+    dash = getattr(plugin, "dashboard", None)
+    if dash is not None:
+        st = dash.stats()
+        yield CounterMetricFamily(name("dashboard_updates"), "Dashboard page updates", value=st["updates"])
+        yield CounterMetricFamily(name("dashboard_update_seconds"), "Event-loop seconds spent updating the "
+                                  "dashboard page", value=st["update_seconds"])
+        yield CounterMetricFamily(name("dashboard_update_cpu_seconds"), "CPU seconds the dashboard page's "
+                                  "updates used on the event-loop thread", value=st["update_cpu_seconds"])
+
+
+class AgentsCollector:
+    """The process's ``dask_agents_*`` collector: reports the most recently started live plugin."""
+
+    def __init__(self) -> None:
+        self._plugins: list[weakref.ref] = []
+
+    def add(self, plugin: Any) -> None:
+        """Report ``plugin`` (from now on, until it is removed)."""
+        self._plugins.append(weakref.ref(plugin))
+
+    def remove(self, plugin: Any) -> bool:
+        """Stop reporting ``plugin``; True when no plugin is left."""
+        self._plugins = [r for r in self._plugins if r() is not None and r() is not plugin]
+        return not self._plugins
+
+    def current(self) -> Any:
+        """The plugin reported now (None if none)."""
+        for r in reversed(self._plugins):
+            p = r()
+            if p is not None and p.scheduler is not None:
+                return p
+        return None
+
+    def describe(self) -> list:
+        """Nothing up front (the series depend on what ran); keeps registration cheap."""
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        """The metric families of the current plugin."""
+        p = self.current()
+        if p is not None:
+            yield from families(p)
+
+
+_lock = threading.Lock()
+_collector: AgentsCollector | None = None
+
+
+def register(plugin: Any) -> bool:
+    """Serve ``plugin``'s metrics on ``/metrics``; False if prometheus_client is absent."""
+    global _collector
+    try:
+        import prometheus_client
+    except ImportError:
+        return False
+    with _lock:
+        if _collector is None:
+            _collector = AgentsCollector()
+            prometheus_client.REGISTRY.register(_collector)
+        _collector.add(plugin)
+    return True
+
+
+def unregister(plugin: Any) -> None:
+    """Stop serving ``plugin``'s metrics; the collector leaves the registry with the last plugin."""
+    global _collector
+    with _lock:
+        if _collector is None:
+            return
+        if _collector.remove(plugin):
+            import prometheus_client
+
+            try:
+                prometheus_client.REGISTRY.unregister(_collector)
+            except KeyError:
+                pass
+            _collector = None
+
+
+def registered() -> bool:
+    """True while the collector is in prometheus_client's default registry."""
+    return _collector is not None

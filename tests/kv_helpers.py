@@ -1,0 +1,30 @@
+"""Small hand-made traces and tier setups shared by the kv tests (tiny blocks: fast and exact)."""
+
+from __future__ import annotations
+
+from kv.blocks import HOST, CostModel, Tier, Tiers
+from kv.policies import Params
+from kv.sizing import KVGeometry
+from kv.traces import Step, Trace
+
+BS = 4  # tokens per block
+COST = CostModel(KVGeometry(1, 1, 1, 1, block_size=BS), prefill_tokens_per_s=100.0)  # 8 bytes a block
+BPB = COST.bytes_per_block
+PARAMS = Params(ttl_max=60.0, prefetch_margin=0.05)
+
+
+def tiers(acc_blocks: int, host_blocks: int = 0, host_bw_blocks_per_s: float = 100.0) -> Tiers:
+    """An accelerator of ``acc_blocks`` blocks and a host tier of ``host_blocks`` (restoring one
+    block takes 1 / host_bw_blocks_per_s seconds, 0.01 s by default; recomputing one takes 0.04 s)."""
+    return Tiers(Tier("accelerator", acc_blocks * BPB), Tier(HOST, host_blocks * BPB, host_bw_blocks_per_s * BPB))
+
+
+def step(session: str, at: float, blocks, duration: float = 0.1, tool: str | None = "file_io",
+         node: str = "act", last: bool = False, tail: int = 0) -> Step:
+    """A step with full blocks ``blocks``."""
+    return Step(session, at, tuple(blocks), tail, 1, duration, tool, node, last)
+
+
+def trace(*steps: Step, name: str = "hand") -> Trace:
+    """A trace of these steps with ``BS``-token blocks."""
+    return Trace(name, "file", BS, tuple(steps))

@@ -1,0 +1,324 @@
+"""The Agents page in Dask's dashboard: data, incremental updates, and the page in a real browser.
+
+The browser test needs Debian's ``chromium`` (``scripts/bootstrap.sh`` installs it when run as
+root or with sudo) and the ``playwright`` package (the ``test`` extra; no browser download:
+it drives /usr/bin/chromium). It writes ``test-artifacts/dashboard-agents.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import dask
+import pytest
+from distributed import Client, LocalCluster, Scheduler, Worker
+from distributed.utils_test import gen_cluster
+
+import dask_agents as da
+from scheduler_plugin.dashboard import PAGE, SessionsSync
+from scheduler_plugin.dashboard_data import SESSION_COLUMNS, DashboardModel, SessionsView
+from scheduler_plugin.plugin import NAME
+from scheduler_plugin.state import WorkflowState
+from tests.conftest import async_wait_for, wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARTIFACTS = os.path.join(ROOT, "test-artifacts")
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+EMU = {"emu": {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte",
+               "emulation": {"time_scale": 0.001}}}
+CONFIG = {"agents.llm.models": EMU, "agents.dashboard.update-interval": "200ms",
+          "agents.dashboard.engine-stats-interval": "200ms"}
+DASHBOARD = {"dashboard": True, "dashboard_address": "127.0.0.1:0"}
+GATE = threading.Event()
+
+
+@da.tool
+def lookup(topic: str) -> str:
+    return f"notes on {topic}"
+
+
+@da.tool
+def review(topic: str) -> str:
+    GATE.wait(60)
+    return f"reviewed {topic}"
+
+
+@da.agent
+class Planner:
+    def plan(self, issue: str) -> list[str]:
+        return [f"{issue}: part {i}" for i in range(2)]
+
+
+@da.agent
+class Developer:
+    def implement(self, task: str) -> str:
+        notes = da.stub(lookup)(task).value(30)
+        return da.llm("emu").generate(f"Implement {task} using {notes}", max_tokens=4).value(30).text
+
+
+def solve(client: Client, issue: str, gated: bool = False) -> tuple[da.Session, list]:
+    """Plan, implement in parallel; a gated session also waits on a review that blocks."""
+    with da.session(client, name=issue) as s:
+        plan = da.stub(Planner).plan(issue)
+        patches = [da.stub(Developer).implement(t) for t in plan]  # len() materializes the plan
+        held = [da.stub(review)(issue)] if gated else []
+        for p in patches:
+            p.value(60)
+    return s, held
+
+
+# -- data and incremental updates (no browser) ------------------------------------------------------
+
+def test_retries_count_re_visits_after_a_consumer_finished():
+    st = WorkflowState()
+    ann = lambda comp: {"session": "s", "component": comp, "kind": "agent"}  # noqa: E731
+    st.add_call("dev-1", ann("dev"), [], 1.0)
+    st.add_call("dev-2", ann("dev"), [], 1.0)  # parallel developers: not retries
+    st.on_transition("dev-1", "memory", 2.0)
+    st.on_transition("dev-2", "memory", 2.0)
+    st.add_call("test-1", ann("tester"), ["dev-1", "dev-2"], 2.0)
+    st.add_call("llm-1", ann("llm.coder"), [], 2.0)
+    st.on_transition("llm-1", "memory", 2.5)
+    st.add_call("llm-2", ann("llm.coder"), [], 2.6)  # sequential LLM calls: not retries either
+    st.on_transition("test-1", "erred", 3.0)
+    st.add_call("dev-3", ann("dev"), [], 3.0)  # the tester did not finish: nothing consumed yet
+    st.on_transition("dev-3", "memory", 3.5)
+    st.add_call("test-2", ann("tester"), ["dev-3"], 3.5)
+    st.on_transition("test-2", "memory", 4.0)  # the tester consumed dev's result
+    st.add_call("dev-4", ann("dev"), [], 4.0)  # a developer again: a retry
+    summary = st.session_summary("s", 5.0)
+    assert summary["retries"] == 1 and st.calls["dev-4"].retry and not st.calls["dev-3"].retry
+    assert summary["failed"] == 1 and summary["open"] == 2 and summary["progress"] == 5
+
+
+def test_session_summary_reports_current_components():
+    st = WorkflowState()
+    for i, comp in enumerate(["a", "b", "c"]):
+        st.add_call(f"{comp}-1", {"session": "s", "component": comp}, [], 1.0 + i)
+    st.on_transition("a-1", "memory", 2.0)
+    st.on_transition("b-1", "processing", 2.0, worker="w1")
+    v = st.sessions["s"].version
+    assert st.session_summary("s", 3.0)["current"] == "b"
+    st.on_transition("c-1", "processing", 3.0, worker="w2")
+    assert st.sessions["s"].version > v
+    assert st.session_summary("s", 3.0)["current"] == "b, c"
+    assert st.open_by_state[("c", "processing")] == 1 and st.open_by_state[("a", "pending")] == 0
+
+
+class RecordingSource:
+    """A ColumnDataSource that records what a page would send."""
+
+    def __init__(self):
+        from bokeh.models import ColumnDataSource
+
+        self.cds = ColumnDataSource({c: [] for c in SESSION_COLUMNS})
+        self.ops: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self.cds, name)
+
+    @property
+    def data(self):
+        return self.cds.data
+
+    @data.setter
+    def data(self, value):
+        self.ops.append("reload")
+        self.cds.data = value
+
+    def patch(self, patches):
+        self.ops.append("patch:" + ",".join(sorted(patches)))
+        self.cds.patch(patches)
+
+    def stream(self, data, rollover=None):
+        self.ops.append(f"stream:{len(data['session'])}:{rollover}")
+        self.cds.stream(data, rollover=rollover)
+
+
+def view(sessions: dict[str, int], now: float = 100.0) -> SessionsView:
+    rows = {sid: (v, {**{c: (sid if c == "session" else v if c == "progress" else 0) for c in SESSION_COLUMNS},
+                      "created": 90.0, "completed": None})
+            for sid, v in sessions.items()}
+    return SessionsView(list(sessions), dict(sessions), rows)
+
+
+def test_sessions_table_streams_patches_and_rolls_over():
+    src = RecordingSource()
+    sync = SessionsSync(src, slack=2)
+    sync.sync(view({"a": 1, "b": 1}), 100.0)
+    assert src.ops == ["stream:2:2", "patch:age_s"] and src.data["session"] == ["a", "b"]
+    src.ops.clear()
+    sync.sync(view({"a": 1, "b": 2}), 101.0)  # b changed: only its changed cell is sent
+    assert src.ops == ["patch:age_s,progress"]  # one message: the changed cell and the ages
+    assert src.data["progress"] == [1, 2] and src.data["age_s"] == [11.0, 11.0]
+    src.ops.clear()
+    sync.sync(view({"b": 2, "c": 1}), 102.0)  # a left from the front, c arrived: one stream
+    assert src.ops == ["stream:1:2", "patch:age_s"] and src.data["session"] == ["b", "c"]
+    src.ops.clear()
+    sync.sync(view({"b": 2, "c": 1}), 103.0)  # nothing changed: only the ages move
+    assert src.ops == ["patch:age_s"]
+    src.ops.clear()
+    sync.sync(view({"b": 2, "d": 1, "e": 1, "f": 1}), 104.0)  # c left from the middle: kept for now
+    assert src.data["session"] == ["b", "c", "d", "e", "f"] and "reload" not in src.ops
+    sync.sync(view({"b": 2, "f": 1}), 105.0)  # three stale rows in the middle > slack: reload once
+    assert src.ops[-2:] == ["reload", "patch:age_s"] or src.ops[-1] == "reload"
+    assert src.data["session"] == ["b", "f"]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2), ("127.0.0.1", 2)], timeout=90, config=CONFIG,
+             scheduler_kwargs=DASHBOARD)
+async def test_page_is_served_and_model_shows_the_workflow(c: Client, s: Scheduler, a: Worker, b: Worker):
+    from tornado.httpclient import AsyncHTTPClient
+
+    await da.install(c, models=["emu"])
+    plugin = s.plugins[NAME]
+    dash = plugin.dashboard
+    assert dash is not None and dash.path == f"/{PAGE}"
+    GATE.clear()
+    async with da.session(c, name="live") as live:
+        futs = [da.stub(review)("x"), da.stub(review)("y")]
+        llm = da.llm("emu").generate("hello there, engine", max_tokens=2)
+        await llm
+    await async_wait_for(lambda: plugin.state.open_per_component["review"] == 2)
+    await async_wait_for(lambda: len(plugin.aggregates.engines) == 2, timeout=10)
+    page = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{s.http_server.port}/{PAGE}")
+    assert page.code == 200 and b"bokeh" in page.body and b"docs_json" in page.body
+    status = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{s.http_server.port}/status")
+    assert b'href="agents"' in status.body  # linked from Dask's navigation bar
+
+    model = DashboardModel(plugin)
+    sv = model.sessions()
+    assert sv.order == [live.id] and sv.row(live.id)["state"] == "closing"
+    assert sv.row(live.id)["open"] == 2 and sv.row(live.id)["calls"] == 3 and sv.row(live.id)["progress"] == 1
+    comps = {r["component"]: r for r in model.components()}
+    assert comps["review"]["queued"] + comps["review"]["running"] == 2
+    assert comps["llm.emu"]["kind"] == "llm (emu)" and comps["llm.emu"]["replicas"] == 2
+    engines = model.engines()
+    assert {r["model"] for r in engines} == {"emu"} and len(engines) == 2
+    assert all(r["engine"] == "emulated (EMULATED)" and r["kv_host"] == "—" for r in engines)
+    assert sum(r["cached_tokens"] + r["recomputed_tokens"] for r in engines) == (await llm).prompt_tokens
+    version, layout = model.graph(live.id)
+    assert sorted(layout["nodes"]["key"]) == sorted([f.key for f in futs] + [llm.key])
+    assert layout["counts"].get("finished") == 1
+    GATE.set()
+    await c.gather(futs)
+    await async_wait_for(lambda: plugin.state.sessions[live.id].state == "completed")
+    assert model.graph(live.id)[0] != version  # the session moved: the graph is redone
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=CONFIG)
+async def test_no_page_without_the_dask_dashboard(c: Client, s: Scheduler, a: Worker):
+    await da.install(c)
+    assert s.plugins[NAME].dashboard is None  # the plugin still runs
+    async with da.session(c):
+        assert await da.stub(lookup)("x") == "notes on x"
+
+
+# -- the page in a browser ----------------------------------------------------------------------------
+
+def _playwright():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("chromium is not installed (scripts/bootstrap.sh installs Debian's chromium as root)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install -e '.[test]')")
+    return sync_playwright
+
+
+def _graph_data(page) -> dict:
+    return page.evaluate("""() => {
+        const doc = Bokeh.documents[0];
+        const src = doc.get_model_by_name("agents-graph-nodes");
+        return {key: Array.from(src.get_column("key")), state: Array.from(src.get_column("state"))};
+    }""")
+
+
+def test_agents_page_in_chromium():
+    sync_playwright = _playwright()
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    shot = os.path.join(ARTIFACTS, "dashboard-agents.png")
+    GATE.clear()
+    with dask.config.set(CONFIG), \
+            LocalCluster(n_workers=2, threads_per_worker=8, processes=False, dashboard_address="127.0.0.1:0") \
+            as cluster, Client(cluster) as client:
+        da.install(client, models=["emu"])
+        done = [solve(client, f"issue{i}")[0] for i in range(2)]
+        live, held = solve(client, "issue-live", gated=True)
+        plugin = cluster.scheduler.plugins[NAME]
+        wait_for(lambda: plugin.state.sessions[live.id].open_calls == 1)
+        wait_for(lambda: all(plugin.state.sessions[s.id].state == "completed" for s in done))
+        url = f"http://127.0.0.1:{cluster.scheduler.http_server.port}/{PAGE}"
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+            try:
+                page = browser.new_page(viewport={"width": 1600, "height": 1400})
+                errors: list[str] = []
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.goto(url)
+                # the sessions table: one row per session, with state and progress
+                for s in [*done, live]:
+                    page.locator(".slick-row", has_text=s.id).first.wait_for(timeout=20_000)
+                live_row = page.locator(".slick-row", has_text=live.id).first
+                live_summary = plugin.state.session_summary(live.id, time.time())
+                assert "closing" in live_row.inner_text()
+                assert f"{live_summary['progress']}/{live_summary['calls']}" in live_row.inner_text()
+                for s in done:
+                    assert "completed" in page.locator(".slick-row", has_text=s.id).first.inner_text()
+                # the graph follows the newest live session, nodes coloured by state
+                title = page.locator("text=session " + live.id).first
+                title.wait_for(timeout=10_000)
+                graph = da.session_graph(client, live)
+                data = _graph_data(page)
+                assert sorted(data["key"]) == sorted(n.call_id for n in graph.nodes)
+                want = {n.call_id: n.state for n in graph.nodes}
+                assert {k: st for k, st in zip(data["key"], data["state"])} == want
+                assert "processing" in data["state"] and "finished" in data["state"]
+                # the other sections
+                for text in ("Planner", "Developer", "llm.emu", "emulated (EMULATED)", "prefix hit rate",
+                             "pass last", "set_priority"):
+                    page.get_by_text(text).first.wait_for(timeout=10_000)
+                page.wait_for_timeout(500)
+                page.screenshot(path=shot, full_page=True)
+                # live updates: release the review, the row turns completed without a reload
+                GATE.set()
+                client.gather(held)
+                page.locator(".slick-row", has_text=live.id).filter(has_text="completed").first.wait_for(
+                    timeout=20_000)
+                # clicking a row shows that session's graph
+                page.locator(".slick-row", has_text=done[0].id).first.click()
+                page.locator("text=session " + done[0].id).first.wait_for(timeout=10_000)
+                assert sorted(_graph_data(page)["key"]) == sorted(
+                    n.call_id for n in da.session_graph(client, done[0]).nodes)
+                assert not errors, errors
+            finally:
+                browser.close()
+        stats = plugin.dashboard.stats()
+    assert stats["updates"] > 0 and stats["documents"] >= 0
+    assert os.path.getsize(shot) > 20_000
+
+
+def test_page_with_the_preload_and_gone_after_close():
+    import asyncio
+
+    from tornado.httpclient import AsyncHTTPClient
+
+    async def main() -> tuple[int, int, bool]:
+        async with Scheduler(dashboard=True, dashboard_address="127.0.0.1:0", preload=["dask_agents.preload"]) as s:
+            url = f"http://127.0.0.1:{s.http_server.port}/{PAGE}"
+            page = await AsyncHTTPClient().fetch(url, raise_error=False)
+            plugin = s.plugins[NAME]
+            app = plugin.dashboard.app
+            assert app in s.http_application.applications
+            await plugin.close()  # what the scheduler does on close: the page goes with the plugin
+            gone = await AsyncHTTPClient().fetch(url, raise_error=False)
+            return page.code, gone.code, app not in s.http_application.applications
+
+    with dask.config.set(CONFIG):
+        code, after, removed = asyncio.run(main())
+    assert code == 200 and after == 404 and removed

@@ -1,0 +1,252 @@
+"""Per-session KV control on a real vLLM engine (CPU build, tiny dummy-weight model, in-process).
+
+One engine for the module, 2 MiB of KV (16 blocks of 128 tokens): small enough that a few
+prompts evict a session. Greedy decoding, so the same KV gives the same tokens: a restored
+prefix must produce exactly the tokens of a cold run, and corrupted KV must not.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kv.engine_kv import KVDirectiveError
+from worker_plugin.engine import EngineHost, ModelSettings
+
+BLOCK = 128
+# kv-policy none: these tests check EngineKV's directives against vLLM's own LRU eviction (the
+# KV manager, which frees blocks in its policy's order first, is tested in test_kv_manager.py).
+MODEL = dict(model="builtin:tiny-llama", load_format="dummy", tokenizer="byte", dtype="bfloat16",
+             max_model_len=1024, kv_cache_memory_bytes="2 MiB", kv_host_bytes="1 MiB",
+             kv_disk_bytes="1 MiB", kv_pin_fraction=0.5, kv_policy="none")
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    settings = ModelSettings(**{**MODEL, "kv_disk_path": str(tmp_path_factory.mktemp("kv-disk"))})
+    h = EngineHost("kvtest", settings)
+    h.start()
+    h.wait_loaded(300)
+    yield h
+    h.close()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 131 + i * 7) % 1000 + 3 for i in range(n)]
+
+
+_n = iter(range(10**6))
+
+
+def run(host: EngineHost, ids: list[int], session: str | None = None, max_tokens: int = 4):
+    out = host.submit(f"r{next(_n)}", ids, host.sampling_params(max_tokens, 0.0, None), session).result(120)
+    return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+
+
+def kv(host: EngineHost, op: str, *args):
+    return host.kv_call(lambda k: getattr(k, op)(*args)).result(30)
+
+
+def fill(host: EngineHost, seed: int, n: int = 3) -> None:
+    """Unrelated sessions' prompts: enough to evict every unpinned block."""
+    for i in range(n):
+        run(host, tokens(seed + i, 600))
+
+
+def test_offload_then_prefetch_restores_the_same_kv(host):
+    prompt = tokens(1, 520)  # 4 full blocks
+    cold, cached = run(host, prompt, "s-off")
+    assert cached == 0
+    res = kv(host, "inspect", "s-off")
+    assert res.blocks == 4 and res.device_blocks == 4 and res.host_blocks == 0
+    assert kv(host, "offload", "s-off") == 4
+    res = kv(host, "inspect", "s-off")
+    assert (res.device_blocks, res.host_blocks) == (0, 4) and res.host_bytes == 4 * res.bytes_per_block
+    fill(host, 100)
+    assert kv(host, "prefetch", "s-off") == 4
+    assert kv(host, "inspect", "s-off").device_blocks == 4
+    again, cached = run(host, prompt, "s-off")
+    assert cached == 4 * BLOCK and again == cold
+    assert host.kv.stats.offloaded_bytes >= 4 * res.bytes_per_block
+
+
+def test_restored_kv_is_really_used(host):
+    """Corrupt the offloaded copy: the restored prefix is a hit, and the tokens change."""
+    import torch
+
+    prompt = tokens(2, 520)
+    cold, _ = run(host, prompt, "s-bad")
+    kv(host, "offload", "s-bad")
+
+    def scramble(k):
+        gen = torch.Generator().manual_seed(0)
+        for data, _ in k._host.values():
+            for t in data:
+                t.copy_(torch.randn(t.shape, generator=gen) * 50)
+
+    host.kv_call(scramble).result(30)
+    kv(host, "prefetch", "s-bad")
+    out, cached = run(host, prompt, "s-bad", max_tokens=8)
+    assert cached == 4 * BLOCK
+    assert out[:4] != cold
+    kv(host, "invalidate", "s-bad")
+
+
+def test_a_request_restores_its_offloaded_prefix_on_demand(host):
+    prompt = tokens(3, 520)
+    cold, _ = run(host, prompt, "s-demand")
+    kv(host, "offload", "s-demand")
+    fill(host, 200)
+    before = host.kv.stats.restored_on_demand_bytes
+    again, cached = run(host, prompt, "s-demand")  # no prefetch: the engine restores at admission
+    assert cached == 4 * BLOCK and again == cold
+    assert host.kv.stats.restored_on_demand_bytes > before
+
+
+def test_disk_tier_round_trip(host):
+    prompt = tokens(4, 520)
+    cold, _ = run(host, prompt, "s-disk")
+    assert kv(host, "offload", "s-disk", "disk") == 4
+    assert kv(host, "inspect", "s-disk").disk_blocks == 4
+    fill(host, 300)
+    assert kv(host, "prefetch", "s-disk") == 4
+    again, cached = run(host, prompt, "s-disk")
+    assert cached == 4 * BLOCK and again == cold
+
+
+def test_retain_keeps_a_paused_session_that_pressure_evicts_otherwise(host):
+    a, b = tokens(5, 520), tokens(6, 520)
+    run(host, a, "s-kept")
+    run(host, b, "s-lost")
+    assert kv(host, "retain", "s-kept", 60.0) == 4
+    fill(host, 400)
+    assert kv(host, "inspect", "s-kept").device_blocks == 4
+    assert kv(host, "inspect", "s-lost").device_blocks == 0
+    assert run(host, a, "s-kept")[1] == 4 * BLOCK
+    assert kv(host, "release", "s-kept") == 4
+
+
+def test_pins_are_bounded_and_expire(host):
+    for i in range(3):
+        run(host, tokens(10 + i, 520), f"s-pin{i}")
+    pinned = [kv(host, "retain", f"s-pin{i}", 60.0) for i in range(3)]
+    budget = int(0.5 * host.kv.parts.num_blocks)
+    assert sum(pinned) <= budget and pinned[-1] < 4  # the third session does not fit the budget
+    kv(host, "retain", "s-pin0", 0.05)
+    import time
+
+    time.sleep(0.1)
+    host.kv_call(lambda k: k.maintain()).result(30)
+    assert kv(host, "inspect", "s-pin0").pinned_blocks == 0
+    for i in range(3):
+        kv(host, "release", f"s-pin{i}")
+    assert host.kv.pinned_blocks() == 0
+
+
+def test_pins_never_wedge_admission(host):
+    run(host, tokens(20, 520), "s-w0")
+    run(host, tokens(21, 520), "s-w1")
+    assert kv(host, "retain", "s-w0", 600.0) + kv(host, "retain", "s-w1", 600.0) == 8
+    released = host.kv.stats.pins_released_for_admission
+    # 15 usable blocks, 8 pinned: a prompt needing 8 cannot be admitted until pins go
+    out, _ = run(host, tokens(22, 1000), "s-big")
+    assert len(out) == 4
+    assert host.kv.stats.pins_released_for_admission > released
+    kv(host, "release", "s-w0")
+    kv(host, "release", "s-w1")
+
+
+def test_invalidate_keeps_a_prefix_another_live_session_shares(host):
+    shared = tokens(30, 256)  # 2 full blocks both sessions use
+    run(host, shared + tokens(31, 264), "s-a")
+    run(host, shared + tokens(32, 264), "s-b")
+    assert kv(host, "invalidate", "s-a") == 2  # only s-a's own blocks
+    assert run(host, shared + tokens(32, 264), "s-b")[1] == 4 * BLOCK  # s-b keeps all of its prefix
+    assert kv(host, "invalidate", "s-b") == 4
+    assert run(host, shared, None)[1] == 0  # nobody owns the shared prefix anymore: dropped
+    assert kv(host, "invalidate", "never-seen") == 0
+
+
+def test_bad_directives_are_clear_errors(host):
+    with pytest.raises(KVDirectiveError, match="no KV for session 'nope'"):
+        kv(host, "inspect", "nope")
+    run(host, tokens(40, 300), "s-bad-dir")
+    with pytest.raises(KVDirectiveError, match="tier must be 'host' or 'disk'"):
+        kv(host, "offload", "s-bad-dir", "gpu")
+    with pytest.raises(KVDirectiveError, match="positive TTL"):
+        kv(host, "retain", "s-bad-dir", -1)
+    # the engine keeps serving after bad directives
+    assert len(run(host, tokens(41, 100))[0]) == 4
+
+
+def test_no_host_tier_is_a_clear_error(tmp_path):
+    from kv.engine_kv import EngineKV, TierConfig
+
+    class Parts:  # offload checks the tier before touching the engine
+        num_blocks, block_size = 16, BLOCK
+
+        def bytes_per_block(self):
+            return 1024
+
+    k = EngineKV(Parts(), TierConfig(host_bytes=0))
+    with pytest.raises(KVDirectiveError, match="no host tier"):
+        k.offload("s", "host")
+    with pytest.raises(ValueError, match="disk_path"):
+        TierConfig(disk_bytes=10)
+
+
+# -- each vLLM internal kv/vllm_compat.py relies on ---------------------------------------------
+
+def test_compat_version_range():
+    from kv import vllm_compat as vc
+
+    vc.check_version("0.32.0")
+    vc.check_version("0.33.1+cpu")
+    with pytest.raises(RuntimeError, match="supports vLLM >= 0.32, < 0.34; found 0.40.0"):
+        vc.check_version("0.40.0")
+
+
+def test_compat_internals(host):
+    from kv import vllm_compat as vc
+
+    def check(k):
+        parts = k.parts
+        assert parts.block_size == BLOCK and parts.num_blocks == 16
+        assert parts.bytes_per_block() == 2 * 2 * BLOCK * 2 * 64 * 2  # layers x K,V x tokens x heads x dim x bf16
+        return parts
+
+    parts = host.kv_call(check).result(30)
+    prompt = tokens(50, 300)  # 2 full blocks
+    run(host, prompt)
+
+    def internals(k):
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens  # noqa: F401  (hashes are vLLM's own)
+
+        # request_hashes: the scheduler's live per-request hash list (unknown id: None)
+        assert vc.request_hashes(parts, "no-such-request") is None
+        # the hashes of the prompt we just ran are cached blocks: find them through a new request
+        iid = host._engine.add_request("probe", __import__("vllm.inputs", fromlist=["TokensPrompt"])
+                                       .TokensPrompt(prompt_token_ids=prompt),
+                                       host.sampling_params(1, 0.0, None)[0])
+        hashes = list(vc.request_hashes(parts, iid))
+        assert vc.waiting_requests(parts) == 1 and vc.running_requests(parts) == 0
+        host._engine.abort_request([iid])
+        assert len(hashes) == 2
+        blocks = [vc.lookup(parts, h) for h in hashes]
+        assert all(b is not None and vc.ref_count(b) == 0 for b in blocks)
+        free = vc.free_blocks(parts)
+        vc.pin(parts, blocks)  # referenced: out of the free queue
+        assert [vc.ref_count(b) for b in blocks] == [1, 1] and vc.free_blocks(parts) == free - 2
+        assert vc.evict(parts, blocks) == 0  # a referenced block is never evicted
+        vc.unpin(parts, blocks)
+        assert vc.free_blocks(parts) == free
+        data = [vc.read_block(parts, b) for b in blocks]
+        assert vc.evict(parts, blocks) == 2 and all(vc.lookup(parts, h) is None for h in hashes)
+        back = [vc.adopt_block(parts, h, d, (i + 1) * BLOCK) for i, (h, d) in enumerate(zip(hashes, data))]
+        assert all(b is not None for b in back)
+        assert vc.adopt_block(parts, hashes[0], data[0], BLOCK) is None  # already resident
+        import torch
+
+        assert all(torch.equal(vc.read_block(parts, vc.lookup(parts, h))[0], d[0]) for h, d in zip(hashes, data))
+
+    host.kv_call(internals).result(60)
+    assert run(host, prompt)[1] == 2 * BLOCK  # adopted blocks serve prefix hits

@@ -1,0 +1,72 @@
+"""`dask-agents replay` and the replay table/JSON/plot behind it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from dask_agents.cli import main
+from kv.blocks import CostModel, Tiers
+from kv.replay import OFFLINE, OPTIMUM, format_table, load_trace, ratios, replay, resolve_tiers
+from kv.traces import GenParams, generate, save
+
+
+@pytest.fixture
+def small_trace(tmp_path):
+    t = generate(GenParams(sessions=6, seed=4))
+    return save(t, tmp_path / "small.jsonl"), t
+
+
+def test_replay_command_prints_every_policy_beside_the_optimum(small_trace, tmp_path):
+    path, _ = small_trace
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    res = CliRunner().invoke(main, ["replay", str(path), "--policy", "lru", "--policy", "ours",
+                                    "--tiers", "accelerator=90%", "--tiers", "accelerator=95%,host=50%",
+                                    "--json", str(out_json), "--plot", str(out_png)])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert sum("opt/" in line for line in lines) == 2
+    assert sum(" lru " in line for line in lines) == 2 and sum(" ours " in line for line in lines) == 2
+    assert sum(" offline " in line for line in lines) == 2
+    data = json.loads(out_json.read_text())
+    assert {r["policy"] for r in data["rows"]} == {OPTIMUM, "lru", "ours", OFFLINE}
+    assert data["trace"]["sessions"] == 6 and set(data["summary"]["generated"]) >= {"lru", "ours"}
+    for r in data["rows"]:
+        assert r["ratio"] >= 1.0 - 1e-12  # nothing beats the optimum
+    assert out_png.stat().st_size > 1000
+
+
+def test_replay_command_errors(small_trace, tmp_path):
+    path, _ = small_trace
+    res = CliRunner().invoke(main, ["replay", str(path), "--policy", "fifo"])
+    assert res.exit_code != 0 and "unknown KV policy 'fifo'" in res.output
+    res = CliRunner().invoke(main, ["replay", str(path), "--tiers", "gpu=3GiB"])
+    assert res.exit_code != 0 and "unknown tier 'gpu'" in res.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"format": "dask-agents-kv-trace", "block_size": 512}\n{"session": "a", "at": "x", "blocks": []}\n')
+    res = CliRunner().invoke(main, ["replay", str(bad)])
+    assert res.exit_code != 0 and "bad.jsonl: line 2: at must be a finite number >= 0" in res.output
+    res = CliRunner().invoke(main, ["replay", str(tmp_path / "missing.jsonl")])
+    assert res.exit_code != 0 and "no trace file" in res.output
+
+
+def test_replay_rows_and_ratios():
+    t = load_trace("generated:sessions=5,seed=2")
+    assert len(t.sessions()) == 5
+    cost = CostModel.from_config()
+    base = Tiers.from_config()
+    configs = [resolve_tiers(s, t, cost, base) for s in ("accelerator=90%", "accelerator=1TiB")]
+    assert cost.blocks_in(configs[0].accelerator) == math.ceil(0.9 * t.peak_footprint())
+    rows = replay(t, ["lru", "ours"], configs, cost)
+    assert [r.policy for r in rows] == [OPTIMUM, "lru", "ours", OFFLINE] * 2
+    big = rows[4:]
+    assert all(r.recomputed_tokens == big[0].recomputed_tokens for r in big)  # everything fits
+    assert all(r.ratio >= 1.0 for r in rows)
+    summary = ratios(rows, ["lru", "ours"])
+    assert set(summary["generated"]) >= {"lru", "ours", "lru_worst", OFFLINE}
+    assert "opt/" in format_table(rows)
+    with pytest.raises(ValueError, match="generated trace option 'bogus=1'"):
+        load_trace("generated:bogus=1")

@@ -1,0 +1,201 @@
+"""Prometheus metrics on the scheduler's /metrics: the dask_agents_* series against telemetry."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import dask
+import pytest
+from distributed import Client, Scheduler, Worker
+from distributed.utils_test import gen_cluster
+
+import dask_agents as da
+from scheduler_plugin import metrics
+from scheduler_plugin.metrics import Histogram
+from scheduler_plugin.plugin import NAME
+from tests.conftest import async_wait_for
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+EMU = {"emu": {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte",
+               "emulation": {"time_scale": 0.001}}}
+CONFIG = {"agents.llm.models": EMU, "agents.dashboard.engine-stats-interval": "100ms"}
+DASHBOARD = {"dashboard": True, "dashboard_address": "127.0.0.1:0"}
+PROMPT = "You are a careful analyst. Answer from the facts given, briefly and precisely. " * 2
+
+
+@da.tool
+def lookup(question: str) -> str:
+    return f"facts about {question}"
+
+
+@da.agent
+class Analyst:
+    def answer(self, question: str) -> str:
+        facts = da.stub(lookup)(question).value(30)
+        return da.llm("emu").generate(PROMPT + question + facts, max_tokens=4).value(30).text
+
+
+def scrape_text(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+async def scrape(port: int) -> dict[str, dict[tuple, float]]:
+    """sample name -> {sorted label items: value} of the dask_agents_* series."""
+    from tornado.httpclient import AsyncHTTPClient
+
+    body = (await AsyncHTTPClient().fetch(f"http://127.0.0.1:{port}/metrics")).body.decode()
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            if s.name.startswith("dask_agents_"):
+                out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def value(series: dict, name: str, **labels: str) -> float:
+    return series.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
+
+
+def test_histogram_is_cumulative_like_prometheus():
+    h = Histogram((0.1, 1.0))
+    for x in (0.05, 0.1, 0.5, 2.0, 3.0):
+        h.observe(x)
+    assert h.buckets() == [("0.1", 2), ("1.0", 3), ("+Inf", 5)]
+    assert h.count == 5 and h.sum == pytest.approx(5.65) and h.mean() == pytest.approx(1.13)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4), ("127.0.0.1", 4)], timeout=120, config=CONFIG,
+             scheduler_kwargs=DASHBOARD)
+async def test_metrics_match_telemetry(c: Client, s: Scheduler, a: Worker, b: Worker):
+    await da.install(c, models=["emu"])
+    n = 4
+    for i in range(n):
+        async with da.session(c, name=f"m{i}"):
+            analyst = da.stub(Analyst)
+            first = analyst.answer(f"question {i}")
+            second = analyst.answer(f"question {i}")  # same prompt prefix: prefix-cache hits
+            await c.gather([first, second])
+    plugin = s.plugins[NAME]
+
+    async def settled():
+        df = await da.telemetry(c)
+        done = df["state"].eq("finished").all() and df["started"].notna().all()
+        return done and plugin.state.sessions_completed == n and len(plugin.aggregates.engines) == 2
+
+    await async_wait_for(settled, timeout=30)
+    df = await da.telemetry(c)
+    series = await scrape(s.http_server.port)
+
+    # calls by component and state
+    for comp, k in df.groupby("component").size().items():
+        assert value(series, "dask_agents_calls_created_total", component=comp) == k
+        assert value(series, "dask_agents_calls_ended_total", component=comp, state="finished") == k
+        rows = df[df["component"] == comp]
+        assert value(series, "dask_agents_call_service_seconds_count", component=comp) == len(rows)
+        assert value(series, "dask_agents_call_service_seconds_sum", component=comp) == pytest.approx(
+            rows["service_s"].sum(), rel=1e-6, abs=1e-9)
+        assert value(series, "dask_agents_call_queue_seconds_count", component=comp) == rows["queue_s"].notna().sum()
+        assert value(series, "dask_agents_call_queue_seconds_sum", component=comp) == pytest.approx(
+            rows["queue_s"].sum(), rel=1e-6, abs=1e-9)
+        buckets = [v for (lbl, v) in sorted(
+            ((dict(k)["le"], v) for k, v in series["dask_agents_call_service_seconds_bucket"].items()
+             if dict(k)["component"] == comp), key=lambda t: float(t[0]))]
+        assert buckets == sorted(buckets) and buckets[-1] == len(rows)
+    assert set(df["component"]) == {"Analyst", "lookup", "llm.emu"}
+    assert not any(k[0][1] for k in series.get("dask_agents_calls", {}))  # nothing open any more
+
+    # sessions
+    assert value(series, "dask_agents_sessions", state="completed") == n
+    assert value(series, "dask_agents_sessions", state="active") == 0
+    assert value(series, "dask_agents_sessions_completed_total") == n
+    assert value(series, "dask_agents_session_latency_seconds_count") == n
+
+    # LLM tokens per worker and model, against the calls' own numbers
+    llm = df[df["kind"] == "llm"]
+    assert llm["cached_tokens"].sum() > 0
+    for w, rows in llm.groupby("worker"):
+        prompt, cached = rows["prompt_tokens"].sum(), rows["cached_tokens"].sum()
+        assert value(series, "dask_agents_llm_calls_total", worker=w, model="emu") == len(rows)
+        assert value(series, "dask_agents_llm_prompt_tokens_total", worker=w, model="emu") == prompt
+        assert value(series, "dask_agents_llm_cached_tokens_total", worker=w, model="emu") == cached
+        assert value(series, "dask_agents_llm_recomputed_tokens_total", worker=w, model="emu") == prompt - cached
+        assert value(series, "dask_agents_llm_output_tokens_total", worker=w, model="emu") == rows["output_tokens"].sum()
+
+    # KV bytes per tier: the emulated engines' own accounting, the latest sample of each
+    kv = await da.telemetry(c, table="kv")
+    assert set(kv["tier"]) == {"device"}
+    for w in (a.address, b.address):
+        latest = plugin.aggregates.engines[w]["models"]["emu"]
+        assert value(series, "dask_agents_kv_bytes", worker=w, model="emu", tier="device") == \
+            latest["kv_bytes"]["device"]
+        assert value(series, "dask_agents_kv_capacity_bytes", worker=w, model="emu", tier="device") > 0
+        assert value(series, "dask_agents_engine_emulated", worker=w, model="emu") == 1
+        assert kv[kv["worker"] == w]["bytes"].iloc[-1] >= 0
+    assert not any(dict(k).get("tier") in ("host", "disk") for k in series.get("dask_agents_kv_bytes", {}))
+
+    # the control loop
+    stats = await da.control(c).stats()
+    assert value(series, "dask_agents_control_tick_seconds_count") > 0
+    assert value(series, "dask_agents_control_tick_seconds_count") <= stats["ticks"]
+    for kind, k in stats["applied"].items():
+        assert value(series, "dask_agents_control_decisions_total", kind=kind, outcome="applied") == k
+    assert not math.isnan(value(series, "dask_agents_control_tick_seconds_sum"))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=CONFIG, scheduler_kwargs=DASHBOARD)
+async def test_queue_lengths_while_calls_wait(c: Client, s: Scheduler, a: Worker):
+    await da.install(c)
+    gate = GATE
+    gate.clear()
+    async with da.session(c):
+        futs = [da.stub(held)(i) for i in range(3)]  # one runs, two wait on the single thread
+        plugin = s.plugins[NAME]
+        await async_wait_for(lambda: metrics.queue_counts(plugin)[1].get(("held", a.address)) == 1, timeout=15)
+        series = await scrape(s.http_server.port)
+        # waiting: on the worker (assigned, not started) or held back on the scheduler (Dask's queuing)
+        on_worker = value(series, "dask_agents_queue_length", component="held", worker=a.address)
+        on_scheduler = value(series, "dask_agents_queue_length", component="held", worker="scheduler")
+        assert on_worker + on_scheduler == 2 and on_worker >= 0
+        assert value(series, "dask_agents_running", component="held", worker=a.address) == 1
+        assert value(series, "dask_agents_calls", component="held", state="processing") == 1 + on_worker
+        assert value(series, "dask_agents_calls", component="held", state="queued") == on_scheduler
+        gate.set()
+        await c.gather(futs)
+    assert isinstance(gate, threading.Event)
+
+
+GATE = threading.Event()
+
+
+@da.tool
+def held(i: int) -> int:
+    GATE.wait(30)
+    return i
+
+
+def test_collector_is_unregistered_when_the_scheduler_closes():
+    import asyncio
+
+    from scheduler_plugin.plugin import AgentsSchedulerPlugin
+
+    async def main() -> tuple[str, str, bool]:
+        s = Scheduler(dashboard=True, dashboard_address="127.0.0.1:0")
+        s.add_plugin(AgentsSchedulerPlugin())  # as the preload does: started with the scheduler
+        async with s:
+            assert metrics.registered()
+            port = s.http_server.port
+            loop = asyncio.get_running_loop()
+            during = await loop.run_in_executor(None, scrape_text, port)
+        after = prometheus_client.generate_latest().decode()
+        return during, after, metrics.registered()
+
+    with dask.config.set(CONFIG):
+        during, after, still = asyncio.run(main())
+    assert "dask_agents_sessions" in during and "dask_agents_control_decisions" in during
+    assert not still and "dask_agents_" not in after

@@ -1,0 +1,100 @@
+"""``dask-agents report``: plots from telemetry files; the plotting code benchmarks share."""
+
+from __future__ import annotations
+
+import os
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("matplotlib")
+
+from dask_agents import report  # noqa: E402
+from dask_agents.client_api import COLUMNS, KV_COLUMNS  # noqa: E402
+
+
+def fake_calls() -> pd.DataFrame:
+    """Two workflows (entry components Planner and Router), a retry, one session still running."""
+    rows = []
+    t = 1000.0
+    for i in range(6):
+        sid = f"s{i}"
+        entry = "Planner" if i < 4 else "Router"
+        for j, comp in enumerate([entry, "Developer", "llm.coder"]):
+            created = t + i + j * 0.1
+            ready = created + 0.01
+            started = ready + 0.05 * (j + 1)
+            finished = started + 0.2 * (j + 1) + 0.1 * i
+            rows.append({"key": f"{comp}-{i}-{j}", "session": sid, "component": comp, "kind": "agent",
+                         "state": "finished", "created": created, "ready": ready, "started": started,
+                         "finished": finished, "emulated": comp.startswith("llm"), "retry": False})
+    rows.append({"key": "Developer-run", "session": "s9", "component": "Developer", "state": "processing",
+                 "created": t, "ready": t, "started": None, "finished": None})
+    df = pd.DataFrame(rows)
+    for c in COLUMNS:
+        if c not in df.columns:
+            df[c] = None
+    return df[COLUMNS]
+
+
+def fake_kv() -> pd.DataFrame:
+    rows = []
+    for k in range(10):
+        for w in ("w1", "w2"):
+            rows.append({"time": 1000.0 + k, "worker": w, "model": "coder", "tier": "device",
+                         "bytes": (k + 1) * 2**20, "capacity_bytes": 64 * 2**20})
+    return pd.DataFrame(rows, columns=KV_COLUMNS)
+
+
+def test_session_latencies_and_workflows():
+    lat = report.session_latencies(fake_calls())
+    assert set(lat["session"]) == {f"s{i}" for i in range(6)}  # s9 has not finished: no latency
+    assert set(lat["workflow"]) == {"Planner", "Router"}
+    s0 = lat.set_index("session").loc["s0"]
+    calls = fake_calls()
+    own = calls[calls["session"] == "s0"]
+    assert s0["latency_s"] == pytest.approx(own["finished"].max() - own["created"].min())
+
+
+def test_component_times_split_queueing_and_service():
+    t = report.component_times(fake_calls()).set_index("component")
+    assert t.loc["Developer", "calls"] == 6
+    assert t.loc["llm.coder", "queue_mean"] == pytest.approx(0.15)
+    assert t.loc["Planner", "service_mean"] == pytest.approx(0.2 + 0.1 * 1.5)
+
+
+def test_report_command_writes_the_plots(tmp_path):
+    calls_path = str(tmp_path / "telemetry.parquet")
+    fake_calls().to_parquet(calls_path, index=False)
+    fake_kv().to_parquet(report.kv_path(calls_path), index=False)
+    out = tmp_path / "report"
+    result = CliRunner().invoke(report.report_command, [calls_path, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    for name in ("latency_cdf.png", "component_times.png", "kv_residency.png"):
+        p = out / name
+        assert p.exists() and p.stat().st_size > 5000, name
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "wrote" in result.output
+
+
+def test_report_without_kv_samples_says_so(tmp_path):
+    path = str(tmp_path / "t.csv")
+    fake_calls().to_csv(path, index=False)
+    result = CliRunner().invoke(report.report_command, [path, "-o", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(tmp_path / "r")) == ["component_times.png", "latency_cdf.png"]
+    assert "no KV samples" in result.output
+
+
+def test_report_with_nothing_finished_fails_clearly(tmp_path):
+    path = str(tmp_path / "t.csv")
+    fake_calls().iloc[-1:].to_csv(path, index=False)
+    result = CliRunner().invoke(report.report_command, [path, "-o", str(tmp_path / "r")])
+    assert result.exit_code != 0 and "no finished calls" in result.output
+
+
+def test_benchmarks_can_plot_their_own_latencies(tmp_path):
+    out = report.plot_latency_cdf({"dask": [1.0, 2.0, 3.0], "dask-agents": [0.5, 1.0, 1.5]},
+                                  str(tmp_path / "cdf.png"), title="bench")
+    assert os.path.getsize(out) > 5000
