@@ -110,8 +110,8 @@ class ManagerStats:
 
     ticks: int = 0
     tick_seconds: float = 0.0  # time spent in ticks (view + policy + enforcement)
-    room_seconds: float = 0.0  # time spent making room for waiting requests
-    room_blocks: int = 0  # blocks freed in the policy's order for waiting requests
+    room_seconds: float = 0.0  # time spent in prepare() (room for the next step, restores)
+    room_blocks: int = 0  # blocks freed in the policy's order for the next step
     pauses_observed: int = 0
     pins: int = 0  # pins taken for TTL-protected sessions
     errors: int = 0  # directives the engine refused (logged)
@@ -194,8 +194,8 @@ class KVManager:
 
     def on_admit(self, session: str | None, request_id: str, now: float | None = None) -> None:
         """A request was added to the engine: the session runs; learn the pause that ended;
-        make room for what is waiting in the policy's order; then let EngineKV track it and
-        restore its prefix from a lower tier."""
+        let EngineKV track its blocks; get the next step ready (:meth:`prepare`: room in the
+        policy's order, its prefix restored from a lower tier if the scheduler admits it next)."""
         now = self.clock() if now is None else now
         self.arrivals += 1
         self._events = True
@@ -306,8 +306,8 @@ class KVManager:
 
     def poll(self, now: float | None = None) -> bool:
         """Called by the engine loop between steps: look (:meth:`tick`) if something happened
-        since the last look or ``tick_s`` passed, else only keep pins in order; make room for
-        waiting requests. Returns whether it looked."""
+        since the last look or ``tick_s`` passed, else only keep pins in order; then get the
+        next step ready (:meth:`prepare`). Returns whether it looked."""
         now = self.clock() if now is None else now
         looked = False
         if self._events or now - self._last_tick >= self.tick_s:
@@ -491,11 +491,14 @@ class KVManager:
         bs = parts.block_size
         budget = vc.token_budget(parts)
         need = 0
-        for _, ntok, done, allocated in running:  # vLLM schedules these first
+        for rid, ntok, done in running:  # vLLM schedules these first
             step = min(ntok - done, budget)
-            if step > 0:
-                need += max(0, -(-(done + step) // bs) - allocated)
-                budget -= step
+            if step <= 0:
+                continue
+            budget -= step
+            if step == 1 and done % bs:
+                continue  # a decoded token inside its last block: nothing new
+            need += max(0, -(-(done + step) // bs) - vc.allocated_blocks(parts, rid))
         free = vc.free_blocks(parts) - need  # empty + cached unreferenced: what vLLM can hand out
         keep: set[bytes] = set()
         plan, admit, taken = [], 0, 0

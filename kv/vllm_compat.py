@@ -178,12 +178,15 @@ def token_budget(parts: EngineParts) -> int:
     return int(parts.scheduler.max_num_scheduled_tokens)
 
 
-def running(parts: EngineParts) -> list[tuple[str, int, int, int]]:
-    """Requests the scheduler is running: ``(request id, tokens so far, tokens computed,
-    blocks allocated)``; a request still prefilling has tokens left to compute beyond one."""
-    manager = parts.scheduler.kv_cache_manager
-    return [(r.request_id, int(r.num_tokens), int(r.num_computed_tokens),
-             len(manager.get_block_ids(r.request_id)[GROUP])) for r in parts.scheduler.running]
+def running(parts: EngineParts) -> list[tuple[str, int, int]]:
+    """Requests the scheduler is running: ``(request id, tokens so far, tokens computed)``; a
+    request still prefilling has more than one token left to compute."""
+    return [(r.request_id, int(r.num_tokens), int(r.num_computed_tokens)) for r in parts.scheduler.running]
+
+
+def allocated_blocks(parts: EngineParts, request_id: str) -> int:
+    """Blocks the scheduler allocated to a running request."""
+    return len(parts.scheduler.kv_cache_manager.get_block_ids(request_id)[GROUP])
 
 
 def waiting(parts: EngineParts) -> list[tuple[str, int, list]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dask
 import pytest
 from distributed import Client, LocalCluster
 
@@ -110,3 +111,31 @@ def test_session_kv_is_tracked_and_dropped_when_the_session_ends(client):
     assert "no KV for session" in wait_for(gone)  # session end invalidated it on the engine
     bad = client.run(_kv, "coder", "shrink", s.id, workers=[r.worker])[r.worker]
     assert "unknown KV directive 'shrink'" in bad
+
+
+def _kv_state(session: str, dask_worker=None) -> dict | str:
+    host = dask_worker.plugins["dask-agents"].engines.start("coder")
+    try:
+        return host.kv_call(lambda kv: host.kv_manager.session_state(session)).result(30)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_the_scheduler_tells_the_engine_what_a_session_waits_on(client):
+    """An LLM step, then a code_exec tool: the engine's KV manager hears the session paused on
+    code_exec (the kind predicts the pause), from the scheduler's hints."""
+    from dask_agents.emulation import code_exec_tool
+
+    coder, run_tests = da.llm("coder"), da.stub(code_exec_tool)
+    with dask.config.set({"agents.emulation.time-scale": 0.05}):
+        with da.session(client) as s:
+            r = coder.generate(SYSTEM + " Write the failing test first.", max_tokens=2).value(300)
+            tool = run_tests("pytest -x", seed=1)
+
+            def paused_on_tool():
+                st = client.run(_kv_state, s.id, workers=[r.worker])[r.worker]
+                return st if isinstance(st, dict) and st["wait_key"] == "code_exec" else None
+
+            st = wait_for(paused_on_tool)
+            assert st["state"] == "paused"
+            tool.value(120)

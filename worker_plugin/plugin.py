@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 NAME = "dask-agents"
 REPORT_OP = "agents-report"
 REPRIORITIZE_OP = "agents-reprioritize"  # scheduler_plugin.enforce.REPRIORITIZE_OP
+KV_HINT_OP = "agents-kv-hint"  # scheduler_plugin.kv_hints.HINT_OP
 _END = ("memory", "error", "released", "cancelled", "forgotten", "rescheduled")
 _ARRIVED = ("waiting", "ready", "constrained", "executing")
 
@@ -101,6 +102,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         dask_compat.add_rpc_handler(worker, "agents_kv", self._kv_handler)
         # Registered before the hello: the scheduler only streams this op to workers that said hello.
         dask_compat.add_stream_handler(worker, REPRIORITIZE_OP, self._reprioritize)
+        dask_compat.add_stream_handler(worker, KV_HINT_OP, self._kv_hint)
         self.ready.set()
         await self._hello(models)
         dask_compat.add_periodic(worker, "dask-agents-report", self.flush, agents_config.seconds("worker.report-interval"))
@@ -212,6 +214,16 @@ class AgentsWorkerPlugin(WorkerPlugin):
         import asyncio
 
         return await asyncio.to_thread(self.engines.kv_directive, model, op, session, **(args or {}))
+
+    def _kv_hint(self, session: str | None = None, state: str | None = None, node: str | None = None,
+                 wait_key: str | None = None, at: float | None = None, **kw: Any) -> None:
+        """A session's workflow state from the scheduler, for the engines' KV managers."""
+        if self.engines is None or not session:
+            return
+        try:
+            self.engines.kv_hint(session, state, node, wait_key, at)
+        except Exception as e:  # a hint only informs a policy: never break the stream
+            logger.debug("dask-agents: KV hint for %s ignored: %s", session, e)
 
     def _reprioritize(self, priorities: dict | None = None, **kw: Any) -> None:
         dask_compat.reprioritize(self.worker, priorities or {})
