@@ -190,7 +190,6 @@ def test_state_is_inferred_without_hints_and_hints_in_flight_wait_for_the_finish
     out, _ = run(host, prompt, "infer")
     st = on_engine(host, lambda kv, m: m.session_state("infer"))
     assert (st["state"], st["wait_key"], st["live"]) == ("paused", "after:llm", 0)
-    time.sleep(0.05)
     fut = host.submit("infer-2", prompt + out, host.sampling_params(64, 0.0, None), "infer")
     hint_fut = host.kv_hint("infer", "paused", node="planner", wait_key="db_query")
     hint_fut.result(30)
