@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from kv.blocks import HOST, CostModel, Tier, Tiers
 from kv.policies import Params
 from kv.sizing import KVGeometry
@@ -28,3 +30,20 @@ def step(session: str, at: float, blocks, duration: float = 0.1, tool: str | Non
 def trace(*steps: Step, name: str = "hand") -> Trace:
     """A trace of these steps with ``BS``-token blocks."""
     return Trace(name, "file", BS, tuple(steps))
+
+
+# -- driving a real engine host directly (tests/test_kv_engine.py, tests/test_kv_manager.py) -----
+
+_request_ids = itertools.count()
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    """``n`` token ids below the tiny model's vocabulary, a pure function of ``seed``."""
+    return [(seed * 131 + i * 7) % 1000 + 3 for i in range(n)]
+
+
+def generate(host, ids: list[int], session: str | None = None, max_tokens: int = 4) -> tuple[list[int], int]:
+    """Run one greedy request on an ``EngineHost``; returns (output token ids, cached prompt tokens)."""
+    out = host.submit(f"t{next(_request_ids)}", ids, host.sampling_params(max_tokens, 0.0, None),
+                      session).result(120)
+    return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)

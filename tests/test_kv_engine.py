@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 
 from kv.engine_kv import KVDirectiveError
+from tests.kv_helpers import generate as run
+from tests.kv_helpers import prompt_ids as tokens
 from worker_plugin.engine import EngineHost, ModelSettings
 
 BLOCK = 128
@@ -28,18 +30,6 @@ def host(tmp_path_factory):
     h.wait_loaded(300)
     yield h
     h.close()
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return [(seed * 131 + i * 7) % 1000 + 3 for i in range(n)]
-
-
-_n = iter(range(10**6))
-
-
-def run(host: EngineHost, ids: list[int], session: str | None = None, max_tokens: int = 4):
-    out = host.submit(f"r{next(_n)}", ids, host.sampling_params(max_tokens, 0.0, None), session).result(120)
-    return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 
 def kv(host: EngineHost, op: str, *args):

@@ -18,6 +18,8 @@ import pytest
 from kv import vllm_compat as vc
 from kv.engine_kv import KVDirectiveError
 from tests.conftest import wait_for
+from tests.kv_helpers import generate as run
+from tests.kv_helpers import prompt_ids as tokens
 from worker_plugin.engine import EngineHost, Engines, ModelSettings
 
 BLOCK = 128
@@ -37,18 +39,6 @@ def host():
         assert h.kv_manager is not None and h.kv_manager.tick_s == 0.02
         yield h
         h.close()
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return [(seed * 131 + i * 7) % 1000 + 3 for i in range(n)]
-
-
-_n = iter(range(10**6))
-
-
-def run(host: EngineHost, ids: list[int], session: str | None = None, max_tokens: int = 4):
-    out = host.submit(f"m{next(_n)}", ids, host.sampling_params(max_tokens, 0.0, None), session).result(120)
-    return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 
 def on_engine(host: EngineHost, fn):
