@@ -334,7 +334,10 @@ class KVManager:
             if actions:
                 self.apply(actions, view)
                 view = self.view(now)
-        if isinstance(self.policy, WALRU):
+        if isinstance(self.policy, WALRU) and not (vc.waiting_requests(self.kv.parts)
+                                                   and not vc.running_requests(self.kv.parts)):
+            # (while maintain() just released pins so a waiting request can be admitted, re-pinning
+            # would undo it: protection resumes once the engine runs again)
             self._pin_protected(view)
         self.stats.ticks += 1
         self.stats.tick_seconds += time.perf_counter() - t0

@@ -36,21 +36,25 @@ class KVHints:
         self.llm_open: Counter[str] = Counter()  # session -> LLM calls processing
         self._processing: set[str] = set()  # LLM call keys counted in llm_open
         self._last: dict[str, tuple] = {}  # session -> last (state, wait_key) sent
+        self._session_of: dict[str, str] = {}  # LLM call key in _processing -> its session
+        self._ended: set[str] = set()  # recently ended sessions: late transitions are ignored
 
     def on_transition(self, rec: Any, finish: str, worker: str | None) -> None:
         """A call of a session changed state (``rec``: its CallRecord; ``worker``: where it
         runs, for ``processing``)."""
         sid = rec.session
-        if sid is None:
+        if sid is None or sid in self._ended:
             return
         if rec.kind == "llm":
             if finish == "processing" and worker is not None and rec.key not in self._processing:
                 self._processing.add(rec.key)
+                self._session_of[rec.key] = sid
                 self.holders[sid].add(worker)
                 self.llm_open[sid] += 1
                 self._hint(sid, "running", workers=[worker])
             elif finish in _DONE and rec.key in self._processing:
                 self._processing.discard(rec.key)
+                self._session_of.pop(rec.key, None)
                 self.llm_open[sid] -= 1
                 if self.llm_open[sid] <= 0:
                     del self.llm_open[sid]
@@ -61,10 +65,16 @@ class KVHints:
                 self._hint(sid, "paused", wait_key=kind)
 
     def on_session_end(self, sid: str) -> None:
-        """Forget a session (its end invalidates its KV on every holder)."""
+        """Forget a session (its end invalidates its KV on every holder); calls of it that
+        finish later say nothing more."""
         self.holders.pop(sid, None)
         self.llm_open.pop(sid, None)
         self._last.pop(sid, None)
+        self._processing = {k for k in self._processing if self._session_of.get(k) != sid}
+        self._session_of = {k: s for k, s in self._session_of.items() if s != sid}
+        self._ended.add(sid)
+        if len(self._ended) > 10_000:  # a bound: ended ids only guard against stragglers
+            self._ended.clear()
 
     def _hint(self, sid: str, state: str, node: str | None = None, wait_key: str | None = None,
               workers: list[str] | None = None) -> None:

@@ -64,3 +64,14 @@ def test_every_holder_hears_and_end_forgets():
     sent.clear()
     h.on_transition(Rec("t2", "tool", tool_kind="db_query"), "processing", "w3")
     assert sent == [] and HINT_OP == "agents-kv-hint"
+
+
+def test_late_transitions_of_an_ended_session_leave_nothing_behind():
+    h, sent = hints()
+    r = Rec("llm.coder-z", "llm")
+    h.on_transition(r, "processing", "w1")
+    h.on_session_end("s1")
+    h.on_transition(r, "memory", None)  # finishes after the session ended
+    h.on_transition(Rec("llm.coder-w", "llm"), "processing", "w2")
+    assert [m[1] for m in sent] == ["running"]
+    assert not h.holders and not h.llm_open and not h._last and not h._processing

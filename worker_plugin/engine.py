@@ -213,7 +213,48 @@ class EngineHost:
             fut.set_exception(RuntimeError(f"engine {self.name!r} is closed"))
             return fut
         self._inbox.put(_Request(request_id, token_ids, params, session, fut))
+        self._fail_if_gone()
         return fut
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request its caller gave up on (frees its decode steps and KV blocks)."""
+        def drop(_kv: Any = None) -> None:
+            req = self._pending.pop(request_id, None)
+            if req is not None:
+                self._engine.abort_request([req.engine_id])
+                self._finished(req)
+                _resolve(req.future, exc=RuntimeError(f"request {request_id} aborted"))
+
+        if not self._closed:
+            self._calls.put((drop, Future()))
+            self._inbox.put(None)
+
+    def _gone(self) -> bool:
+        return self.started_at is not None and not self._thread.is_alive()
+
+    def _fail_if_gone(self) -> None:
+        # Queued after the stepping thread ended (closed, failed to load, died): nobody would answer.
+        if self._gone():
+            self._drain(RuntimeError(f"engine {self.name!r} is not running"))
+
+    def _drain(self, exc: BaseException) -> None:
+        """Fail everything queued or in flight (the stepping thread is ending or gone)."""
+        for req in list(self._pending.values()):
+            _resolve(req.future, exc=exc)
+        self._pending.clear()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                _resolve(item.future, exc=exc)
+        while True:
+            try:
+                _fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            _resolve(fut, exc=exc)
 
     def kv_call(self, fn: Any, *args: Any) -> Future:
         """Run ``fn(self.kv, *args)`` on the stepping thread between two steps (where touching the
@@ -226,6 +267,7 @@ class EngineHost:
         else:
             self._calls.put((lambda: fn(self._kv_or_raise(), *args), fut))
             self._inbox.put(None)  # wake the thread if it is idle
+            self._fail_if_gone()
         return fut
 
     def kv_hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
@@ -287,6 +329,8 @@ class EngineHost:
     def _admit(self, req: _Request) -> None:
         from vllm.inputs import TokensPrompt
 
+        if not req.future.set_running_or_notify_cancel():
+            return  # its caller gave up before the engine saw it; from here on it cannot cancel
         params, priority = req.params
         try:
             req.engine_id = self._engine.add_request(
@@ -330,7 +374,10 @@ class EngineHost:
                     logger.error("engine %s: KV manager switched off after repeated failures", self.name)
                     self.kv_manager = None
         elif self.kv is not None:
-            self.kv.maintain()
+            try:
+                self.kv.maintain()
+            except Exception:  # bookkeeping must not stop the engine
+                logger.exception("engine %s: KV housekeeping failed", self.name)
 
     def _idle_wait(self) -> float:
         """How long an idle loop sleeps: a manager's paused sessions need looks while idle."""
@@ -341,6 +388,16 @@ class EngineHost:
             self._admit(item)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # the loop itself failed: fail what waits, never leave it hanging
+            logger.exception("engine %s: stepping thread failed", self.name)
+            self._closed = True
+            self._drain(RuntimeError(f"engine {self.name!r} stopped: {e!r}"))
+        else:
+            self._drain(RuntimeError(f"engine {self.name!r} closed"))
+
+    def _serve(self) -> None:
         try:
             with _LOAD_LOCK:
                 self._engine = self._load()
@@ -376,7 +433,7 @@ class EngineHost:
                     logger.exception("engine %s step failed", self.name)
                     for req in self._pending.values():
                         self._finished(req)
-                        req.future.set_exception(e)
+                        _resolve(req.future, exc=e)
                     self._pending.clear()
                     continue
                 self.steps += 1
@@ -385,9 +442,7 @@ class EngineHost:
                         req = self._pending.pop(out.request_id, None)
                         if req is not None:
                             self._finished(req)
-                            req.future.set_result(out)
-        for req in self._pending.values():
-            req.future.set_exception(RuntimeError(f"engine {self.name!r} closed"))
+                            _resolve(req.future, result=out)
         self._run_calls()  # directives queued before close still get an answer
 
     def close(self) -> None:
@@ -396,10 +451,24 @@ class EngineHost:
         self._inbox.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=10)
-        self._engine = None
+        if not self._thread.is_alive():  # a thread still inside a step keeps its engine
+            self._engine = None
 
 
 KV_OPS = ("inspect", "retain", "release", "offload", "prefetch", "invalidate")
+
+
+def _resolve(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
+    """Settle ``fut`` unless it already is (cancelled by its caller, or failed by a drain)."""
+    if fut.done():
+        return
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except Exception:  # InvalidStateError: settled concurrently
+        pass
 
 
 def engine_priority(priority: tuple) -> int:
@@ -566,7 +635,13 @@ class Engines:
             await asyncio.to_thread(host.wait_loaded)
         host.wait_loaded()
         fut, ids = self._submit(header, model, host, prompt, sampling)
-        return self._result(header, model, host, ids, await asyncio.wrap_future(fut))
+        try:
+            out = await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # the task was cancelled (worker closing): stop the request too
+            if hasattr(host, "abort"):
+                host.abort(header[3])
+            raise
+        return self._result(header, model, host, ids, out)
 
     def stop(self, name: str) -> bool:
         """Close the engine for ``name`` and stop hosting it; True if it was hosted."""

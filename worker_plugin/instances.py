@@ -26,6 +26,7 @@ class StatefulSlot:
     order: dict = field(default_factory=dict)  # key -> its sort key (submission time, arrival)
     cond: threading.Condition = field(default_factory=threading.Condition)
     calls: int = 0
+    active: str | None = None  # the call using the instance now (an earlier call arriving later waits for it)
 
 
 class Instances:
@@ -69,16 +70,24 @@ class Instances:
             slot.cond.notify_all()
 
     def done(self, component: str, session: str | None, key: str) -> None:
-        """Drop ``key`` from its instance's queue (idempotent) and wake the next call."""
+        """A call left the worker (finished, released, cancelled): drop its ticket unless it is
+        the one using the instance, whose turn ends when its code returns. Idempotent."""
         slot = self._stateful.get((component, session))
-        if slot is None:
-            return
+        if slot is not None:
+            self._release(slot, key, running=False)
+
+    @staticmethod
+    def _release(slot: StatefulSlot, key: str, running: bool) -> None:
         with slot.cond:
+            if slot.active == key:
+                if not running:
+                    return  # still inside turn(): its own exit releases it
+                slot.active = None
             slot.order.pop(key, None)
             try:
                 slot.queue.remove(key)
             except ValueError:
-                return
+                pass
             slot.cond.notify_all()
 
     @contextmanager
@@ -89,18 +98,23 @@ class Instances:
             if key not in slot.queue:
                 slot.order[key] = (float("inf"), len(slot.order) + slot.calls)
                 slot.queue.append(key)
-            if slot.queue[0] != key:
+
+            def ready() -> bool:
+                return slot.active is None and (key not in slot.queue or slot.queue[0] == key)
+
+            if not ready():
                 from worker_plugin.dask_compat import secede_if_in_task
 
                 secede_if_in_task()  # waiting for our turn must not hold a worker thread
-                slot.cond.wait_for(lambda: key not in slot.queue or slot.queue[0] == key)
+                slot.cond.wait_for(ready)
+            slot.active = key
             if slot.instance is None:
                 slot.instance = cls()
             slot.calls += 1
         try:
             yield slot.instance
         finally:
-            self.done(component, session, key)
+            self._release(slot, key, running=True)
 
     def end_session(self, session: str) -> int:
         """Release the session's stateful instances (calling ``close()`` if they have one)."""
@@ -108,6 +122,10 @@ class Instances:
             gone = [k for k in self._stateful if k[1] == session]
             slots = [self._stateful.pop(k) for k in gone]
         for slot in slots:
+            with slot.cond:  # calls still queued (late ones) must not wait on a gone slot forever
+                slot.queue.clear()
+                slot.order.clear()
+                slot.cond.notify_all()
             close = getattr(slot.instance, "close", None)
             if callable(close):
                 try:
