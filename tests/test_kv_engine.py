@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kv.engine_kv import KVDirectiveError
+from tests.conftest import wait_for
 from tests.kv_helpers import generate as run
 from tests.kv_helpers import prompt_ids as tokens
 from worker_plugin.engine import EngineHost, ModelSettings
@@ -240,3 +241,17 @@ def test_compat_internals(host):
 
     host.kv_call(internals).result(60)
     assert run(host, prompt)[1] == 2 * BLOCK  # adopted blocks serve prefix hits
+
+
+def test_a_caller_giving_up_never_stops_the_engine(host):
+    """A cancelled caller (e.g. a worker closing cancels its coroutine tasks) must not kill the
+    stepping thread: before admission the request is skipped, after it the caller's abort stops it."""
+    early = host.submit("given-up-early", tokens(60, 300), host.sampling_params(64, 0.0, None), None)
+    early.cancel()
+    late = host.submit("given-up-late", tokens(61, 300), host.sampling_params(600, 0.0, None), None)
+    wait_for(lambda: late.running() or late.done())
+    assert not late.cancel()  # admitted: only an abort stops it now
+    host.abort("given-up-late")
+    with pytest.raises(RuntimeError, match="aborted"):
+        late.result(60)
+    assert len(run(host, tokens(62, 100))[0]) == 4  # the engine still serves
