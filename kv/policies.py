@@ -109,6 +109,11 @@ def _holding(view: KVView, tier: str) -> list[SessionView]:
     return [s for s in view.sessions.values() if getattr(s, tier) > 0]
 
 
+def _drop_finished(view: KVView) -> list[Action]:
+    """Nalar's rule: a finished session's KV goes at once."""
+    return [Drop(s.id) for s in view.sessions.values() if s.state == FINISHED]
+
+
 def _paused_holding(view: KVView) -> list[SessionView]:
     """Paused sessions that hold blocks in some tier (the others have nothing to decide about)."""
     return [s for s in view.sessions.values() if s.state == PAUSED and (s.accelerator or s.host or s.disk)]
@@ -222,7 +227,7 @@ class Nalar(Policy):
     def tick(self, view: KVView) -> tuple[Action, ...]:
         """Drop finished sessions; offload idle ones to restore the reserve; prefetch soon-runnable ones."""
         p = self.params
-        out: list[Action] = [Drop(s.id) for s in view.sessions.values() if s.state == FINISHED]
+        out = _drop_finished(view)
         if view.offload_tier is None:
             return tuple(out)
         cap = view.capacity["accelerator"]
@@ -271,7 +276,7 @@ class Ours(Policy):
     def tick(self, view: KVView) -> tuple[Action, ...]:
         """Drop finished sessions; with a lower tier, keep headroom and prefetch before the resume."""
         p = self.params
-        out: list[Action] = [Drop(s.id) for s in view.sessions.values() if s.state == FINISHED]
+        out = _drop_finished(view)
         if view.offload_tier is None:
             return tuple(out)
         cap = view.capacity["accelerator"]
