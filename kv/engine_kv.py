@@ -24,13 +24,16 @@ Threading: every method must run on the engine's stepping thread, between steps 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from kv import vllm_compat as vc
+
+logger = logging.getLogger(__name__)
 
 Tier = Literal["device", "host", "disk"]
 
@@ -421,7 +424,12 @@ class EngineKV:
             self.stats.dropped_blocks += 1
         if cap < 1:
             return False
-        torch.save([t.contiguous() for t in data], self._path(h))
+        try:
+            torch.save([t.contiguous() for t in data], self._path(h))
+        except OSError:  # disk full or gone: the block is recomputed later, the engine goes on
+            logger.warning("KV disk tier: could not write a block to %s", self.tiers.disk_path, exc_info=True)
+            self._remove_file(h)
+            return False
         self._disk[h] = ntok
         return True
 
@@ -450,7 +458,7 @@ class EngineKV:
             else:
                 break  # a prefix hit needs every earlier block: stop at the first gap
             if vc.adopt_block(self.parts, h, data, ntok) is None:
-                self._host[h] = (data, ntok)  # no free block: keep it for later
+                self._put_host(h, data, ntok)  # no free block: keep it for later, within capacity
                 break
             restored += 1
         if restored:

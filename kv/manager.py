@@ -582,11 +582,16 @@ class KVManager:
             else:
                 b = parts.block_pool.blocks[item]
                 take(vc.block_hash(b), b)
-        if len(taken) < short:  # the order ran out: least recently used next, as vLLM would
+        if len(taken) < short:  # the order ran out: least recently used next, as vLLM would,
+            # except blocks of running sessions (e.g. just prefetched for a session that resumed)
+            running = {sid for sid, st in self._sessions.items() if st is not None and st.state == RUNNING}
             for b in vc.cached_free_blocks(parts):
                 if len(taken) >= short:
                     break
-                take(vc.block_hash(b), b)
+                h = vc.block_hash(b)
+                if h is not None and running and not running.isdisjoint(kv.owners(h)):
+                    continue
+                take(h, b)
         return kv.offload_blocks(drop, None) + kv.offload_blocks(down, tier)
 
     def _pin_protected(self, view: KVView) -> None:

@@ -255,3 +255,20 @@ def test_a_caller_giving_up_never_stops_the_engine(host):
     with pytest.raises(RuntimeError, match="aborted"):
         late.result(60)
     assert len(run(host, tokens(62, 100))[0]) == 4  # the engine still serves
+
+
+def test_a_failing_disk_tier_costs_a_recompute_not_the_engine(host, monkeypatch):
+    import torch
+
+    prompt = tokens(70, 520)
+    cold, _ = run(host, prompt, "s-diskfail")
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    assert kv(host, "offload", "s-diskfail", "disk") == 0  # nothing moved, nothing lost
+    assert kv(host, "inspect", "s-diskfail").device_blocks == 4
+    monkeypatch.undo()
+    assert run(host, prompt, "s-diskfail") == (cold, 4 * BLOCK)
+    kv(host, "invalidate", "s-diskfail")
