@@ -34,9 +34,8 @@ class KVHints:
         self.send = send
         self.holders: dict[str, set[str]] = defaultdict(set)  # session -> workers its LLM calls ran on
         self.llm_open: Counter[str] = Counter()  # session -> LLM calls processing
-        self._processing: set[str] = set()  # LLM call keys counted in llm_open
+        self._processing: dict[str, set[str]] = defaultdict(set)  # session -> its LLM calls counted in llm_open
         self._last: dict[str, tuple] = {}  # session -> last (state, wait_key) sent
-        self._session_of: dict[str, str] = {}  # LLM call key in _processing -> its session
         self._ended: set[str] = set()  # recently ended sessions: late transitions are ignored
 
     def on_transition(self, rec: Any, finish: str, worker: str | None) -> None:
@@ -46,15 +45,15 @@ class KVHints:
         if sid is None or sid in self._ended:
             return
         if rec.kind == "llm":
-            if finish == "processing" and worker is not None and rec.key not in self._processing:
-                self._processing.add(rec.key)
-                self._session_of[rec.key] = sid
+            if finish == "processing" and worker is not None and rec.key not in self._processing[sid]:
+                self._processing[sid].add(rec.key)
                 self.holders[sid].add(worker)
                 self.llm_open[sid] += 1
                 self._hint(sid, "running", workers=[worker])
-            elif finish in _DONE and rec.key in self._processing:
-                self._processing.discard(rec.key)
-                self._session_of.pop(rec.key, None)
+            elif finish in _DONE and rec.key in self._processing.get(sid, ()):
+                self._processing[sid].discard(rec.key)
+                if not self._processing[sid]:
+                    del self._processing[sid]
                 self.llm_open[sid] -= 1
                 if self.llm_open[sid] <= 0:
                     del self.llm_open[sid]
@@ -70,8 +69,7 @@ class KVHints:
         self.holders.pop(sid, None)
         self.llm_open.pop(sid, None)
         self._last.pop(sid, None)
-        self._processing = {k for k in self._processing if self._session_of.get(k) != sid}
-        self._session_of = {k: s for k, s in self._session_of.items() if s != sid}
+        self._processing.pop(sid, None)
         self._ended.add(sid)
         if len(self._ended) > 10_000:  # a bound: ended ids only guard against stragglers
             self._ended.clear()

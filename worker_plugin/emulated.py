@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from kv.sizing import KVGeometry
-from worker_plugin.engine import ModelSettings
+from worker_plugin.engine import ModelSettings, wait_loaded
 from worker_plugin.tokenizer import OFFSET, ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -320,10 +320,7 @@ class EmulatedEngineHost:
 
     def wait_loaded(self, timeout: float | None = None) -> None:
         """Block until started; re-raise a configuration error."""
-        if not self.loaded.wait(timeout):
-            raise TimeoutError(f"engine for model {self.name!r} did not load within {timeout}s")
-        if self.load_error is not None:
-            raise RuntimeError(f"engine for model {self.name!r} failed to load: {self.load_error}")
+        wait_loaded(self, timeout)
 
     def sampling_params(self, max_tokens: int, temperature: float, seed: int | None,
                         priority: tuple = ()) -> EmulatedSamplingParams:

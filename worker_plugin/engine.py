@@ -101,6 +101,14 @@ class ModelSettings(BaseModel):
         return str(agents_config.get("kv.policy") or "none")
 
 
+def wait_loaded(host: Any, timeout: float | None = None) -> None:
+    """Block until ``host`` (a real or emulated engine host) is loaded; re-raise its load failure."""
+    if not host.loaded.wait(timeout):
+        raise TimeoutError(f"engine for model {host.name!r} did not load within {timeout}s")
+    if host.load_error is not None:
+        raise RuntimeError(f"engine for model {host.name!r} failed to load: {host.load_error}")
+
+
 def _bytes(v: int | str) -> int:
     return int(v) if isinstance(v, int) else int(parse_bytes(v))
 
@@ -146,10 +154,7 @@ class EngineHost:
 
     def wait_loaded(self, timeout: float | None = None) -> None:
         """Block until the engine is ready; re-raise a load failure."""
-        if not self.loaded.wait(timeout):
-            raise TimeoutError(f"engine for model {self.name!r} did not load within {timeout}s")
-        if self.load_error is not None:
-            raise RuntimeError(f"engine for model {self.name!r} failed to load: {self.load_error}")
+        wait_loaded(self, timeout)
 
     def _load(self) -> Any:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
