@@ -339,6 +339,7 @@ def load_metrics(records: list[dict], specs: list[swe.RequestSpec], rate: float)
         "throughput_rps": thr, "raw_throughput_rps": raw, "completion_slope": slope, "sustained": sustained,
         "p99_bound_s": bound, "mean_excess_over_ideal_s": statistics.fmean(excess) if excess else float("nan"),
         "ideal_mean_s": statistics.fmean(ideal.values()), "wall_s": None,
+        "latencies_s": sorted(round(x, 4) for x in lat),  # the CDF plot's data
     }
 
 
@@ -907,6 +908,19 @@ def plot(path_stem: str, workflow: str, variants: dict) -> tuple[list[str], str 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     files.append(out)
+    # per-request latency CDFs at the highest load every variant ran (dask_agents/report.py's
+    # plotting, the same as `dask-agents report`)
+    from dask_agents.report import plot_latency_cdf
+
+    ran = [v for v in variants.values() if not v.get("skipped") and v.get("loads")]
+    common = set.intersection(*(set(v["loads"]) for v in ran)) if ran else set()
+    if common:
+        top = max(common, key=float)
+        cdfs = {name: v["loads"][top].get("latencies_s") or [] for name, v in variants.items()
+                if not v.get("skipped") and top in (v.get("loads") or {})}
+        files.append(plot_latency_cdf(cdfs, f"{path_stem}_{workflow}_cdf.png",
+                                      title=f"{workflow}: request latency CDF at {float(top):g} req/s, EMULATED",
+                                      xlabel="request latency (s)"))
     return files, None
 
 

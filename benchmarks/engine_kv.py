@@ -78,7 +78,10 @@ if _ROOT not in sys.path:
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 VARIANTS = ("prefix_caching", "wa_lru", "nalar", "ours")
-POLICY = {"prefix_caching": "none", "wa_lru": "wa_lru", "nalar": "nalar", "ours": "ours", "lru_host": "lru"}
+POLICY = {"prefix_caching": "none", "wa_lru": "wa_lru", "nalar": "nalar", "ours": "ours", "lru_host": "lru",
+          "lmcache": "none"}
+# "lmcache" (GPU: benchmarks/gpu_check.sh): vLLM's AsyncLLM with LMCache's CPU tier under it
+# (engine: vllm-async, kv-connector: lmcache); no hints reach it (LMCache is workflow-blind).
 QUICK = {"sessions": 8, "steps": (5, 7), "task": (768, 1280), "tool_out": (192, 384), "rounds": 5}
 FULL = {"sessions": 12, "steps": (5, 8), "task": (768, 1280), "tool_out": (192, 384), "rounds": 9}
 TOOLS = {"planner": ("file_io", "web_api"), "developer": ("file_io", "code_exec"), "tester": ("code_exec",)}
@@ -212,10 +215,19 @@ def settings(variant: str, args: argparse.Namespace) -> Any:
     from worker_plugin.engine import ModelSettings
 
     policy = POLICY[variant]
+    extra: dict = {}
+    if variant == "lmcache":
+        from dask.utils import parse_bytes
+
+        # LMCache reads its configuration from the environment: a CPU tier of --host bytes
+        os.environ.setdefault("LMCACHE_LOCAL_CPU", "True")
+        os.environ.setdefault("LMCACHE_MAX_LOCAL_CPU_SIZE", str(parse_bytes(args.host) / 2**30))
+        os.environ.setdefault("LMCACHE_CHUNK_SIZE", "128")
+        extra = {"engine": "vllm-async", "kv_connector": "lmcache"}
     return ModelSettings(model="builtin:tiny-llama", load_format="dummy", tokenizer="byte", dtype="bfloat16",
                          max_model_len=args.max_model_len, kv_cache_memory_bytes=args.device,
                          kv_host_bytes=0 if policy == "none" else args.host, kv_policy=policy,
-                         scheduling="fcfs")
+                         scheduling="fcfs", **extra)
 
 
 def _thread_cpu(thread: threading.Thread) -> float:
@@ -228,15 +240,16 @@ def _thread_cpu(thread: threading.Thread) -> float:
 
 def run_variant(variant: str, plan: list[Script], args: argparse.Namespace) -> Outcome:
     """Serve ``plan`` on a fresh engine running ``variant``'s KV policy."""
-    from worker_plugin.engine import EngineHost
+    from worker_plugin.engine import make_host
 
-    host = EngineHost(f"bench-{variant}", settings(variant, args))
+    host = make_host(f"bench-{variant}", settings(variant, args))
     host.start()
     host.wait_loaded(600)
     out = Outcome(variant)
     lock = threading.Lock()
     counter = iter(range(10**9))
     try:
+        hint = getattr(host, "kv_hint", lambda *a, **k: None)  # AsyncLLM (lmcache) takes none
         # warm the kernels up (session-less: its blocks are nobody's and go first)
         host.submit("warmup", list(_tokens(random.Random(-1), 300)), host.sampling_params(4, 0.0, None),
                     None).result(300)
@@ -248,7 +261,7 @@ def run_variant(variant: str, plan: list[Script], args: argparse.Namespace) -> O
             try:
                 for j, st in enumerate(sc.steps):
                     if j:
-                        host.kv_hint(sc.id, "running", node=st.node)
+                        hint(sc.id, "running", node=st.node)
                     c0 = time.monotonic()
                     res = host.submit(f"{sc.id}-{j}-{next(counter)}", history,
                                       host.sampling_params(st.max_tokens, 0.0, None), sc.id).result(600)
@@ -260,9 +273,9 @@ def run_variant(variant: str, plan: list[Script], args: argparse.Namespace) -> O
                         out.call_s.append(dt)
                     history += list(res.outputs[0].token_ids)
                     if st.tool is None:
-                        host.kv_hint(sc.id, "finished", node=st.node)
+                        hint(sc.id, "finished", node=st.node)
                         break
-                    host.kv_hint(sc.id, "paused", node=st.node, wait_key=st.tool)
+                    hint(sc.id, "paused", node=st.node, wait_key=st.tool)
                     time.sleep(st.pause_s)  # the tool runs
                     history += list(st.tool_tokens)
                 with lock:
@@ -280,7 +293,8 @@ def run_variant(variant: str, plan: list[Script], args: argparse.Namespace) -> O
             t.join()
         out.wall_s = time.monotonic() - t0
         out.engine_cpu_s = _thread_cpu(host._thread) - cpu0
-        out.kv = host.kv_call(lambda kv: kv.stats.as_dict()).result(60)
+        if hasattr(host, "kv_call"):
+            out.kv = host.kv_call(lambda kv: kv.stats.as_dict()).result(60)
         if host.kv_manager is not None:
             out.manager = host.kv_call(lambda kv: host.kv_manager.report()).result(60)
     finally:

@@ -24,7 +24,10 @@ from dask_agents.errors import (
     AgentsError,
     CallFailedError,
     CallTimeoutError,
+    ConfigError,
+    EngineStoppedError,
     HintError,
+    InstanceLostError,
     NoClientError,
     NotAComponentError,
     NotInstalledError,
@@ -45,7 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgentFuture", "AgentsError", "ClusterLink", "attach_cluster", "BatchingHint", "CallFailedError", "CallMeta", "CallTimeoutError",
-    "ComponentHints", "ComponentSpec", "Control", "control", "FunctionStub", "HintError", "LLM", "LLMResult",
+    "ComponentHints", "ConfigError", "ComponentSpec", "Control", "control", "EngineStoppedError", "FunctionStub", "HintError", "InstanceLostError", "LLM", "LLMResult",
     "NoClientError", "NotAComponentError", "NotInstalledError", "PromptTooLongError", "Session",
     "SessionGraph", "Stub", "ToolHints", "UnknownModelError", "WorkflowGraph", "agent", "current_call", "current_session", "install",
     "installed", "llm", "progress", "session", "session_graph", "spec_of", "stub", "telemetry", "tool",

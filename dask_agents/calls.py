@@ -19,6 +19,48 @@ ANNOTATION = "agents"
 """Name of the Dask annotation that carries call metadata to the scheduler and workers."""
 
 
+_TEXT_FIELDS = ("call", "component", "method", "kind", "session", "tenant", "creator", "model", "tool_kind",
+                "llm_model")
+MAX_LABEL = 256
+"""Longest text an annotation field may carry."""
+
+
+def sanitize_annotation(ann: Any) -> dict | None:
+    """The ``agents`` annotation ``ann`` with every field of the type the plugins expect, or
+    None if it is not a mapping.
+
+    Annotations come from any client (``dask.annotate(agents=...)`` works without
+    dask-agents): the scheduler and worker plugins should read them through this. Text fields
+    (``call component method kind session tenant creator model tool_kind llm_model``) are
+    strings of at most ``MAX_LABEL`` characters or None; ``deps`` a list of strings;
+    ``created`` a finite number or None; ``stateful`` a bool (only ``True`` is true);
+    ``batching`` None or ``{"max_batch": int >= 1, "max_wait": finite float >= 0}``. Wrong
+    values become None (or the empty default); unknown fields are dropped."""
+    import math
+
+    if not isinstance(ann, dict):
+        return None
+    out: dict[str, Any] = {}
+    for f in _TEXT_FIELDS:
+        if f in ann:
+            v = ann[f]
+            out[f] = v if isinstance(v, str) and len(v) <= MAX_LABEL else None
+    deps = ann.get("deps")
+    out["deps"] = [d for d in deps if isinstance(d, str)] if isinstance(deps, (list, tuple)) else []
+    created = ann.get("created")
+    ok = isinstance(created, (int, float)) and not isinstance(created, bool) and math.isfinite(created)
+    out["created"] = float(created) if ok else None
+    out["stateful"] = ann.get("stateful") is True
+    b = ann.get("batching")
+    out["batching"] = None
+    if isinstance(b, dict):
+        mb, mw = b.get("max_batch"), b.get("max_wait", 0.0)
+        if (isinstance(mb, int) and not isinstance(mb, bool) and mb >= 1 and isinstance(mw, (int, float))
+                and not isinstance(mw, bool) and math.isfinite(mw) and mw >= 0):
+            out["batching"] = {"max_batch": mb, "max_wait": float(mw)}
+    return out
+
+
 def new_key(component: str) -> str:
     """A unique Dask key that starts with the component name (per-component Dask statistics)."""
     return f"{component}-{uuid.uuid4().hex}"
@@ -99,8 +141,32 @@ def submit_call(
         ann["batching"] = {"max_batch": hints.batching.max_batch, "max_wait": hints.batching.max_wait}
     header = (spec.name, method, sid, key, hints.stateful, ann.get("batching"))
     with dask.annotate(**{ANNOTATION: ann}):
-        fut = client.submit(
-            runner, header, target, args, kwargs, key=key, pure=False,
-            resources=dict(hints.resources) or None,
-        )
+        try:
+            fut = client.submit(
+                runner, header, target, args, kwargs, key=key, pure=False,
+                resources=dict(hints.resources) or None,
+            )
+        except Exception as e:
+            bad = _unserializable(args, kwargs)
+            if bad is None:
+                raise
+            raise TypeError(
+                f"{where(spec.name, method, sid)}: argument {bad} cannot be sent to the cluster "
+                f"(it does not pickle: {e})"
+            ) from e
     return AgentFuture.adopt(fut, meta)
+
+
+def _unserializable(args: tuple, kwargs: dict) -> str | None:
+    """Name (``#0``, ``'name'``) and type of the first argument that does not pickle, else None."""
+    from distributed.protocol.pickle import dumps
+
+    named = [(f"#{i}", a) for i, a in enumerate(args)] + [(repr(k), v) for k, v in kwargs.items()]
+    for name, value in named:
+        if isinstance(value, Future):
+            continue
+        try:
+            dumps(value)
+        except Exception:
+            return f"{name} ({type(value).__name__})"
+    return None

@@ -3,6 +3,7 @@
     dask-agents stubgen agents.py -o stubs/     # write stubs/agents.py (see stubgen.py)
     dask-agents replay mooncake --tiers 4GiB     # KV policies vs the offline optimum (kv/replay.py)
     dask-agents report telemetry.parquet -o report/   # PNG plots (dask_agents/report.py)
+    dask-agents whatif telemetry.parquet --gpus 4      # another allocation, predicted (whatif.py)
 """
 
 from __future__ import annotations
@@ -79,3 +80,61 @@ def replay_command(trace: str, policies: tuple[str, ...], tiers: tuple[str, ...]
 
 
 main.add_command(report_command)  # defined beside the plotting code it drives
+
+
+@main.command("whatif")
+@click.argument("telemetry", type=click.Path(exists=True, dir_okay=False))
+@click.option("--gpus", type=int, default=None,
+              help="Engine replicas in all, split over the models by their recorded LLM work (default: as recorded).")
+@click.option("--replicas", "replicas", multiple=True, help="MODEL=N engine replicas of one model (repeatable).")
+@click.option("--load-scale", type=float, default=1.0, show_default=True,
+              help="Session arrivals this many times faster than recorded.")
+@click.option("--max-batch", type=int, default=256, show_default=True, help="Concurrent sequences per engine.")
+@click.option("--kv-blocks", type=int, default=1 << 20, show_default=True,
+              help="KV capacity per engine, in blocks of --block-size tokens.")
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
+def whatif_command(telemetry: str, gpus: int | None, replicas: tuple[str, ...], load_scale: float, max_batch: int,
+                   kv_blocks: int, block_size: int, json_path: str | None) -> None:
+    """Predict latency and throughput of a recorded workload on another allocation.
+
+    TELEMETRY is a da.telemetry(client) calls table (parquet or csv; see
+    dask_agents.report.save_telemetry). The engines' costs are calibrated on the recorded LLM
+    calls, the recording is replayed on its own allocation to show the prediction error, then
+    on the one asked for. Predictions come from an EMULATED engine (dask_agents/whatif.py).
+    """
+    import json
+
+    from dask_agents import whatif as w
+
+    try:
+        scripts = w.load(telemetry)
+        fits = w.calibrate(scripts)
+        kw = {"max_batch": max_batch, "kv_blocks": kv_blocks, "block_size": block_size}
+        check = w.validate(scripts, fits, **kw)
+        asked = w.parse_replicas(replicas, gpus, scripts)
+        pred = w.predict(scripts, fits, asked, load_scale=load_scale, **kw).summary()
+    except w.WhatIfError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"telemetry: {telemetry}: {len(scripts)} sessions, "
+               f"{sum(len(s.calls) for s in scripts)} calls; recorded replicas {check['replicas']}")
+    for m, f in fits.items():
+        click.echo(f"calibration {m}: decode {f.decode_s_per_step * 1e3:.3f} ms/step + {f.decode_s_per_seq * 1e3:.4f} "
+                   f"ms/seq, prefill {f.prefill_s_per_token * 1e6:.2f} us/token ({f.calls} calls, R^2 {f.r2:.2f})")
+
+    def row(name: str, d: dict) -> str:
+        return (f"{name:28s} {d['mean_s']:8.2f} {d['p95_s']:8.2f} {d['throughput_per_s']:10.3f} "
+                f"{d['llm_mean_s']:8.3f} {d['hit_rate'] if d['hit_rate'] is not None else float('nan'):6.1%}")
+    click.echo(f"{'':28s} {'mean s':>8s} {'P95 s':>8s} {'sessions/s':>10s} {'LLM s':>8s} {'hit':>6s}")
+    click.echo(row("recorded", check["measured"]))
+    click.echo(row("predicted, same allocation", check["predicted"]))
+    click.echo("prediction error on the recording: " + ", ".join(f"{k} {v:+.0%}" for k, v in check["errors"].items()))
+    click.echo(row(f"predicted {asked} x{load_scale:g}", pred))
+    click.echo("(predictions: EMULATED engine calibrated on the recording)")
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump({"telemetry": telemetry, "emulated": True,
+                       "calibration": {m: vars(f) for m, f in fits.items()}, "validation": check,
+                       "whatif": {"replicas": asked, "load_scale": load_scale, **kw, "predicted": pred}},
+                      fh, indent=2, default=float)
+        click.echo(f"wrote {json_path}")

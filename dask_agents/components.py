@@ -17,7 +17,7 @@ from dask_agents.hints import ComponentHints, ToolHints, validate_hints
 T = TypeVar("T")
 Kind = Literal["agent", "tool", "llm"]
 SPEC_ATTR = "__dask_agents__"
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,199}")  # fullmatch: no trailing newline
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def _public_methods(cls: type) -> tuple[str, ...]:
 
 
 def _check_name(name: str, what: Any) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise NotAComponentError(
             f"component name {name!r} for {what!r} must be an identifier (letters, digits, _ and .)"
         )

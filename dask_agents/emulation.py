@@ -80,13 +80,15 @@ def emulated_tool(kind: str, name: str | None = None, time_scale: float | None =
     factor; None reads ``agents.emulation.time-scale`` at each call. Asking again for a name with
     the same kind and scale returns the same function; a name that is taken otherwise is an error.
     """
-    if kind not in PRIORS:
-        prior(kind)  # raises ValueError naming the known kinds
+    if not isinstance(kind, str) or kind not in PRIORS:
+        prior(str(kind))  # raises ValueError naming the known kinds
+    if time_scale is not None and (isinstance(time_scale, bool) or not isinstance(time_scale, (int, float))):
+        raise TypeError(f"time_scale must be a number or None, got {time_scale!r}")
     if time_scale is not None and not (time_scale >= 0 and time_scale != float("inf")):
         raise ValueError(f"time_scale must be a finite number >= 0, got {time_scale!r}")
     if name is None:
         name = f"{kind}_tool" if time_scale is None else f"{kind}_tool_ts{_scale_name(time_scale)}"
-    if not name.isidentifier():
+    if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"emulated tool name {name!r} must be a Python identifier (it becomes a module global)")
     existing = _CREATED.get(name)
     if existing is not None:

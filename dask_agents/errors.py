@@ -17,6 +17,10 @@ class HintError(AgentsError, ValueError):
     """A component was declared with unknown hint keys or hint values of the wrong type."""
 
 
+class ConfigError(AgentsError, ValueError):
+    """An ``agents.*`` configuration value is invalid; the message names the key and the value."""
+
+
 class NotAComponentError(AgentsError, TypeError):
     """Something that is not a class or a callable was used as a component."""
 
@@ -50,3 +54,39 @@ class CallFailedError(AgentsError, RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.args[0], self.original))
+
+
+class EngineStoppedError(AgentsError, RuntimeError):
+    """An LLM engine stopped while a call waited on it. ``crashed``: it died (a failing step, its
+    thread ended) rather than being closed on purpose; a crashed engine is restarted by the
+    worker plugin and the call is retried there up to ``agents.llm.engine-restarts`` times."""
+
+    def __init__(self, message: str, crashed: bool = False):
+        super().__init__(message)
+        self.crashed = crashed
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.crashed))
+
+
+class InstanceLostError(CallFailedError):
+    """A stateful call's instance was lost with its worker (the worker died or left).
+
+    The call did not complete and will not be re-run on a fresh instance (the session's
+    state is gone, so a silent re-run could give a different answer). The message names the
+    session, component, method, worker and cause; a later call of the same session and
+    component starts a fresh instance on another worker."""
+
+    def __init__(self, message: str, original: BaseException | None = None, *, session: str | None = None,
+                 component: str | None = None, worker: str | None = None):
+        super().__init__(message, original)
+        self.session = session
+        self.component = component
+        self.worker = worker
+
+    def __reduce__(self):
+        return (_instance_lost, (self.args[0], self.session, self.component, self.worker))
+
+
+def _instance_lost(message: str, session: str | None, component: str | None, worker: str | None) -> InstanceLostError:
+    return InstanceLostError(message, session=session, component=component, worker=worker)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
 from dask_agents.errors import HintError
+
+MAX_WAIT_S = 60.0
+"""Upper bound of ``batching.max_wait`` (seconds)."""
 
 ToolKind = Literal["file_io", "code_exec", "web_api", "db_query", "custom"]
 """Tool kinds the KV and latency models know; ``custom`` for anything else."""
@@ -16,8 +20,9 @@ class BatchingHint(BaseModel):
     """Coalesce calls of one component up to ``max_batch`` or ``max_wait`` seconds (recorded; used by the control plane)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    max_batch: int = Field(8, ge=1)
-    max_wait: float = Field(0.01, ge=0)
+    max_batch: StrictInt = Field(8, ge=1)
+    # finite and bounded: a worker waits up to max_wait for a batch to fill (inf would wedge it)
+    max_wait: float = Field(0.01, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
 
 
 class ComponentHints(BaseModel):
@@ -30,12 +35,23 @@ class ComponentHints(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    stateful: bool = False
-    model: str | None = None
+    stateful: StrictBool = False
+    model: str | None = Field(None, min_length=1)
     resources: dict[str, float] = Field(default_factory=dict)
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int | None = Field(None, ge=1)
+    min_replicas: StrictInt = Field(1, ge=0)
+    max_replicas: StrictInt | None = Field(None, ge=1)
     batching: BatchingHint | None = None
+
+    @model_validator(mode="after")
+    def _resources(self) -> "ComponentHints":
+        # Dask compares these with worker resources: a NaN, infinite or negative amount would
+        # leave calls unrunnable (or over-subscribe workers) instead of failing here.
+        for name, amount in self.resources.items():
+            if not name or not name.strip():
+                raise ValueError(f"resources: resource names must be non-empty, got {name!r}")
+            if not math.isfinite(amount) or amount <= 0:
+                raise ValueError(f"resources[{name!r}]: must be a finite amount > 0, got {amount!r}")
+        return self
 
     @model_validator(mode="after")
     def _replica_bounds(self) -> "ComponentHints":
@@ -52,6 +68,15 @@ class ToolHints(ComponentHints):
     kind: ToolKind = "custom"
 
 
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (messages stay readable for huge inputs)."""
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the real problem
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def validate_hints(cls: type[ComponentHints], component: str, hints: dict) -> ComponentHints:
     """Build ``cls(**hints)``; on failure raise :class:`HintError` naming the component and each bad key."""
     try:
@@ -63,7 +88,7 @@ def validate_hints(cls: type[ComponentHints], component: str, hints: dict) -> Co
             if err["type"] == "extra_forbidden":
                 problems.append(f"unknown hint {loc!r}")
             else:
-                problems.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+                problems.append(f"{loc}: {err['msg']} (got {_short(err.get('input'))})")
         known = ", ".join(sorted(cls.model_fields))
         raise HintError(
             f"invalid hints for component {component!r}: {'; '.join(problems)}. Known hints: {known}"

@@ -10,19 +10,22 @@ import dask_agents.config as agents_config
 from scheduler_plugin import dask_compat as sched_compat
 
 
-def install(client: Client, *, models: list[str] | None = None) -> Any:
+def install(client: Client, *, models: list[str] | dict[str, list[str]] | None = None) -> Any:
     """Register the scheduler plugin and the worker plugin on ``client``'s cluster.
 
     ``models``: models every worker hosts (loaded at start; default ``agents.worker.models``;
     models not hosted anywhere still load lazily on the first worker a call lands on).
     Idempotent: installing twice keeps one plugin of each kind. With an asynchronous client
-    it returns a coroutine (``await da.install(client)``).
+    it returns a coroutine (``await da.install(client)``). An invalid ``agents.*`` setting
+    raises :class:`~dask_agents.errors.ConfigError` naming the key before anything is installed.
     """
     from scheduler_plugin.plugin import AgentsSchedulerPlugin
     from worker_plugin.plugin import AgentsWorkerPlugin
 
     if not isinstance(client, Client):
         raise TypeError(f"da.install() needs a distributed.Client, got {type(client).__name__}")
+    _check_models(models)
+    agents_config.validate()  # a bad agents.* value fails here, naming its key
     interval = agents_config.seconds("client.batched-send-interval")
     if client.asynchronous:
         async def go() -> None:
@@ -37,6 +40,20 @@ def install(client: Client, *, models: list[str] | None = None) -> Any:
     client.register_plugin(AgentsWorkerPlugin(models=models))
     sched_compat.set_client_stream_interval(client, interval)
     return None
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(m, str) and m for m in value)
+
+
+def _check_models(models: Any) -> None:
+    """``models``: None, a list of model names, or ``{worker name (str or int) or "*": [model names]}``."""
+    ok = models is None or _names(models) or (
+        isinstance(models, dict)
+        and all(isinstance(k, (str, int)) and not isinstance(k, bool) and _names(v) for k, v in models.items()))
+    if not ok:
+        raise TypeError("da.install(models=...) takes a list of model names or a mapping "
+                        f"{{worker name or '*': [model names]}}, got {models!r}")
 
 
 def _has_plugin(dask_scheduler: Any) -> bool:

@@ -56,17 +56,64 @@ def component_name(model: str) -> str:
     return "llm." + re.sub(r"[^A-Za-z0-9_.]", "_", model)
 
 
+def check_generate_args(model: str, prompt: object, max_tokens: object, temperature: object,
+                        seed: object) -> None:
+    """Validate ``generate``'s arguments: ``prompt`` a non-empty string or list of token ids
+    (ints >= 0) or a future of one, ``max_tokens`` None or an int >= 1, ``temperature`` a finite number >= 0,
+    ``seed`` None or an int. Raises TypeError/ValueError naming the model and the argument."""
+    import math
+    from numbers import Integral, Real
+
+    def bad(kind: type[Exception], what: str, value: object) -> Exception:
+        shown = repr(value)
+        return kind(f"da.llm({model!r}).generate: {what}, got {shown if len(shown) <= 80 else shown[:77] + '...'}")
+
+    from distributed import Future
+
+    if isinstance(prompt, Future):
+        pass  # a future's value becomes the prompt on the worker (a Dask dependency)
+    elif isinstance(prompt, str):
+        if not prompt:
+            raise bad(ValueError, "prompt must not be empty", prompt)
+    elif isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise bad(ValueError, "prompt must not be empty", prompt)
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, Integral):
+                raise bad(TypeError, "token ids must be ints", t)
+            if t < 0:
+                raise bad(ValueError, "token ids must be >= 0", t)
+    else:
+        raise bad(TypeError, "prompt must be a string or a list of token ids", prompt)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, Integral)):
+        raise bad(TypeError, "max_tokens must be an int", max_tokens)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad(ValueError, "max_tokens must be >= 1", max_tokens)
+    if isinstance(temperature, bool) or not isinstance(temperature, Real):
+        raise bad(TypeError, "temperature must be a number", temperature)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise bad(ValueError, "temperature must be finite and >= 0", temperature)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
+        raise bad(TypeError, "seed must be an int", seed)
+
+
 class LLM:
     """A handle on one model of the cluster."""
 
     def __init__(self, model: str | None = None):
         self.model = model or agents_config.get("llm.default-model")
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise TypeError(f"da.llm() needs a model name (a non-empty string), got {self.model!r}")
         component = component_name(self.model)
         self._spec = make_spec(runtime.run_llm, "llm", component, ComponentHints(model=self.model))
 
     def generate(self, prompt: str | list[int], *, max_tokens: int | None = None,
                  temperature: float = 0.0, seed: int | None = None) -> AgentFuture:
-        """Generate up to ``max_tokens`` tokens after ``prompt`` (text or token ids)."""
+        """Generate up to ``max_tokens`` tokens after ``prompt`` (text or token ids).
+
+        Arguments are checked here, before anything is submitted: a bad one raises TypeError or
+        ValueError naming the model and the argument."""
+        check_generate_args(self.model, prompt, max_tokens, temperature, seed)
         _check_model(find_client(self._spec, "generate"), self.model, self._spec.name)
         kwargs = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
         return submit_call(self._spec, "generate", runtime.run_llm, self.model, (prompt,), kwargs,

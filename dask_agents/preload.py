@@ -16,7 +16,13 @@ logger = logging.getLogger(__name__)
 
 
 async def dask_setup(server: object) -> None:
-    """Install the matching dask-agents plugin on the server being started."""
+    """Install the matching dask-agents plugin on the server being started.
+
+    Validates ``agents.*`` first: a bad value raises ConfigError naming its key."""
+    import dask_agents.config as agents_config
+
+    if isinstance(server, (Scheduler, Worker)):
+        agents_config.validate()
     if isinstance(server, Scheduler):
         from scheduler_plugin.plugin import NAME, AgentsSchedulerPlugin
 

@@ -11,6 +11,7 @@ and the controller gives them the model they were provisioned for.
 from __future__ import annotations
 
 import logging
+import math
 from inspect import isawaitable
 from typing import Any
 
@@ -27,9 +28,18 @@ class ClusterLink:
                  max_workers: int | None = None):
         if not hasattr(cluster, "scale"):
             raise TypeError(f"attach_cluster needs a cluster manager with scale(), got {type(cluster).__name__}")
+        try:
+            seconds = float(parse_timedelta(interval, default="s"))
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, IndexError):
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"attach_cluster(interval=...) must be a positive duration such as '500ms', got {interval!r}")
+        if max_workers is not None and (isinstance(max_workers, bool) or not isinstance(max_workers, int)
+                                        or max_workers < 0):
+            raise ValueError(f"attach_cluster(max_workers=...) must be None or an int >= 0, got {max_workers!r}")
         self.client = client
         self.cluster = cluster
-        self.interval = float(parse_timedelta(interval, default="s"))
+        self.interval = seconds
         self.max_workers = max_workers
         self.added = 0
         self.removed: list[str] = []

@@ -8,6 +8,7 @@ and stateful instances are released then.
 
 from __future__ import annotations
 
+import re
 import uuid
 from contextlib import ExitStack
 from typing import Any
@@ -17,6 +18,22 @@ from distributed import Client
 
 from dask_agents import context
 from dask_agents.calls import ANNOTATION
+
+
+_LABEL = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:+@-]{0,127}")
+
+
+def _check_label(what: str, value: Any) -> None:
+    """Session names and tenants travel to the scheduler, its telemetry and its dashboard:
+    short labels of letters, digits and ``_ . : + @ -`` (no spaces, quotes or markup)."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not _LABEL.fullmatch(value):
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise ValueError(
+            f"da.session({what}=...) must be a string of 1-128 letters, digits and _ . : + @ - "
+            f"(not starting with a symbol), got {shown}"
+        )
 
 
 class Session:
@@ -29,6 +46,8 @@ class Session:
             client = get_client()
         if not isinstance(client, Client):
             raise TypeError(f"da.session() needs a distributed.Client, got {type(client).__name__}")
+        _check_label("name", name)
+        _check_label("tenant", tenant)
         self.client = client
         self.id = f"{name or 'session'}-{uuid.uuid4().hex[:16]}"
         self.tenant = tenant

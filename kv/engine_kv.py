@@ -25,11 +25,12 @@ Threading: every method must run on the engine's stepping thread, between steps 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from kv import vllm_compat as vc
 
@@ -40,6 +41,15 @@ Tier = Literal["device", "host", "disk"]
 
 class KVDirectiveError(ValueError):
     """A KV directive that cannot be applied (unknown session, no such tier, ...)."""
+
+
+def _count(name: str, value: Any) -> int | None:
+    """A block count argument: None (all) or a non-negative int; anything else is named."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise KVDirectiveError(f"{name} must be a non-negative int or None, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -238,9 +248,11 @@ class EngineKV:
         """Pin the session's resident blocks for ``ttl_s`` (default ``pin_ttl_s``), within the pin
         budget; returns how many blocks are pinned. Re-retaining renews the TTL."""
         s = self._session(session)
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float))):
+            raise KVDirectiveError(f"retain's ttl_s must be a number of seconds, got {ttl_s!r}")
         ttl = self.tiers.pin_ttl_s if ttl_s is None else float(ttl_s)
-        if ttl <= 0:
-            raise KVDirectiveError(f"retain needs a positive TTL, got {ttl_s!r}")
+        if not 0 < ttl < math.inf:  # NaN fails too: a pin must expire
+            raise KVDirectiveError(f"retain needs a positive, finite TTL, got {ttl_s!r}")
         self.release(session)
         budget = int(self.tiers.pin_fraction * self.parts.num_blocks) - self.pinned_blocks()
         blocks = [b for b in (vc.lookup(self.parts, h) for h in s.blocks) if b is not None][:max(budget, 0)]
@@ -288,6 +300,7 @@ class EngineKV:
         all), except blocks another live session owns or a running request uses. Drops the
         session's pin. Returns the number of blocks moved off the device."""
         self._check_tier(tier)
+        blocks = _count("blocks", blocks)
         s = self._session(session)
         self.release(session)
         return self.offload_blocks(self._movable(session, s, blocks), tier)
@@ -296,6 +309,7 @@ class EngineKV:
         """Free the session's device blocks without keeping a copy (for engines with no lower
         tier), tail first, at most ``blocks`` (None: all), with the same exceptions as
         :meth:`offload`. Drops the session's pin. Returns the number of blocks freed."""
+        blocks = _count("blocks", blocks)
         s = self._session(session)
         self.release(session)
         return self.offload_blocks(self._movable(session, s, blocks), None)
@@ -342,6 +356,7 @@ class EngineKV:
     def prefetch(self, session: str, max_blocks: int | None = None) -> int:
         """Bring the session's blocks back from host/disk onto the device (prefix order), as
         cached blocks, at most ``max_blocks`` of them; returns how many were restored."""
+        max_blocks = _count("max_blocks", max_blocks)
         s = self._session(session)
         return self._restore(list(s.blocks), on_demand=False, limit=max_blocks)
 
@@ -453,7 +468,7 @@ class EngineKV:
                 data, ntok = self._host.pop(h)
             elif h in self._disk:
                 ntok = self._disk.pop(h)
-                data = torch.load(self._path(h))
+                data = torch.load(self._path(h), weights_only=True)  # tensors only: no pickled code
                 self._remove_file(h)
             else:
                 break  # a prefix hit needs every earlier block: stop at the first gap

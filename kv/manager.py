@@ -162,6 +162,10 @@ class KVManager:
         self.stats = ManagerStats()
         self.arrivals = 0
         self._sessions: dict[str, _Session] = {}
+        # session -> its request that vLLM has queued but not scheduled: the session's pin is
+        # kept until the request holds its blocks itself (a waiting request references none,
+        # so releasing at add_request would let the next step's allocations evict its prefix)
+        self._unpin_when_running: dict[str, str] = {}
         self._events = False
         self._last_tick = -math.inf
         parts = kv.parts
@@ -213,7 +217,7 @@ class KVManager:
             st.live += 1
             st.chain = hashes
             if self.kv.knows(session) and self.kv.pinned(session):
-                self.kv.release(session)  # the request references its blocks itself now
+                self._unpin_when_running[session] = request_id
         self.kv.on_admit(session, request_id, restore=False)  # restored by prepare(), when it is admitted
         try:
             self.prepare(now)
@@ -240,6 +244,8 @@ class KVManager:
         st.live = max(0, st.live - 1)
         if st.live:
             return
+        if self._unpin_when_running.pop(session, None) is not None and self.kv.knows(session):
+            self.kv.release(session)  # it ran (and ended) within one step: the pin's job is done
         state, key = st.pending or (PAUSED, None)
         st.pending = None
         if state == FINISHED:
@@ -310,6 +316,7 @@ class KVManager:
         next step ready (:meth:`prepare`). Returns whether it looked."""
         now = self.clock() if now is None else now
         looked = False
+        self._unpin_running()
         if self._events or now - self._last_tick >= self.tick_s:
             self.tick(now)
             looked = True
@@ -317,6 +324,16 @@ class KVManager:
             self.kv.maintain(now)
         self.prepare(now)
         return looked
+
+    def _unpin_running(self) -> None:
+        """Release the pins of sessions whose queued request now runs (holds its blocks) or is gone."""
+        for session, request_id in list(self._unpin_when_running.items()):
+            st = self._sessions.get(session)
+            if st is not None and st.live and not vc.allocated_blocks(self.kv.parts, request_id):
+                continue  # still waiting in vLLM's queue: the pin keeps its prefix resident
+            del self._unpin_when_running[session]
+            if st is not None and self.kv.knows(session):
+                self.kv.release(session)
 
     def tick(self, now: float | None = None) -> tuple:
         """One look: housekeeping, the policy's proactive actions applied, WA-LRU's TTL pins.

@@ -52,6 +52,9 @@ MOONCAKE_DEPTH = 5  # steps from the 6th on share one AEG node
 REPO = Path(__file__).resolve().parents[1]
 FORMAT = "dask-agents-kv-trace"
 FAMILIES = ("generated", "telemetry", "mooncake", "file")
+MAX_TOKENS = 1 << 24
+"""Most tokens one request of a telemetry file may claim (a garbage count must not make the
+loader build millions of blocks)."""
 
 
 @dataclass(frozen=True)
@@ -387,16 +390,27 @@ def save(trace: Trace, path: str | os.PathLike) -> Path:
     return path
 
 
+def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of every line (UTF-8); ValueError naming the line that is not."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path.name}: line {n}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+
+
 def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
     """``(line number, parsed object)`` of every non-blank line; ValueError at the first bad one."""
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                yield n, json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path.name}: line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+    for n, text in _text_lines(path):
+        if not text.strip():
+            continue
+        try:
+            yield n, json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path.name}: line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise ValueError(f"{path.name}: line {n}: JSON nested too deeply") from None
 
 
 def _int(obj: Mapping, key: str, where: str, minimum: int = 0) -> int:
@@ -557,9 +571,33 @@ TELEMETRY_COLUMNS = ("session", "component", "kind", "started", "finished", "pro
 
 
 def _read_frame(path: Path):
+    """``(frame, line offset)`` of a telemetry file; ValueError naming the file (and the line
+    when it is known) for anything that is not a readable table."""
+    suffix = path.suffix.lower()
+    if suffix in (".csv", ".json", ".jsonl", ".ndjson"):
+        for _ in _text_lines(path):  # the first line that is not UTF-8, by number
+            pass
+    try:
+        return _read_frame_unchecked(path, suffix)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path.name}: line {e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except ValueError as e:
+        if str(e).startswith(path.name):
+            raise
+        raise ValueError(f"{path.name}: not a telemetry table ({_first_line(e)})") from None
+    except (TypeError, OverflowError, RecursionError, UnicodeError, IndexError, KeyError) as e:
+        raise ValueError(f"{path.name}: not a telemetry table ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    line = text[0] if text else type(e).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _read_frame_unchecked(path: Path, suffix: str):
     import pandas as pd
 
-    suffix = path.suffix.lower()
     if suffix == ".csv":
         return pd.read_csv(path), 2  # line 1 is the header
     if suffix == ".parquet":
@@ -568,10 +606,17 @@ def _read_frame(path: Path):
         except ImportError as e:
             raise ValueError(f"{path.name}: reading parquet needs pyarrow or fastparquet ({e}); "
                              "save the frame as CSV") from None
-    if suffix in (".jsonl", ".ndjson"):
-        return pd.read_json(path, lines=True), 1
+    if suffix in (".jsonl", ".ndjson"):  # parsed here, so a bad record is named by its line
+        records, lines = [], []
+        for n, obj in _json_lines(path):
+            records.append(_record(obj, f"{path.name}: line {n}", ()))
+            lines.append(n)
+        frame = pd.DataFrame.from_records(records)
+        if lines and lines != list(range(1, len(lines) + 1)):  # blank lines: keep the file's numbering
+            frame.attrs["lines"] = lines
+        return frame, 1
     if suffix == ".json":
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
         if isinstance(data, dict) and "columns" in data and "data" in data:  # orient="split"
             return pd.DataFrame(data["data"], columns=data["columns"]), 1
@@ -617,12 +662,17 @@ def load_telemetry(source: Any, block_size: int = 512, time_scale: float = 1.0, 
     else:
         path = Path(source)
         frame, offset = _read_frame(path)
-        where_of, label = (lambda i: f"{path.name}: line {i + offset}"), path.name
+        numbers = frame.attrs.get("lines")
+        where_of, label = ((lambda i: f"{path.name}: line {numbers[i]}") if numbers
+                           else (lambda i: f"{path.name}: line {i + offset}")), path.name
     missing = [c for c in TELEMETRY_COLUMNS if c not in frame.columns]
     if missing:
         raise ValueError(f"{label}: missing column(s) {', '.join(missing)} (a da.telemetry frame has them)")
-    if time_scale <= 0:
-        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) or not (
+            math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"time_scale must be a finite number > 0, got {time_scale!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     from dask.utils import key_split
 
     def number(row, col, i, integer=False):
@@ -631,9 +681,12 @@ def load_telemetry(source: Any, block_size: int = 512, time_scale: float = 1.0, 
             f = float(v)
         except (TypeError, ValueError):
             f = math.nan
-        if not math.isfinite(f) or f < 0 or (integer and f != int(f)):
-            what = "an integer >= 0" if integer else "a finite number >= 0"
-            raise ValueError(f"{where_of(i)}: {col} must be {what}, got {v!r}")
+        if not math.isfinite(f) or f < 0 or (integer and (f != int(f) or f > MAX_TOKENS)):
+            what = "a finite number >= 0"
+            if integer:
+                what = f"an integer >= 0 (at most {MAX_TOKENS})" if f > MAX_TOKENS else "an integer >= 0"
+            shown = repr(v) if len(repr(v)) <= 80 else repr(v)[:77] + "..."
+            raise ValueError(f"{where_of(i)}: {col} must be {what}, got {shown}")
         return int(f) if integer else f
 
     llm: dict[str, list[tuple]] = defaultdict(list)
@@ -706,12 +759,12 @@ def load(source: str | os.PathLike, **kwargs: Any) -> Trace:
     if not path.is_file():
         raise FileNotFoundError(f"no trace file {path}")
     if path.suffix.lower() in (".jsonl", ".ndjson", ".json"):
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             first = f.readline()
         try:
-            head = json.loads(first)
-        except json.JSONDecodeError:
-            head = None
+            head = json.loads(first.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            head = None  # the loader that reads the whole file names the bad line
         if isinstance(head, dict) and head.get("format") == FORMAT:
             return load_steps(path)
         if isinstance(head, dict) and "hash_ids" in head:

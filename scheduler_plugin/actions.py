@@ -1,10 +1,55 @@
 """What policies may suggest (Nalar's primitives). Policies only return these; the
-enforcement layer (``enforce.py``) validates each one and applies it through Dask."""
+enforcement layer (``enforce.py``) validates each one and applies it through Dask.
+
+Each action checks its own fields when it is built: a malformed one (a priority that is not a
+tuple of finite numbers, an empty worker address, ``n < 1``...) raises :class:`ActionError`
+naming the action and the field, inside the policy that built it, so it never reaches the
+scheduler's queues."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Union
+from numbers import Integral, Real
+from typing import Any, Union
+
+
+class ActionError(ValueError):
+    """A control action with a malformed field; the message names the action and the field."""
+
+
+def _fail(action: Any, field: str, what: str, value: Any) -> ActionError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ActionError(f"{type(action).__name__}.{field}: {what}, got {shown}")
+
+
+def _text(action: Any, field: str, value: Any, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, str) or not value:
+        raise _fail(action, field, "must be a non-empty string", value)
+
+
+def _key(action: Any, value: Any) -> None:
+    # Dask keys are strings or tuples (our calls' keys are strings)
+    if not ((isinstance(value, str) and value) or (isinstance(value, tuple) and value)):
+        raise _fail(action, "key", "must be a Dask key (a non-empty string or tuple)", value)
+
+
+def _reason(action: Any, value: Any) -> None:
+    if not isinstance(value, str):
+        raise _fail(action, "reason", "must be a string", value)
+
+
+def _as_tuple(action: Any, field: str, value: Any) -> tuple:
+    if isinstance(value, list):
+        value = tuple(value)
+        object.__setattr__(action, field, value)  # frozen: normalise once, at construction
+    if not isinstance(value, tuple):
+        raise _fail(action, field, "must be a tuple", value)
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,6 +59,14 @@ class SetPriority:
     key: str
     priority: tuple
     reason: str = ""
+
+    def __post_init__(self) -> None:
+        _key(self, self.key)
+        prio = _as_tuple(self, "priority", self.priority)
+        # Dask heaps compare priorities with every other task's: only finite numbers keep them ordered
+        if not prio or not all(isinstance(p, Real) and not isinstance(p, bool) and math.isfinite(p) for p in prio):
+            raise _fail(self, "priority", "must be a non-empty tuple of finite numbers", self.priority)
+        _reason(self, self.reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +78,12 @@ class Migrate:
     target: str
     reason: str = ""
 
+    def __post_init__(self) -> None:
+        _key(self, self.key)
+        _text(self, "source", self.source)
+        _text(self, "target", self.target)
+        _reason(self, self.reason)
+
 
 @dataclass(frozen=True, slots=True)
 class Route:
@@ -33,6 +92,13 @@ class Route:
     component: str
     workers: tuple[str, ...]
     reason: str = ""
+
+    def __post_init__(self) -> None:
+        _text(self, "component", self.component)
+        workers = _as_tuple(self, "workers", self.workers)
+        if not all(isinstance(w, str) and w for w in workers):
+            raise _fail(self, "workers", "must be worker addresses (non-empty strings)", self.workers)
+        _reason(self, self.reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +110,12 @@ class Reassign:
     target: str
     reason: str = ""
 
+    def __post_init__(self) -> None:
+        _text(self, "worker", self.worker)
+        _text(self, "source", self.source)
+        _text(self, "target", self.target)
+        _reason(self, self.reason)
+
 
 @dataclass(frozen=True, slots=True)
 class Provision:
@@ -54,6 +126,12 @@ class Provision:
     component: str | None = None
     reason: str = ""
 
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, Integral) or self.n < 1:
+            raise _fail(self, "n", "must be an int >= 1", self.n)
+        _text(self, "component", self.component, optional=True)
+        _reason(self, self.reason)
+
 
 @dataclass(frozen=True, slots=True)
 class Kill:
@@ -62,12 +140,25 @@ class Kill:
     worker: str
     reason: str = ""
 
+    def __post_init__(self) -> None:
+        _text(self, "worker", self.worker)
+        _reason(self, self.reason)
+
 
 Action = Union[SetPriority, Migrate, Route, Reassign, Provision, Kill]
 """Any action a policy may return."""
 
+KINDS: dict[type, str] = {SetPriority: "set_priority", Migrate: "migrate", Route: "route", Reassign: "reassign",
+                          Provision: "provision", Kill: "kill"}
+
 
 def kind(action: Action) -> str:
-    """The action's kind as used in telemetry and event topics (``migrate``, ``set_priority``...)."""
-    return {SetPriority: "set_priority", Migrate: "migrate", Route: "route", Reassign: "reassign",
-            Provision: "provision", Kill: "kill"}[type(action)]
+    """The action's kind as used in telemetry and event topics (``migrate``, ``set_priority``...).
+
+    Raises :class:`ActionError` for anything that is not an action."""
+    try:
+        return KINDS[type(action)]
+    except (KeyError, TypeError):
+        raise ActionError(
+            f"not a control action: {type(action).__name__} (policies return {', '.join(t.__name__ for t in KINDS)})"
+        ) from None

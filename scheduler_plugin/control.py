@@ -1,4 +1,6 @@
-"""The global control loop: one periodic callback on the scheduler, off the critical path.
+"""The global control loop: a pass every ``agents.control.interval`` on the scheduler, off the
+critical path, run and supervised by :mod:`scheduler_plugin.watchdog` (policies in threads,
+restart of a dead or stalled loop). ``tick`` is the same pass run inline, for tests and tools.
 
 Each tick builds a read-only :class:`~scheduler_plugin.view.ClusterView` (bounded by
 ``agents.control.max-calls-per-tick``), runs every enabled policy, and hands their
@@ -20,7 +22,9 @@ import dask_agents.config as agents_config
 from scheduler_plugin import dask_compat
 from scheduler_plugin.actions import Action
 from scheduler_plugin.enforce import Enforcer
-from scheduler_plugin.view import CallView, ClusterView, ComponentView, ModelView, SessionView, WorkerView
+from scheduler_plugin.view import ClusterView
+from scheduler_plugin.view_index import scan_view
+from scheduler_plugin.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 Policy = Callable[[ClusterView], Iterable[Action]]
@@ -66,17 +70,33 @@ class ControlLoop:
         self.errors: dict[str, str] = {}
         self.policy_errors = 0
         self._idle_since: dict[str, float] = {}
+        self.incremental = True  # build views from the plugin's ViewIndex (False: full rescan)
+        self.view_seconds: deque[float] = deque(maxlen=1000)  # the view-building part of each pass
+        # runs the loop as a supervised task, policies off the event loop (scheduler_plugin/watchdog.py)
+        self.watchdog = Watchdog(self)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
-        """Start ticking every ``agents.control.interval``."""
-        dask_compat.add_periodic(self.plugin.scheduler, self.NAME, self.tick, self.interval)
+        """Start a pass every ``agents.control.interval``, supervised by the watchdog (call on
+        the scheduler's event loop)."""
+        self.watchdog.start()
         self.running = True
 
     def stop(self) -> None:
-        """Stop ticking (decisions already applied stand)."""
-        dask_compat.remove_periodic(self.plugin.scheduler, self.NAME)
+        """Stop the loop (decisions already applied stand)."""
+        self.watchdog.stop()
         self.running = False
+
+    def close(self) -> None:
+        """Stop for good: also release the policy threads."""
+        self.watchdog.close()
+        self.running = False
+
+    def rebuild(self) -> None:
+        """Forget what earlier passes derived, so the next view is rebuilt from the scheduler's
+        state (the watchdog calls this when it restarts the loop). The plugin's view index is
+        kept by the plugin's own hooks, not by the loop, so it stays valid."""
+        self._idle_since.clear()
 
     # -- one pass -------------------------------------------------------------------------
     def tick(self) -> dict:
@@ -84,6 +104,7 @@ class ControlLoop:
         t0 = time.perf_counter()
         self.enforcer.drainer.progress()
         view = self.build_view()
+        self.view_seconds.append(time.perf_counter() - t0)
         applied: dict[str, int] = {}
         for name, policy in self.policies.items():
             try:
@@ -103,78 +124,23 @@ class ControlLoop:
         dt = time.perf_counter() - t0
         self.ticks += 1
         self.tick_seconds.append(dt)
-        return {"tick": self.ticks, "seconds": dt, "applied": applied, "calls_in_view": len(view.calls),
+        return {"tick": self.ticks, "seconds": dt, "view_seconds": self.view_seconds[-1], "applied": applied,
+                "calls_in_view": len(view.calls),
                 "truncated": view.truncated}
 
     def build_view(self) -> ClusterView:
-        """A snapshot for the policies; at most ``max_calls`` waiting calls."""
-        s = self.plugin.scheduler
-        state = self.plugin.state
+        """A snapshot for the policies; at most ``max_calls`` waiting calls.
+
+        Assembled from the plugin's incremental index (scheduler_plugin/view_index.py):
+        O(workers + sessions changed + ``max_calls``) per tick, whole worker queues rotating
+        across ticks. With ``incremental`` off (or a plugin without an index) it is rebuilt
+        from scheduler state, the original O(live futures) scan."""
         now = time.time()
-        budget = self.max_calls
-        calls: dict[str, CallView] = {}
-        workers: dict[str, WorkerView] = {}
-        truncated = False
-
-        def call_view(ts: Any, worker: str | None) -> CallView | None:
-            rec = state.calls.get(ts.key)
-            if rec is None:
-                return None
-            return CallView(
-                key=rec.key, component=rec.component, kind=rec.kind, session=rec.session,
-                tenant=state.sessions[rec.session].tenant if rec.session in state.sessions else None,
-                worker=worker, priority=dask_compat.priority(ts), created=rec.created, ready=rec.ready,
-                stateful=rec.stateful, model=rec.model,
-                # restrictions we did not set ourselves (LLM calls are pinned by us to a model host)
-                restricted=dask_compat.has_foreign_restrictions(ts)
-                or (rec.kind != "llm" and not rec.stateful and dask_compat.has_strict_worker_restriction(ts)),
-                input_bytes=dask_compat.input_bytes(ts), batch_max=rec.batch_max,
-            )
-
-        for ws in dask_compat.workers(s):
-            address, nthreads, processing, running = dask_compat.worker_summary(ws)
-            queued = []
-            if processing > running and budget > 0:
-                for ts in dask_compat.waiting_on_worker(ws):
-                    cv = call_view(ts, address)
-                    if cv is None:
-                        continue
-                    if budget <= 0:
-                        truncated = True
-                        break
-                    calls[cv.key] = cv
-                    queued.append(cv)
-                    budget -= 1
-            queued.sort(key=lambda c: c.priority)
-            if processing == 0:
-                self._idle_since.setdefault(address, now)
-            else:
-                self._idle_since.pop(address, None)
-            info = self.plugin.ready_workers.get(address)
-            workers[address] = WorkerView(
-                address=address, nthreads=nthreads, processing=processing, running=running,
-                queued=tuple(c.key for c in queued), models=tuple(info["models"]) if info else (),
-                idle_since=self._idle_since.get(address), agents_ready=info is not None,
-            )
-        for ts in dask_compat.queued_on_scheduler(s, budget):
-            cv = call_view(ts, None)
-            if cv is not None:
-                calls[cv.key] = cv
-        sessions = {
-            sid: SessionView(sid, r.tenant, r.created, r.progress, r.open_calls, r.state)
-            for sid, r in state.sessions.items() if r.state != "completed"
-        }
-        wf = state.component_stats()
-        components = {c: ComponentView(c, *stats) for c, stats in wf.items()}
-        affinity = {(sid, what[4:]): w for (sid, what), w in self.plugin.bindings.items() if what.startswith("llm:")}
-        draining = set(self.enforcer.drainer.drains)
-        bounds = self.plugin.model_bounds()
-        models = {
-            m: ModelView(m, self.plugin.component_of(m), tuple(sorted(w for w in hosts if w not in draining)),
-                         *bounds.get(m, (1, None)))
-            for m, hosts in self.plugin.model_workers.items()
-        }
-        return ClusterView.freeze(now, workers, calls, sessions, components, affinity, truncated, models, draining)
+        draining = self.enforcer.drainer.drains
+        index = getattr(self.plugin, "view_index", None)
+        if self.incremental and index is not None:
+            return index.build(now, self.max_calls, draining)
+        return scan_view(self.plugin, now, self.max_calls, self._idle_since, draining)
 
     def stats(self) -> dict:
         """Tick timing, action counters and the last error of each failing policy."""
@@ -185,5 +151,5 @@ class ControlLoop:
             "policies": list(self.policies), "tick_seconds_last": self.tick_seconds[-1] if ts else None,
             "tick_seconds_p50": pct(0.5), "tick_seconds_p99": pct(0.99), "tick_seconds_max": ts[-1] if ts else None,
             "policy_errors": self.policy_errors, "errors": dict(self.errors), **self.enforcer.stats(),
-            "recent": list(self.enforcer.recent)[-20:],
+            "recent": list(self.enforcer.recent)[-20:], **self.watchdog.stats(),
         }

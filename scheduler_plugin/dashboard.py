@@ -24,6 +24,7 @@ spent, also exported as ``dask_agents_dashboard_update_seconds_total``.
 from __future__ import annotations
 
 import functools
+import html
 import logging
 import time
 import weakref
@@ -357,7 +358,7 @@ class AgentsPage:
         self.follow = not session  # follow the newest live session until one is chosen
         self.session = session or None
         self.ticks_seen = 0
-        self.decisions_seen = 0
+        self.decisions_seen = (0, 0)
         self._choices_at = 0.0
         self._graph_version: tuple[str | None, int] | None = None
 
@@ -547,7 +548,8 @@ class AgentsPage:
                 self._graph_version = key
                 self.nodes_src.data = {c: [] for c in self.nodes_src.data}
                 self.edges_src.data = {c: [] for c in self.edges_src.data}
-                self.graph_title.text = f"session {sid}: unknown or expired" if sid else "no session yet"
+                # the id may come from the page's URL: escaped, it is text, never markup
+                self.graph_title.text = f"session {html.escape(str(sid))}: unknown or expired" if sid else "no session yet"
             return
         version, layout = got
         if (sid, version) == self._graph_version:
@@ -557,5 +559,5 @@ class AgentsPage:
         self.edges_src.data = layout["edges"]
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(layout["counts"].items()))
         shown = "" if layout["shown"] == layout["calls"] else f" (newest {layout['shown']} shown)"
-        self.graph_title.text = (f"session <b>{sid}</b> ({layout['state']}): {layout['calls']} calls{shown}, "
+        self.graph_title.text = (f"session <b>{html.escape(str(sid))}</b> ({layout['state']}): {layout['calls']} calls{shown}, "
                                  f"{layout['progress']} done; {counts}")

@@ -331,22 +331,31 @@ class DashboardModel:
             return total, []
         return total, [(total - new + i + 1, dt) for i, dt in enumerate(window[-new:])]
 
-    def new_decisions(self, seen: int) -> tuple[int, list[dict]]:
-        """Decisions applied after the ``seen``-th: (decisions now, rows)."""
+    def new_decisions(self, seen: tuple[int, int]) -> tuple[tuple[int, int], list[dict]]:
+        """Decisions after the ``seen`` ones, oldest first: the control loop's (migrations,
+        priorities, reallocations...) and the engines' KV directives. ``seen``/the returned
+        cursor: (control-loop decisions, KV decision records) so far."""
+        control_seen, kv_seen = seen
+        recs: list[dict] = []
         control = self.plugin.control
-        if control is None:
-            return seen, []
-        enf = control.enforcer
-        total = sum(enf.applied.values())
-        new = min(total - seen, len(enf.recent), self.decisions)
-        if new <= 0:
-            return total, []
+        if control is not None:
+            enf = control.enforcer
+            total = sum(enf.applied.values())
+            new = min(total - control_seen, len(enf.recent), self.decisions)
+            control_seen = total
+            if new > 0:
+                recs.extend(list(enf.recent)[-new:])
+        agg = self.plugin.aggregates
+        new = min(agg.kv_decisions_total - kv_seen, len(agg.kv_decisions), self.decisions)
+        kv_seen = agg.kv_decisions_total
+        if new > 0:
+            recs.extend(list(agg.kv_decisions)[-new:])
         rows = []
-        for rec in list(enf.recent)[-new:]:
+        for rec in sorted(recs, key=lambda r: r.get("time", 0))[-self.decisions:]:
             details = " ".join(f"{k}={_brief(v)}" for k, v in rec.items() if k not in ("action", "policy", "time"))
             rows.append({"time": time.strftime("%H:%M:%S", time.localtime(rec.get("time", 0))),
                          "action": rec.get("action", ""), "policy": rec.get("policy", ""), "details": details})
-        return total, rows
+        return (control_seen, kv_seen), rows
 
     # -- a session's graph -----------------------------------------------------------------------
     def pick_session(self) -> str | None:

@@ -132,6 +132,11 @@ def waiting_on_worker(ws: Any) -> list[Any]:
     return [ts for ts in ws.processing if ts not in running]
 
 
+def started_on_worker(ws: Any, ts: Any) -> bool:
+    """True if ``ts`` executes (or has seceded) on ``ws`` as far as the scheduler knows (O(1))."""
+    return ts in ws.executing or ts in ws.long_running
+
+
 def queued_on_scheduler(scheduler: Scheduler, limit: int) -> list[Any]:
     """Up to ``limit`` root-ish tasks the scheduler holds back (best priority first)."""
     return list(scheduler.queued.peekn(limit)) if limit > 0 else []
@@ -280,3 +285,67 @@ def remove_http_application(scheduler: Scheduler, app: Any) -> None:
     apps = scheduler.http_application.applications
     if app in apps:
         apps.remove(app)
+
+
+# -- fault handling: calls stranded by a lost worker -----------------------------------------
+
+def worker_restrictions(ts: Any) -> set:
+    """The workers a task is pinned to (empty: anywhere)."""
+    return set(ts.worker_restrictions or ())
+
+
+def clear_worker_restriction(ts: Any) -> None:
+    """Let a task run on any worker again (its pinned worker is gone and no other fits)."""
+    ts.worker_restrictions = None
+    ts.loose_restrictions = False
+
+
+def task_state_on(scheduler: Scheduler, key: Any) -> str | None:
+    """The scheduler state of ``key`` (None if unknown)."""
+    ts = scheduler.tasks.get(key)
+    return ts.state if ts is not None else None
+
+
+def reschedule(scheduler: Scheduler, keys: Iterable[Any], stimulus_id: str) -> None:
+    """Ask Dask to place ``no-worker`` tasks again (after their restrictions changed).
+
+    Dask re-examines unrunnable tasks only when a worker joins; a task re-pinned to a live
+    worker would otherwise wait for that."""
+    recs = {k: "processing" for k in keys if task_state_on(scheduler, k) == "no-worker"}
+    if recs:
+        scheduler.transitions(recs, stimulus_id=stimulus_id)
+
+
+def fail_task(scheduler: Scheduler, key: Any, exc: BaseException, stimulus_id: str) -> bool:
+    """Err a task that is not running anywhere (waiting, queued, no-worker) with ``exc``.
+
+    The client's future raises ``exc``; dependents err with it as their cause, as for a
+    task that raised. The exception travels pickled, as Dask sends its own ``KilledWorker``.
+    Returns False (nothing done) for tasks in other states."""
+    from distributed.protocol import pickle
+
+    ts = scheduler.tasks.get(key)
+    if ts is None or ts.state not in ("waiting", "queued", "no-worker", "released"):
+        return False
+    if ts.state in ("no-worker", "queued"):  # these transitions take the exception directly
+        recs = scheduler.transition(
+            key, "erred", stimulus_id, exception=pickle.dumps(exc), cause=key,
+            exception_text=str(exc), traceback=None,
+        )
+        scheduler.transitions(recs, stimulus_id=stimulus_id)
+        return True
+    # waiting/released go through released -> erred, which reports the exception of the task
+    # to blame (as for a failed dependency): blame the task itself
+    ts.exception = pickle.dumps(exc)
+    ts.exception_text = str(exc)
+    ts.traceback = None
+    ts.exception_blame = ts
+    scheduler.transitions({key: "erred"}, stimulus_id=stimulus_id)
+    return True
+
+
+def is_wanted(scheduler: Scheduler, key: Any) -> bool:
+    """True if a client or a waiting dependent still needs the task: when Dask releases it
+    (its worker was lost) it will run again rather than be forgotten."""
+    ts = scheduler.tasks.get(key)
+    return ts is not None and bool(ts.who_wants or ts.waiters)

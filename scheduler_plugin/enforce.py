@@ -14,13 +14,15 @@ from collections import Counter, deque
 from typing import Any, Iterable
 
 from scheduler_plugin import dask_compat
-from scheduler_plugin.actions import Action, Kill, Migrate, Provision, Reassign, Route, SetPriority, kind
+from scheduler_plugin.actions import Action, ActionError, Kill, Migrate, Provision, Reassign, Route, SetPriority, kind
 from scheduler_plugin.drain import Drainer
 
 logger = logging.getLogger(__name__)
 
 TOPIC = "agents-control"
 REPRIORITIZE_OP = "agents-reprioritize"
+MAX_PROVISION = 256
+"""Most workers one ``Provision`` may ask for (a runaway policy cannot request a fleet)."""
 
 
 class Enforcer:
@@ -44,7 +46,12 @@ class Enforcer:
         worker_priorities: dict[str, dict] = {}
         n = 0
         for action in actions:
-            k = kind(action)
+            try:
+                k = kind(action)
+            except ActionError as e:  # a policy returned something else: count it, go on
+                logger.warning("dask-agents: policy %s returned %s", policy, e)
+                self.rejected["invalid"] += 1
+                continue
             try:
                 why = self._apply(action, worker_priorities)
             except Exception as e:  # a bad action never breaks the loop
@@ -114,6 +121,8 @@ class Enforcer:
             return None
         if isinstance(a, Reassign):
             return self.drainer.begin(a)
+        if isinstance(a, Provision) and a.n > MAX_PROVISION:
+            return f"n={a.n} exceeds {MAX_PROVISION} workers per action"
         if isinstance(a, (Provision, Kill)):
             return self.plugin.scale(a)
         return f"unknown action {type(a).__name__}"

@@ -80,6 +80,22 @@ class Aggregates:
         self.engines: dict[str, dict] = {}  # worker -> {"time": t, "models": {model: stats}}
         # (time, worker, model, tier, bytes, capacity bytes or None)
         self.kv_samples: deque[tuple[float, str, str, str, int, int | None]] = deque(maxlen=kv_samples)
+        # KV directives the engines' KV managers applied (evict/trim/prefetch/drop), as decision
+        # records for the dashboard: one per (worker, model, kind) that moved between two reports
+        self.kv_decisions: deque[dict] = deque(maxlen=200)
+        self.kv_decisions_total = 0  # appended to ``kv_decisions`` so far (readers keep a cursor)
+        self._kv_actions: dict[tuple[str, str], dict[str, int]] = {}  # last counts per engine
+
+    def forget_before(self, t: float) -> int:
+        """Drop per-call reports that finished before ``t`` (older than any rate window): once
+        the load ends, the ring empties instead of holding its last 50,000 calls for good.
+        Readers take the newest entries by count (``reports``), so dropping old ones is safe."""
+        n = 0
+        recent = self.recent
+        while recent and recent[0][4] < t:
+            recent.popleft()
+            n += 1
+        return n
 
     # -- events (scheduler event loop) -------------------------------------------------------
     def on_report(self, rec: Any) -> None:
@@ -110,13 +126,30 @@ class Aggregates:
         """A worker's engines reported (model -> stats, see ``worker_plugin.plugin.engine_report``)."""
         self.engines[worker] = {"time": now, "models": engines}
         for model, st in engines.items():
+            self._kv_directives(worker, model, st, now)
             caps = st.get("kv_capacity_bytes") or {}
             for tier, b in (st.get("kv_bytes") or {}).items():
                 self.kv_samples.append((now, worker, model, tier, int(b), caps.get(tier)))
 
+    def _kv_directives(self, worker: str, model: str, st: dict, now: float) -> None:
+        counts = st.get("kv_actions")
+        if not isinstance(counts, dict):
+            return
+        before = self._kv_actions.get((worker, model), {})
+        self._kv_actions[(worker, model)] = dict(counts)
+        for kind, n in sorted(counts.items()):
+            # a restarted engine counts from zero again: everything it reports is new
+            delta = int(n) - int(before.get(kind, 0)) if int(n) >= int(before.get(kind, 0)) else int(n)
+            if delta > 0:
+                self.kv_decisions.append({"time": now, "action": f"kv {kind}", "policy": f"kv:{st.get('kv_policy')}",
+                                          "worker": worker, "model": model, "count": delta})
+                self.kv_decisions_total += 1
+
     def forget_worker(self, worker: str) -> None:
         """The worker left: its engines no longer hold anything."""
         self.engines.pop(worker, None)
+        for k in [k for k in self._kv_actions if k[0] == worker]:
+            del self._kv_actions[k]
 
     def fold_ticks(self, control: Any) -> None:
         """Move control-loop tick times measured since the last fold into the tick histogram.
@@ -245,6 +278,9 @@ def families(plugin: Any) -> Iterator[Any]:
                                   labels=["worker", "model", "direction"])
     emulated = GaugeMetricFamily(name("engine_emulated"), "1 if the engine is the emulated cost model",
                                  labels=["worker", "model"])
+    kv_actions = CounterMetricFamily(name("kv_directives"), "KV directives the engine's KV policy applied "
+                                     "(evict, trim, prefetch, drop), by worker, model and kind",
+                                     labels=["worker", "model", "kind"])
     for w, rep in sorted(agg.engines.items()):
         for model, st in sorted(rep["models"].items()):
             for tier, b in sorted((st.get("kv_bytes") or {}).items()):
@@ -254,7 +290,10 @@ def families(plugin: Any) -> Iterator[Any]:
             for direction, b in sorted((st.get("kv_traffic_bytes") or {}).items()):
                 traffic.add_metric([w, model, direction], b)
             emulated.add_metric([w, model], 1 if st.get("emulated") else 0)
+            for kind, n in sorted((st.get("kv_actions") or {}).items()):
+                kv_actions.add_metric([w, model, kind], n)
     yield kv
+    yield kv_actions
     yield cap
     yield traffic
     yield emulated

@@ -23,13 +23,15 @@ from typing import Any
 from distributed import Scheduler, SchedulerPlugin
 
 import dask_agents.config as agents_config
-from dask_agents.calls import ANNOTATION
+from dask_agents.calls import ANNOTATION, sanitize_annotation
 from scheduler_plugin import dask_compat, metrics
 from scheduler_plugin.actions import Kill, Provision
 from scheduler_plugin.control import ControlLoop
 from scheduler_plugin.kv_hints import KVHints
 from scheduler_plugin.policies import prioritize
+from scheduler_plugin.recovery import Recovery
 from scheduler_plugin.state import WorkflowState
+from scheduler_plugin.view_index import BindingMap, ViewIndex
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.state = WorkflowState()
         self.ready_workers: dict[str, dict] = {}  # address -> hello info
         self.model_workers: dict[str, set[str]] = defaultdict(set)
-        self.bindings: dict[tuple[str, str], str] = {}  # (session, component or llm:model) -> worker
+        # (session, component or llm:model) -> worker; a dict that also indexes the LLM part
+        # (the control view's KV affinity) so a tick does not scan every binding
+        self.bindings: dict[tuple[str, str], str] = BindingMap()
         self.session_bindings: dict[str, list[tuple[str, str]]] = defaultdict(list)  # index by session
         self.session_workers: dict[str, set[str]] = defaultdict(set)  # stateful hosts, LLM KV holders
         self.kv_hints = KVHints(self._send_kv_hint)  # what engines holding a session's KV should know
@@ -61,6 +65,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.client_sessions: dict[str, set[str]] = defaultdict(set)
         self.arrivals = itertools.count()
         self.control: ControlLoop | None = None
+        self.view_index = ViewIndex(self)  # the control loop's view, updated by the hooks below
         self.prioritizing = False
         self._stopped_stealing = False
         # scale requests for the client-side cluster link (dask_agents.scaling)
@@ -72,6 +77,11 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         # what the dashboard and /metrics show (scheduler_plugin/metrics.py, dashboard.py)
         self.aggregates = metrics.Aggregates()
         self.dashboard: Any = None
+        # calls pinned to a worker that died or left: re-placed or failed (scheduler_plugin/recovery.py)
+        self.recovery = Recovery(self)
+        # sessions that ended, per worker holding their instances or KV, not yet told (batched)
+        self._ending: dict[str, list[str]] = defaultdict(list)
+        self._flushing_ends = False
 
     def __getstate__(self) -> dict:
         return {}
@@ -123,7 +133,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if self.scheduler is not None:
             dask_compat.remove_periodic(self.scheduler, "dask-agents-housekeeping")
             if self.control is not None:
-                self.control.stop()
+                self.control.close()
             if self._stopped_stealing:
                 await dask_compat.start_builtin_balancing(self.scheduler)
 
@@ -136,11 +146,16 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             ws.discard(worker)
         for k in [k for k, w in self.bindings.items() if w == worker]:
             del self.bindings[k]
+            if k[1].startswith("llm:"):
+                self.state.forget_kv(k[0], k[1][4:])  # its KV died with the engine
         self.bound.pop(worker, None)
         for k in [k for k in self.open_placed if k[0] == worker]:
             del self.open_placed[k]
         self.assigned.pop(worker, None)
         self.aggregates.forget_worker(worker)
+        self.view_index.on_worker_removed(worker)  # after the bindings: drops their KV token entries
+        # after the bindings are gone, so re-placed calls and their sessions go elsewhere
+        self.recovery.on_worker_removed(worker, kwargs.get("stimulus_id"))
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         now = time.time()
@@ -154,9 +169,12 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if not ann_by_key:
             return
         now = time.time()
-        for key, ann in ann_by_key.items():
+        for key, raw in ann_by_key.items():
+            # any client can annotate (dask.annotate(agents=...)): read it typed, or not at all,
+            # so no value from outside can break a later handler (and cost a worker its stream)
+            ann = sanitize_annotation(raw)
             ts = dask_compat.task(scheduler, key)
-            if ts is None:
+            if ts is None or ann is None:
                 continue
             rec = self.state.add_call(key, ann, dask_compat.dependency_keys(ts), now)
             if rec is None:
@@ -173,10 +191,10 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             if rec.session is not None:
                 self.client_sessions[client].add(rec.session)
             if ann.get("stateful"):
-                self._place(ts, rec.session, rec.component, self._candidates(None, rec.component))
+                self._place(ts, rec.session, rec.component, None, None, rec.component)
             elif rec.kind == "llm":
                 model = ann.get("llm_model")
-                self._place(ts, rec.session, f"llm:{model}", self._candidates(model, rec.component))
+                self._place(ts, rec.session, f"llm:{model}", None, model, rec.component)
             elif self.control is not None and rec.component in self.control.enforcer.routes:
                 self._place(ts, None, rec.component, self._candidates(None, rec.component))
 
@@ -189,11 +207,33 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             pool = [w for w in pool if w in routed] or pool
         return [w for w in pool if dask_compat.has_worker(self.scheduler, w)]
 
-    def _place(self, ts: Any, session: str | None, what: str, candidates: list[str]) -> None:
-        if not candidates:
-            return  # nothing to choose from yet: let Dask place it (lazy engine start there)
+    def _bound_ok(self, bound: str, model: str | None, component: str) -> bool:
+        """Whether ``bound`` is still among ``_candidates(model, component)``, in O(1) (the
+        candidates are O(workers) to list: not per call on the critical path)."""
+        if self.control is not None and self.control.enforcer.routes.get(component):
+            return bound in self._candidates(model, component)  # routed: rare, the slow way
+        pool = self.model_workers.get(model) if model is not None else None
+        if pool:
+            if bound not in pool:
+                return False
+        elif self.ready_workers and bound not in self.ready_workers:
+            return False
+        return dask_compat.has_worker(self.scheduler, bound)
+
+    def _place(self, ts: Any, session: str | None, what: str, candidates: list[str] | None,
+               model: str | None = None, component: str | None = None) -> None:
+        """Pin ``ts`` to the worker bound to (session, what), binding one first if needed.
+        ``candidates`` None: those of (model, component), listed only when a binding is made."""
         bound = self.bindings.get((session, what)) if session is not None else None
-        if bound is None or bound not in candidates:
+        if candidates is None:
+            keep = bound is not None and self._bound_ok(bound, model, component or what)
+            if not keep:
+                candidates = self._candidates(model, component or what)
+        else:
+            keep = bound is not None and bound in candidates
+        if not keep:
+            if not candidates:
+                return  # nothing to choose from yet: let Dask place it (lazy engine start there)
             # A new session goes where the fewest live sessions are bound: all its later calls
             # (and, for an engine, its KV) follow it there, so sessions are the load that lasts;
             # the open calls of this kind at this instant are a noisy tie-breaker (measured: open
@@ -220,16 +260,22 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             self.open_placed[where] -= 1
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if finish == "no-worker":  # pinned to a lost worker? (also calls past retention)
+            self.recovery.on_no_worker(key)
         rec = self.state.calls.get(key)
         if rec is None:
             return
         worker = None
+        ts = None
         if finish == "processing":
             ts = dask_compat.task(self.scheduler, key)
             worker = dask_compat.processing_on(ts) if ts is not None else None
             if worker is not None and rec.kind == "llm" and rec.session is not None:
                 self.session_workers[rec.session].add(worker)  # its KV is there: dropped at session end
         self.kv_hints.on_transition(rec, finish, worker)
+        self.view_index.on_transition(rec, finish, worker, ts)
+        if finish == "released" and dask_compat.is_wanted(self.scheduler, key):
+            return  # released to run again (its worker was lost), not cancelled: the call goes on
         if not self.state.on_transition(key, finish, time.time(), worker):
             return
         self._unplace(key)
@@ -241,20 +287,40 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
     def _on_reports(self, worker: str | None = None, reports: list | None = None, engines: dict | None = None,
                     **kw: Any) -> None:
         for r in reports or ():
-            self.state.on_report(r["key"], r["started"], r["finished"], worker, r.get("metrics"))
-            self.aggregates.on_report(self.state.calls.get(r["key"]))
-        if engines is not None and worker is not None:
-            self.aggregates.on_engine_stats(worker, engines, time.time())
+            try:
+                self.state.on_report(r["key"], r["started"], r["finished"], worker, r.get("metrics"))
+                self.aggregates.on_report(self.state.calls.get(r["key"]))
+            except Exception:  # one bad report is dropped; raising here would close the worker's stream
+                logger.exception("dask-agents: a report from %s was dropped", worker)
+        if isinstance(engines, dict) and worker is not None:
+            try:
+                self.aggregates.on_engine_stats(worker, engines, time.time())
+            except Exception:
+                logger.exception("dask-agents: engine stats from %s were dropped", worker)
 
     # -- called by the enforcement layer ---------------------------------------------------
     def on_migrated(self, key: str, source: str, target: str) -> None:
-        """A call moved to ``target``: record it (its session's other bindings stay)."""
+        """A call moved to ``target``: record it. An LLM call that leaves the engine holding its
+        session's KV takes the session with it (the balance policy priced the recompute): the
+        session's later calls go where its prefix now lives; other bindings stay."""
         self.state.on_migrated(key, target)
+        rec = self.state.calls.get(key)
+        if rec is not None:
+            self.view_index.on_migrated(rec, target)
         where = self.placed.get(key)
         if where is not None:
             self._unplace(key)
             self.placed[key] = (target, where[1])
             self.open_placed[(target, where[1])] += 1
+            rec = self.state.calls.get(key)
+            what = where[1]
+            if (rec is not None and rec.session is not None and what.startswith("llm:")
+                    and self.bindings.get((rec.session, what)) == source):
+                self.bindings[(rec.session, what)] = target
+                self.state.forget_kv(rec.session, what[4:])  # rebuilt on the target by this call
+                if self.bound.get(source, 0) > 0:
+                    self.bound[source] -= 1
+                self.bound[target] += 1
 
     def linked(self) -> bool:
         """A cluster link (``da.attach_cluster``) polled recently."""
@@ -315,36 +381,74 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 self.bound[w] -= 1
         for addr in self.session_workers.pop(sid, ()):
             if dask_compat.has_worker(self.scheduler, addr):
-                self.scheduler.loop.add_callback(self._end_on_worker, addr, sid)
+                self._ending[addr].append(sid)
+        if self._ending and not self._flushing_ends:
+            self._flushing_ends = True
+            self.scheduler.loop.add_callback(self._flush_ends)
 
     def _send_kv_hint(self, worker: str, msg: dict) -> None:
         # Only to workers that said hello: they registered the op (an unknown op drops the comm).
         if worker in self.ready_workers and dask_compat.has_worker(self.scheduler, worker):
             dask_compat.send_to_worker(self.scheduler, worker, {**msg, "at": time.time()})
 
-    async def _end_on_worker(self, addr: str, sid: str) -> None:
+    async def _flush_ends(self) -> None:
+        """Tell workers which sessions ended: one RPC per worker at a time, carrying every
+        session that ended meanwhile. (One RPC per session opened hundreds of connections when
+        thousands of sessions ended together, and the pool kept them.)"""
+        import asyncio
+
         try:
-            await self.scheduler.rpc(addr).agents_end_session(session=sid)
+            while self._ending:
+                ending, self._ending = self._ending, defaultdict(list)
+                await asyncio.gather(*(self._end_on_worker(a, sids) for a, sids in ending.items()))
+        finally:
+            self._flushing_ends = False
+
+    async def _end_on_worker(self, addr: str, sids: list[str]) -> None:
+        try:
+            await self.scheduler.rpc(addr).agents_end_session(sessions=sids)
         except Exception as e:  # the worker left: its instances went with it
             logger.debug("dask-agents: end_session on %s failed: %s", addr, e)
 
     def housekeeping(self) -> None:
         """Drop completed sessions past retention (bounded memory); fold tick times into metrics."""
         self.aggregates.fold_ticks(self.control)
-        self.state.expire(
+        # per-call reports are only read over the dashboard's window: keep two
+        self.aggregates.forget_before(time.time() - 2 * agents_config.seconds("dashboard.window"))
+        self.view_index.sync_sessions()  # keeps the touched-session set small with the loop stopped
+        dropped = self.state.expire(
             time.time(), agents_config.seconds("scheduler.session-retention"),
             int(agents_config.get("scheduler.max-retained-sessions")),
         )
+        if dropped:  # a long-lived client's session index would otherwise grow without end
+            for sids in self.client_sessions.values():
+                sids.difference_update(dropped)
 
     # -- RPC handlers (client API) ---------------------------------------------------------
-    def _hello(self, worker: str, models: list[str] | None = None, pid: int | None = None) -> dict:
+    async def _hello(self, worker: str, models: list[str] | None = None, pid: int | None = None) -> dict:
+        import asyncio
+
+        if not isinstance(models, (list, tuple, type(None))) or not all(isinstance(m, str) for m in models or ()):
+            raise ValueError(f"agents_worker_hello: models must be a list of names, got {models!r}")
+        # only a worker this scheduler knows becomes ready (a preloaded plugin may say hello a
+        # moment before its worker's registration lands: wait for it, briefly)
+        for _ in range(20 if isinstance(worker, str) else 0):
+            if dask_compat.has_worker(self.scheduler, worker):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise ValueError(f"agents_worker_hello: {worker!r} is not a worker of this scheduler")
+        self.register_worker(worker, list(models or []), pid if isinstance(pid, int) else None)
+        return {"ok": True}
+
+    def register_worker(self, worker: str, models: list[str], pid: int | None = None) -> None:
+        """``worker``'s plugin is ready and hosts ``models`` (its hello, checked)."""
         new = worker not in self.ready_workers
         info = self.ready_workers.setdefault(worker, {"since": time.time()})
         info["pid"] = pid
-        self.set_worker_models(worker, list(models or []))
+        self.set_worker_models(worker, models)
         if new and self.provision_for:  # a worker we asked for: give it its model
             self.scheduler.loop.add_callback(self._assign_model, worker, self.provision_for.popleft())
-        return {"ok": True}
 
     def set_worker_models(self, worker: str, models: list[str]) -> None:
         """The models ``worker`` hosts now (from its hello or after a swap)."""
@@ -407,7 +511,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
     def _models(self) -> dict:
         return {m: sorted(ws) for m, ws in self.model_workers.items() if ws}
 
-    def _control(self, action: str = "stats") -> dict:
+    async def _control(self, action: str = "stats") -> dict:
         loop = self.control
         if loop is None:
             return {"error": "the control loop is not initialised"}
@@ -415,11 +519,11 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             loop.start()
         elif action == "stop":
             loop.stop()
-        elif action == "run_once":
-            return {"pass": loop.tick(), **loop.stats()}
+        elif action == "run_once":  # policies off the event loop, as in the running loop
+            return {"pass": await loop.watchdog.run_pass(), **loop.stats(), "faults": self.recovery.stats()}
         elif action != "stats":
             return {"error": f"unknown control action {action!r} (start, stop, run_once, stats)"}
-        return loop.stats()
+        return {**loop.stats(), "faults": self.recovery.stats()}  # workers lost, calls rerouted/failed
 
     def _ping(self) -> dict:
         return {"ok": True, "workers": sorted(self.ready_workers)}

@@ -102,6 +102,9 @@ class SessionRecord:
     retries: int = 0
     failed: int = 0  # calls that erred (the session went on)
     consumed: set[str] = field(default_factory=set)  # components a finished call consumed
+    # model -> tokens of the session's context there after its last call (prompt + output):
+    # what an engine that does not hold the session's KV would recompute (balance prices it).
+    context_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -143,6 +146,9 @@ class WorkflowState:
         self.open_by_state: Counter[tuple[str, str]] = Counter()
         self.terminal_per_component: Counter[tuple[str, str]] = Counter()
         self.sessions_completed = 0
+        # Sessions changed since the control loop's view index last looked (it drains this):
+        # the view redoes only these, not every live session each tick.
+        self.touched: set[str] = set()
 
     # -- events -----------------------------------------------------------------------
     def session(self, sid: str, tenant: str | None, now: float) -> SessionRecord:
@@ -195,6 +201,7 @@ class WorkflowState:
             s.calls[key] = rec
             s.open_calls += 1
             s.version += 1
+            self.touched.add(sid)
             if rec.component in s.consumed:
                 rec.retry = True
                 s.retries += 1
@@ -238,8 +245,18 @@ class WorkflowState:
         rec.worker = worker
         if metrics:
             rec.metrics.update(metrics)
+            if rec.model is not None and metrics.get("prompt_tokens") is not None and rec.session in self.sessions:
+                self.sessions[rec.session].context_tokens[rec.model] = (
+                    int(metrics["prompt_tokens"]) + int(metrics.get("output_tokens") or 0))
         self.durations.setdefault(rec.component, _Running()).add(finished - started)
         self._touch(rec)
+
+    def forget_kv(self, sid: str, model: str) -> None:
+        """The session's KV for ``model`` is no longer where its binding points (the engine died,
+        or the session moved): nothing to recompute there until its next call reports."""
+        s = self.sessions.get(sid)
+        if s is not None and s.context_tokens.pop(model, None) is not None:
+            self.touched.add(sid)
 
     def on_priority(self, key: str, priority: tuple) -> None:
         """A policy changed the call's priority."""
@@ -268,6 +285,7 @@ class WorkflowState:
             s = self.sessions.get(rec.session)
             if s is not None:
                 s.version += 1
+                self.touched.add(rec.session)
 
     def _terminal(self, rec: CallRecord, now: float) -> None:
         self.open_per_component[rec.component] -= 1
@@ -297,6 +315,7 @@ class WorkflowState:
         if s.state == "active":
             s.state = "closing"
             s.version += 1
+        self.touched.add(sid)
         self._maybe_complete(s, now)
         return s
 
@@ -305,6 +324,7 @@ class WorkflowState:
             s.state = "completed"
             s.completed_at = now
             s.version += 1
+            self.touched.add(s.id)
             self.sessions_completed += 1
             self.completed[s.id] = now
             self.completed.move_to_end(s.id)

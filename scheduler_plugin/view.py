@@ -98,17 +98,21 @@ class ClusterView:
     truncated: bool = False  # the call set was cut to the per-tick bound
     models: Mapping[str, ModelView] = field(default_factory=dict)
     draining: frozenset = frozenset()  # workers being moved between models
+    # (session, model) -> context tokens of the session's KV on its kv_affinity worker: what a
+    # move to another engine recomputes
+    kv_tokens: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     @staticmethod
     def freeze(now: float, workers: dict, calls: dict, sessions: dict, components: dict,
                kv_affinity: dict | None = None, truncated: bool = False, models: dict | None = None,
-               draining: set | frozenset = frozenset()) -> "ClusterView":
+               draining: set | frozenset = frozenset(), kv_tokens: dict | None = None) -> "ClusterView":
         """Wrap plain dicts read-only."""
         return ClusterView(
             now=now, workers=MappingProxyType(workers), calls=MappingProxyType(calls),
             sessions=MappingProxyType(sessions), components=MappingProxyType(components),
             kv_affinity=MappingProxyType(dict(kv_affinity or {})), truncated=truncated,
             models=MappingProxyType(dict(models or {})), draining=frozenset(draining),
+            kv_tokens=MappingProxyType(dict(kv_tokens or {})),
         )
 
     def duration(self, component: str, default: float = 0.5) -> float:

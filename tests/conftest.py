@@ -12,6 +12,11 @@ import pytest  # noqa: E402
 
 import dask_agents  # noqa: E402,F401  (registers agents.* defaults before Dask's test utils copy the config)
 
+try:  # its jobqueue.* defaults too: gen_cluster's config reset restores the copy taken at import
+    import dask_jobqueue  # noqa: E402,F401
+except ImportError:  # pragma: no cover - in the test extra
+    pass
+
 
 def wait_for(predicate: Callable[[], object], timeout: float = 30.0, interval: float = 0.02) -> object:
     """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""

@@ -249,3 +249,55 @@ async def test_dashboard_application_and_navigation(c: Client, s: Scheduler, a: 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_dashboard_prefix_is_none_without_dashboard(c: Client, s: Scheduler, a: Worker):
     assert sc.dashboard_prefix(s) is None
+
+
+# -- fault handling (scheduler_plugin/recovery.py) ---------------------------------------------
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)])
+async def test_stranded_task_is_rescheduled_or_failed(c: Client, s: Scheduler, a: Worker, b: Worker):
+    from dask_agents.errors import InstanceLostError
+
+    # pinned to a worker that does not exist: Dask leaves it no-worker
+    x = c.submit(inc, 1, key="x-stranded", workers=["tcp://127.0.0.1:1"], allow_other_workers=False)
+    y = c.submit(inc, 2, key="y-stranded", workers=["tcp://127.0.0.1:1"], allow_other_workers=False)
+    z = c.submit(inc, y, key="z-dependent")
+    await async_wait_for(lambda: sc.task_state_on(s, "x-stranded") == "no-worker"
+                         and sc.task_state_on(s, "y-stranded") == "no-worker")
+    assert sc.task_state_on(s, "nope") is None
+    ts = sc.task(s, "x-stranded")
+    assert sc.worker_restrictions(ts) == {"tcp://127.0.0.1:1"}
+    assert sc.is_wanted(s, "x-stranded") and not sc.is_wanted(s, "nope")
+    # re-pinned to a live worker and rescheduled: it runs
+    sc.restrict_to_worker(ts, b.address)
+    sc.reschedule(s, ["x-stranded", "z-dependent"], "test-reschedule")
+    assert await x == 2 and "x-stranded" in b.data
+    sc.clear_worker_restriction(sc.task(s, "x-stranded"))
+    assert sc.worker_restrictions(sc.task(s, "x-stranded")) == set()
+    # failed with our exception: the future raises it, dependents err with it as the cause
+    err = InstanceLostError("lost (session s1)", session="s1", component="C", worker="tcp://127.0.0.1:1")
+    assert sc.fail_task(s, "y-stranded", err, "test-fail")
+    assert not sc.fail_task(s, "x-stranded", err, "test-fail")  # in memory: nothing to fail
+    # a waiting task (its input not computed yet) errs the same way
+    dep = c.submit(inc, 5, key="dep-stranded", workers=["tcp://127.0.0.1:1"], allow_other_workers=False)
+    w = c.submit(inc, dep, key="w-waiting")
+    await async_wait_for(lambda: sc.task_state_on(s, "w-waiting") == "waiting")
+    assert sc.fail_task(s, "w-waiting", err, "test-fail")
+    assert sc.fail_task(s, "dep-stranded", err, "test-fail")
+    for f in (y, z, w, dep):
+        try:
+            await f
+        except InstanceLostError as e:
+            assert e.session == "s1" and e.worker == "tcp://127.0.0.1:1" and "lost" in str(e)
+        else:
+            raise AssertionError("the failed task did not raise")
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_worker_registered(c: Client, s: Scheduler, a: Worker):
+    assert wc.registered(a)
+    w = Worker(s.address, nthreads=1)
+    assert not wc.registered(w)  # not started: a preload's dask_setup sees this state
+    await w
+    assert wc.registered(w)
+    await w.close()
+    assert not wc.registered(w)

@@ -197,6 +197,10 @@ def test_tiny_run_of_plain_dask_and_dask_agents(tmp_path):
         assert math.isfinite(s[k])
     assert s["reference_load_rps"] == 3.0 and s["mean_speedup_vs_ray"] is None
     assert any("dask-agents" in line for line in lines)
+    assert len(variants["dask-agents"]["loads"]["3"]["latencies_s"]) == 3
+    files, note = e2e.plot(str(tmp_path / "e2e"), "swe", doc["results"]["swe"]["variants"])
+    assert note is None and [f.rsplit("_", 1)[1] for f in files] == ["latency.png", "cdf.png"]
+    assert all((tmp_path / f.rsplit("/", 1)[1]).stat().st_size > 10_000 for f in files)
 
 
 def test_missing_peer_is_skipped_and_said_so(monkeypatch):

@@ -309,3 +309,48 @@ def test_admission_follows_priority_then_arrival():
     while sched.waiting or sched.running:
         order += [s.request_id for s in sched.step()[1]]
     assert order == ["retry", "new1", "new2"]  # progress first, then FIFO
+
+
+def _break_engine(how: str, model: str = "emu", dask_worker=None) -> None:
+    """``crash``: the engine's next step raises (it dies; the plugin restarts it); ``stop``:
+    the engine is closed on purpose while a call waits on it."""
+    import threading as _threading
+
+    engines = dask_worker.plugins["dask-agents"].engines
+    host = engines.start(model)
+    if how == "crash":
+        real = host._sched.step
+
+        def step():
+            host._sched.step = real
+            raise RuntimeError("injected emulated failure")
+
+        host._sched.step = step
+    else:
+        _threading.Timer(0.3, engines.stop, args=(model,)).start()
+
+
+def test_emulated_engine_crash_is_retried_and_a_stop_is_a_clear_error():
+    emu = {"emu": {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte",
+                   "emulation": {"time_scale": 0.001}},
+           "slow": {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte",
+                    "emulation": {"time_scale": 1.0}}}
+    prompt = "You are a careful engineer. Read the issue and answer with a patch. " * 2
+    with dask.config.set({"agents.llm.models": emu}):
+        with LocalCluster(n_workers=1, processes=False, threads_per_worker=4, dashboard_address=":0") as cluster:
+            with Client(cluster) as client:
+                da.install(client, models=["emu"])
+                with da.session(client) as s:
+                    ref = da.llm("emu").generate(prompt, max_tokens=8).value(30)
+                    client.run(_break_engine, "crash")
+                    again = da.llm("emu").generate(prompt, max_tokens=8).value(30)
+                    assert again.token_ids == ref.token_ids  # served by the restarted engine
+                    restarts = client.run(lambda dask_worker: dask_worker.plugins["dask-agents"].engines.restarts)
+                    assert list(restarts.values()) == [{"emu": 1}]
+                    client.run(_break_engine, "stop", "slow")
+                    with pytest.raises(da.EngineStoppedError) as info:
+                        da.llm("slow").generate(prompt, max_tokens=200).value(30)  # seconds: outlives the stop
+                    msg = str(info.value)
+                    assert s.id in msg and "llm.slow.generate" in msg and "closed" in msg and not info.value.crashed
+                    # a later call starts the engine again
+                    assert da.llm("slow").generate(prompt, max_tokens=4).value(30).output_tokens == 4

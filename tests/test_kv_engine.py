@@ -163,7 +163,7 @@ def test_bad_directives_are_clear_errors(host):
     run(host, tokens(40, 300), "s-bad-dir")
     with pytest.raises(KVDirectiveError, match="tier must be 'host' or 'disk'"):
         kv(host, "offload", "s-bad-dir", "gpu")
-    with pytest.raises(KVDirectiveError, match="positive TTL"):
+    with pytest.raises(KVDirectiveError, match="positive, finite TTL"):
         kv(host, "retain", "s-bad-dir", -1)
     # the engine keeps serving after bad directives
     assert len(run(host, tokens(41, 100))[0]) == 4

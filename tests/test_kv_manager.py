@@ -290,3 +290,29 @@ def test_compat_internals_the_manager_uses(host):
 
     on_engine(host, check)
     forget(host, "compat")
+
+
+def test_a_retained_sessions_pin_holds_until_its_queued_request_runs(host):
+    """vLLM's waiting requests reference no blocks: the session's pin must outlive add_request
+    (or the step's allocations could evict the prefix the request is about to hit)."""
+    from concurrent.futures import Future
+
+    from worker_plugin.engine import _Request
+
+    use(host, "lru")
+    clear_stale(host)
+    ids = tokens(71, 3 * BLOCK + 5)
+    run(host, ids, session="q1")
+    assert on_engine(host, lambda kv, m: kv.retain("q1", 30)) == 3
+
+    def admit(kv, m):  # between two steps: added to vLLM, not yet scheduled
+        req = _Request("q1-next", ids + tokens(72, 10), host.sampling_params(8, 0.0, None), "q1", Future())
+        host._admit(req)
+        return req, kv.pinned("q1"), vc.allocated_blocks(kv.parts, req.engine_id)
+
+    req, pinned_while_queued, allocated = on_engine(host, admit)
+    assert allocated == 0 and pinned_while_queued == 3
+    out = req.future.result(120)
+    assert out.num_cached_tokens == 3 * BLOCK  # the pinned prefix was hit
+    assert on_engine(host, lambda kv, m: kv.pinned("q1")) == 0  # released once it ran, not leaked
+    forget(host, "q1")

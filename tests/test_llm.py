@@ -139,3 +139,78 @@ def test_the_scheduler_tells_the_engine_what_a_session_waits_on(client):
             st = wait_for(paused_on_tool)
             assert st["state"] == "paused"
             tool.value(120)
+
+
+def _crash_next_step(model: str, dask_worker=None) -> int:
+    """Make the engine's next step fail (as a dying engine's would); returns its restart count."""
+    engines = dask_worker.plugins["dask-agents"].engines
+    host = engines.start(model)
+    engine = host._engine
+    real = engine.step
+
+    def step():
+        engine.step = real
+        raise RuntimeError("injected engine failure")
+
+    engine.step = step
+    return engines.restarts.get(model, 0)
+
+
+def _restarts(model: str, dask_worker=None) -> tuple[int, bool]:
+    engines = dask_worker.plugins["dask-agents"].engines
+    return engines.restarts.get(model, 0), engines.start(model).loaded.is_set()
+
+
+def test_a_crashed_engine_is_restarted_and_its_calls_retried(client):
+    coder = da.llm("coder")
+    prompts = [f"{SYSTEM} crash test {i}" for i in range(4)]
+    with da.session(client):
+        r0 = coder.generate(prompts[0], max_tokens=6).value(300)  # where this session's engine is
+        before = client.run(_crash_next_step, "coder", workers=[r0.worker])[r0.worker]
+        futs = [coder.generate(p, max_tokens=6) for p in prompts]
+        results = [f.value(300) for f in futs]
+    # every call completed on the restarted engine, with the tokens a healthy engine gives
+    assert results[0].token_ids == r0.token_ids
+    assert all(r.output_tokens == 6 for r in results)
+    after, loaded = client.run(_restarts, "coder", workers=[r0.worker])[r0.worker]
+    assert after == before + 1 and loaded
+
+
+def test_without_restarts_a_crash_is_a_clear_error_on_the_future(client):
+    coder = da.llm("coder")
+    with dask.config.set({"agents.llm.engine-restarts": 0}):  # processes=False: the workers read it
+        with da.session(client) as s:
+            r0 = coder.generate(SYSTEM + " no retry", max_tokens=2).value(300)
+            client.run(_crash_next_step, "coder", workers=[r0.worker])
+            doomed = coder.generate(SYSTEM + " no retry, second call", max_tokens=2)
+            with pytest.raises(da.EngineStoppedError) as info:
+                doomed.value(300)
+            msg = str(info.value)
+            assert "llm.coder.generate" in msg and s.id in msg and "crashed" in msg and "injected engine failure" in msg
+            # the session goes on: the next call lands on a restarted engine
+            assert coder.generate(SYSTEM + " after the crash", max_tokens=2).value(300).output_tokens == 2
+
+
+def test_kv_directives_over_the_workers_rpc(client):
+    """``agents_kv`` is reachable like any worker RPC (its ``directive`` argument does not clash
+    with Dask's own ``op``); a bad argument comes back as a clear error."""
+    import asyncio
+
+    from distributed.core import rpc
+
+    coder = da.llm("coder")
+    with da.session(client) as s:
+        r = coder.generate(SYSTEM + " Over the RPC, please.", max_tokens=2).value(300)
+
+        async def call(**kw):
+            async with rpc(r.worker) as w:
+                return await w.agents_kv(model="coder", session=s.id, **kw)
+
+        out = client.sync(call, directive="inspect")
+        assert out["residency"]["device_blocks"] == r.prompt_tokens // 128
+        with pytest.raises(Exception, match="ttl_s must be a number"):
+            client.sync(call, directive="retain", args={"ttl_s": "soon"})
+        with pytest.raises(Exception, match="positive, finite TTL"):
+            client.sync(call, directive="retain", args={"ttl_s": float("inf")})
+        with pytest.raises(Exception, match="blocks must be a non-negative int"):
+            client.sync(call, directive="offload", args={"blocks": -3})

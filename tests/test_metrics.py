@@ -199,3 +199,28 @@ def test_collector_is_unregistered_when_the_scheduler_closes():
         during, after, still = asyncio.run(main())
     assert "dask_agents_sessions" in during and "dask_agents_control_decisions" in during
     assert not still and "dask_agents_" not in after
+
+
+def test_engines_kv_directives_become_decisions_and_counters():
+    from types import SimpleNamespace
+
+    from scheduler_plugin.dashboard_data import DashboardModel
+
+    agg = metrics.Aggregates()
+    st = {"kv_policy": "ours", "kv_actions": {"evict": 2, "prefetch": 1}}
+    agg.on_engine_stats("tcp://w1", {"coder": st}, 10.0)
+    agg.on_engine_stats("tcp://w1", {"coder": {**st, "kv_actions": {"evict": 5, "prefetch": 1}}}, 11.0)
+    # a restarted engine counts from zero: its counts are new decisions, not negative ones
+    agg.on_engine_stats("tcp://w1", {"coder": {**st, "kv_actions": {"evict": 1}}}, 12.0)
+    got = [(d["time"], d["action"], d["count"]) for d in agg.kv_decisions]
+    assert got == [(10.0, "kv evict", 2), (10.0, "kv prefetch", 1), (11.0, "kv evict", 3), (12.0, "kv evict", 1)]
+    assert agg.kv_decisions[0]["policy"] == "kv:ours" and agg.kv_decisions[0]["worker"] == "tcp://w1"
+
+    model = DashboardModel(SimpleNamespace(control=None, aggregates=agg))
+    seen, rows = model.new_decisions((0, 0))
+    assert seen == (0, 4) and [r["action"] for r in rows] == ["kv evict", "kv prefetch", "kv evict", "kv evict"]
+    assert "count=3" in rows[2]["details"] and "model=coder" in rows[2]["details"]
+    agg.on_engine_stats("tcp://w1", {"coder": {**st, "kv_actions": {"evict": 1, "drop": 1}}}, 13.0)
+    seen, rows = model.new_decisions(seen)
+    assert seen == (0, 5) and [r["action"] for r in rows] == ["kv drop"]
+    assert model.new_decisions(seen) == (seen, [])

@@ -24,10 +24,10 @@ def worker(addr, queued=(), nthreads=1, running=1, models=(), idle_since=None):
                       queued=tuple(queued), models=tuple(models), idle_since=idle_since)
 
 
-def view(workers, calls, sessions=(), components=(), affinity=None):
+def view(workers, calls, sessions=(), components=(), affinity=None, kv_tokens=None):
     return ClusterView.freeze(
         NOW, {w.address: w for w in workers}, {c.key: c for c in calls},
-        {s.id: s for s in sessions}, {c.name: c for c in components}, affinity or {},
+        {s.id: s for s in sessions}, {c.name: c for c in components}, affinity or {}, kv_tokens=kv_tokens,
     )
 
 
@@ -119,6 +119,23 @@ def test_kv_holding_llm_calls_need_an_idle_and_much_less_loaded_thief():
     assert list(LateBindingBalance(t_idle="100ms")(view(busy_thief, calls, affinity=affinity))) == []
     idle_thief = [busy_thief[0], worker("B", running=0, models=["coder"], idle_since=NOW - 1)]
     assert list(LateBindingBalance(t_idle="100ms")(view(idle_thief, calls, affinity=affinity)))
+
+
+def test_the_recompute_of_a_moved_sessions_kv_is_priced_into_the_move():
+    # Same queues, idle thief: a short context moves, a long one (its recompute costs more
+    # than the wait it saves) stays with its KV.
+    calls = [call(f"c{i}", model="coder", arrival=i) for i in range(4)]
+    affinity = {("s1", "coder"): "A"}
+    ws = [worker("A", [c.key for c in calls], models=["coder"]), worker("B", running=0, models=["coder"], idle_since=NOW - 1)]
+    short = list(LateBindingBalance(prefill_rate=8000)(view(ws, calls, affinity=affinity, kv_tokens={("s1", "coder"): 800})))
+    assert short and short[0].target == "B"
+    long = list(LateBindingBalance(prefill_rate=8000)(view(ws, calls, affinity=affinity, kv_tokens={("s1", "coder"): 80_000})))
+    assert long == []
+    # KV that lives elsewhere costs nothing to leave
+    elsewhere = {("s1", "coder"): "C"}
+    assert list(LateBindingBalance()(view(ws, calls, affinity=elsewhere, kv_tokens={("s1", "coder"): 80_000})))
+    with pytest.raises(ValueError, match="prefill_rate"):
+        LateBindingBalance(prefill_rate=0)
 
 
 # -- configuration -------------------------------------------------------------------------------
@@ -233,3 +250,13 @@ def test_reallocation_ignores_too_few_completions():
     pol = Reallocate(persistence=1, window="3s", min_completions=50)
     views, _ = realloc_views(chat_rate=0.2, code_rate=3, ticks=8)
     assert not [a for v in views for a in pol(v)] and pol.mu == {}
+
+
+def test_a_kv_holding_call_that_is_its_engines_only_work_stays():
+    """One LLM call queued for a moment on its session's engine, an idle engine beside it: the
+    move would only trade a thread slot's wait for a recompute."""
+    c = call("c0", model="coder")
+    ws = [worker("A", ["c0"], running=0, nthreads=4, models=["coder"]),
+          worker("B", running=0, nthreads=4, models=["coder"], idle_since=NOW - 10)]
+    assert list(LateBindingBalance()(view(ws, [c], affinity={("s1", "coder"): "A"}))) == []
+    assert list(LateBindingBalance()(view(ws, [c])))  # without KV there it may go

@@ -6,6 +6,8 @@ distributed range (setup.cfg), so an upgrade that breaks one fails loudly there.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 from distributed import Worker
@@ -118,6 +120,13 @@ def reprioritize(worker: Worker, priorities: dict) -> int:
     appends its own arrival counter to the scheduler's priority. A HeapSet cannot demote in
     place, so each touched queue is rebuilt (small: tasks waiting on one worker)."""
     st = worker.state
+    clean = {}
+    for key, prio in priorities.items():  # checked before any queue is touched: a bad one changes nothing
+        if not isinstance(prio, (tuple, list)) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in prio):
+            raise TypeError(f"priority of {key!r} must be a tuple of finite numbers, got {prio!r}")
+        clean[key] = tuple(prio)
+    priorities = clean
     changed = 0
     for heap in (st.ready, st.constrained):
         members = [ts for ts in heap if ts.key in priorities]
@@ -136,3 +145,11 @@ def reprioritize(worker: Worker, priorities: dict) -> int:
 def add_stream_handler(worker: Worker, op: str, handler: Any) -> None:
     """Register a scheduler -> worker stream op (before the scheduler may send it)."""
     worker.stream_handlers[op] = handler
+
+
+def registered(worker: Worker) -> bool:
+    """True once the worker has registered with its scheduler (False while a preload's
+    ``dask_setup`` runs: preloads run before registration)."""
+    from distributed.core import Status
+
+    return worker.status == Status.running

@@ -289,6 +289,7 @@ class EmulatedEngineHost:
         self.load_error: BaseException | None = None
         self.steps = 0
         self.started_at: float | None = None
+        self.crashed: BaseException | None = None  # why the stepping thread died (the host restarts it)
         try:  # a bad config is reported like a failed load: to every caller, not at worker start
             self.params = EmulationParams(**settings.emulation)
         except Exception as e:
@@ -331,7 +332,7 @@ class EmulatedEngineHost:
         """Queue a request; the future resolves to an :class:`EmulatedRequestOutput`."""
         fut: Future = Future()
         if self._stop.is_set():
-            fut.set_exception(RuntimeError(f"emulated engine {self.name!r} is closed"))
+            fut.set_exception(self._stopped_error())
             return fut
         try:
             self._sched.check(request_id, len(token_ids), params.max_tokens)
@@ -378,10 +379,11 @@ class EmulatedEngineHost:
                     before = sched.steps
                     cost, self._finishing = sched.step()
                     self.steps = sched.steps
-            except Exception as e:  # a bug in the model fails what is in flight, not the worker
+            except Exception as e:  # like a real engine: a failing step kills it (Engines restarts it)
                 logger.exception("emulated engine %s step failed", self.name)
-                self._fail_all(e)
-                continue
+                self.crashed = e
+                self._stop.set()
+                break
             if sched.steps == before:  # nothing could run (cannot happen: check() bounds requests); don't spin
                 try:
                     self._take(self._inbox.get(timeout=0.05))
@@ -395,7 +397,14 @@ class EmulatedEngineHost:
                 if s.future is not None and not s.future.done():
                     s.future.set_result(s.result())
             self._finishing = []
-        self._fail_all(RuntimeError(f"emulated engine {self.name!r} closed while the request was in flight"))
+        self._fail_all(self._stopped_error())
+
+    def _stopped_error(self) -> BaseException:
+        from dask_agents.errors import EngineStoppedError
+
+        if self.crashed is not None:
+            return EngineStoppedError(f"emulated engine {self.name!r} crashed: {self.crashed!r}", crashed=True)
+        return EngineStoppedError(f"emulated engine {self.name!r} closed while the request was in flight")
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
@@ -419,4 +428,4 @@ class EmulatedEngineHost:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         # Requests queued before the thread ever ran (or raced with close) fail too.
-        self._fail_all(RuntimeError(f"emulated engine {self.name!r} closed while the request was in flight"))
+        self._fail_all(self._stopped_error())

@@ -9,6 +9,7 @@ scheduler (continuous batching) instead of each holding a thread.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -37,7 +38,12 @@ class ModelSettings(BaseModel):
     # "vllm": a real engine. "emulated": worker_plugin/emulated.py, a cost model of an engine
     # (batch capacity, per-token prefill/decode cost, KV memory with prefix reuse) for
     # experiments at scale on CPUs; its numbers are always labeled emulated.
-    engine: Literal["vllm", "emulated"] = "vllm"
+    # "vllm-async": vLLM's AsyncLLM (worker_plugin/async_engine.py), its core in a child process:
+    # the usual form on GPU workers (non-daemonic); KV tiers from LMCache, no KV directives.
+    engine: Literal["vllm", "vllm-async", "emulated"] = "vllm"
+    kv_connector: Literal["lmcache"] | None = Field(None, alias="kv-connector")
+    tensor_parallel_size: int = Field(1, alias="tensor-parallel-size", ge=1)
+    enforce_eager: bool = Field(True, alias="enforce-eager")
     emulation: dict[str, Any] = Field(default_factory=dict)
     load_format: str = Field("auto", alias="load-format")
     tokenizer: str = "auto"
@@ -142,6 +148,7 @@ class EngineHost:
         self._engine: Any = None
         self._thread = threading.Thread(target=self._run, name=f"dask-agents-engine-{name}", daemon=True)
         self._closed = False
+        self.crashed: BaseException | None = None  # why the engine died (restart it), None while healthy
         self.steps = 0
         self.started_at: float | None = None
         self.geometry: Any = None  # kv.KVGeometry once loaded (None for models without a local config)
@@ -168,7 +175,7 @@ class EngineHost:
             dtype=s.dtype,
             max_model_len=s.max_model_len,
             enable_prefix_caching=s.enable_prefix_caching,
-            enforce_eager=True,
+            enforce_eager=s.enforce_eager,
             kv_cache_memory_bytes=s.kv_bytes(),
             scheduling_policy=s.scheduling,
         )
@@ -240,7 +247,7 @@ class EngineHost:
     def _fail_if_gone(self) -> None:
         # Queued after the stepping thread ended (closed, failed to load, died): nobody would answer.
         if self._gone():
-            self._drain(RuntimeError(f"engine {self.name!r} is not running"))
+            self._drain(self._stopped_error())
 
     def _drain(self, exc: BaseException) -> None:
         """Fail everything queued or in flight (the stepping thread is ending or gone)."""
@@ -302,7 +309,15 @@ class EngineHost:
             return None
         parts, tiers, st = kv.parts, kv.tiers, kv.stats
         manager = self.kv_manager
+        actions: dict = {}
+        for _ in range(3):  # the engine thread may be counting meanwhile: retry a torn copy
+            try:
+                actions = dict(manager.stats.actions) if manager is not None else {}
+                break
+            except RuntimeError:
+                continue
         return {"kv_policy": manager.policy.name if manager is not None else "none",
+                "kv_actions": actions,
                 "kv_bytes": dict(kv.snapshot),
                 "kv_capacity_bytes": {"device": parts.num_blocks * kv.bytes_per_block,
                                       "host": tiers.host_bytes, "disk": tiers.disk_bytes},
@@ -392,15 +407,22 @@ class EngineHost:
         if item is not None:
             self._admit(item)
 
+    def _stopped_error(self) -> BaseException:
+        from dask_agents.errors import EngineStoppedError
+
+        if self.crashed is not None:
+            return EngineStoppedError(f"engine {self.name!r} crashed: {self.crashed!r}", crashed=True)
+        return EngineStoppedError(f"engine {self.name!r} is closed")
+
     def _run(self) -> None:
         try:
             self._serve()
-        except BaseException as e:  # the loop itself failed: fail what waits, never leave it hanging
+        except BaseException as e:  # the engine died: fail what waits (callers retry on a restart)
             logger.exception("engine %s: stepping thread failed", self.name)
+            self.crashed = e
             self._closed = True
-            self._drain(RuntimeError(f"engine {self.name!r} stopped: {e!r}"))
-        else:
-            self._drain(RuntimeError(f"engine {self.name!r} closed"))
+            self._engine = None  # its memory goes now, not when the restarted engine loads
+        self._drain(self._stopped_error())
 
     def _serve(self) -> None:
         try:
@@ -432,15 +454,10 @@ class EngineHost:
             if self._closed:
                 break
             if self._engine.has_unfinished_requests():
-                try:
-                    outputs = self._engine.step()
-                except Exception as e:  # an engine failure fails what is in flight, not the worker
-                    logger.exception("engine %s step failed", self.name)
-                    for req in self._pending.values():
-                        self._finished(req)
-                        _resolve(req.future, exc=e)
-                    self._pending.clear()
-                    continue
+                # A failing step leaves vLLM's scheduler and block pool in an unknown state:
+                # the engine is dead. It propagates to _run, which fails every waiting call
+                # with a crashed EngineStoppedError; Engines restarts it and the calls retry.
+                outputs = self._engine.step()
                 self.steps += 1
                 for out in outputs:
                     if out.finished:
@@ -501,6 +518,10 @@ def task_priority(key: str) -> tuple:
 
 def make_host(name: str, settings: ModelSettings) -> Any:
     """An engine host for ``settings``: vLLM, or the emulated engine."""
+    if settings.engine == "vllm-async":
+        from worker_plugin.async_engine import AsyncEngineHost
+
+        return AsyncEngineHost(name, settings)
     if settings.engine == "emulated":
         from worker_plugin.emulated import EmulatedEngineHost
 
@@ -530,15 +551,22 @@ class Engines:
         self._hosts: dict[str, Any] = {}  # EngineHost or EmulatedEngineHost
         self.hosted = list(hosted)
         self.on_new_model: Any = None  # set by the plugin: announce a lazily started model
+        self.restarts: dict[str, int] = {}  # model -> engines restarted after a crash
 
     def start(self, name: str) -> EngineHost:
-        """The engine for ``name``, starting it if needed."""
+        """The engine for ``name``, starting it if needed, and restarting it if it crashed."""
         host = self._hosts.get(name)
-        if host is not None:
+        if host is not None and getattr(host, "crashed", None) is None:
             return host
         with self._lock:
             host = self._hosts.get(name)
-            if host is None:
+            if host is not None and getattr(host, "crashed", None) is not None:
+                logger.warning("engine %s on %s crashed (%r): restarting it", name, self.worker_address, host.crashed)
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                host = make_host(name, host.settings)
+                host.start()
+                self._hosts[name] = host
+            elif host is None:
                 models = registry()
                 if name not in models:
                     from dask_agents.errors import UnknownModelError
@@ -618,12 +646,37 @@ class Engines:
         from worker_plugin.dask_compat import secede_if_in_task
 
         host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
-        if not host.loaded.is_set():
-            secede_if_in_task()
-        host.wait_loaded()
-        fut, ids = self._submit(header, model, host, prompt, sampling)
-        secede_if_in_task()  # the engine works for us; free the worker slot meanwhile
-        return self._result(header, model, host, ids, fut.result())
+        for attempt in self._attempts():
+            if not host.loaded.is_set():
+                secede_if_in_task()
+            host.wait_loaded()
+            fut, ids = self._submit(header, model, host, prompt, sampling)
+            secede_if_in_task()  # the engine works for us; free the worker slot meanwhile
+            try:
+                return self._result(header, model, host, ids, fut.result())
+            except Exception as e:
+                host = self._retry_or_raise(e, attempt, header, model)
+        raise AssertionError("unreachable")
+
+    def _attempts(self) -> range:
+        import dask_agents.config as agents_config
+
+        return range(1 + max(0, int(agents_config.get("llm.engine-restarts", 1))))
+
+    def _retry_or_raise(self, exc: Exception, attempt: int, header: tuple, model: str) -> Any:
+        """After a failed wait: the restarted engine to retry on when the engine crashed and
+        retries are left; otherwise raise an error that names the call."""
+        from dask_agents.errors import EngineStoppedError, where
+
+        if not isinstance(exc, EngineStoppedError):
+            raise exc
+        component, method, sid, key = header[:4]
+        if exc.crashed and attempt + 1 < len(self._attempts()):
+            logger.warning("%s: %s; retrying call %s on a restarted engine", where(component, method, sid), exc, key)
+            return self.start(model)
+        raise EngineStoppedError(
+            f"{where(component, method, sid)}: call {key} lost its engine on worker {self.worker_address} "
+            f"after {attempt + 1} attempt(s): {exc}", crashed=exc.crashed) from exc
 
     async def agenerate(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None = None,
                         temperature: float = 0.0, seed: int | None = None) -> Any:
@@ -636,17 +689,22 @@ class Engines:
 
         host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
         secede_async_task(header[3])
-        if not host.loaded.is_set():
-            await asyncio.to_thread(host.wait_loaded)
-        host.wait_loaded()
-        fut, ids = self._submit(header, model, host, prompt, sampling)
-        try:
-            out = await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:  # the task was cancelled (worker closing): stop the request too
-            if hasattr(host, "abort"):
-                host.abort(header[3])
-            raise
-        return self._result(header, model, host, ids, out)
+        for attempt in self._attempts():
+            if not host.loaded.is_set():
+                await asyncio.to_thread(host.wait_loaded)
+            host.wait_loaded()
+            fut, ids = self._submit(header, model, host, prompt, sampling)
+            try:
+                out = await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:  # the task was cancelled (worker closing): stop the request too
+                if hasattr(host, "abort"):
+                    host.abort(header[3])
+                raise
+            except Exception as e:
+                host = self._retry_or_raise(e, attempt, header, model)
+                continue
+            return self._result(header, model, host, ids, out)
+        raise AssertionError("unreachable")
 
     def stop(self, name: str) -> bool:
         """Close the engine for ``name`` and stop hosting it; True if it was hosted."""
@@ -678,6 +736,8 @@ class Engines:
             raise KVDirectiveError(f"unknown KV directive {op!r} (known: {', '.join(KV_OPS)})")
         if not isinstance(session, str) or not session:
             raise KVDirectiveError(f"a KV directive needs a session id, got {session!r}")
+        if not isinstance(model, str):
+            raise KVDirectiveError(f"a KV directive names a model, got {model!r}")
         host = self._hosts.get(model)
         if host is None or model not in self.hosted:
             raise KVDirectiveError(f"model {model!r} is not hosted on worker {self.worker_address}")
@@ -709,6 +769,8 @@ class Engines:
             raise KVDirectiveError(f"unknown session state {state!r} (known: {', '.join(STATES)})")
         if not isinstance(session, str) or not session:
             raise KVDirectiveError(f"a KV hint needs a session id, got {session!r}")
+        if at is not None and (isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at)):
+            raise KVDirectiveError(f"a KV hint's time must be a finite Unix time or None, got {at!r}")
         out = []
         for name, host in list(self._hosts.items()):
             ready = hasattr(host, "kv_hint") and host.loaded.is_set() and host.load_error is None

@@ -104,8 +104,23 @@ class AgentsWorkerPlugin(WorkerPlugin):
         dask_compat.add_stream_handler(worker, REPRIORITIZE_OP, self._reprioritize)
         dask_compat.add_stream_handler(worker, KV_HINT_OP, self._kv_hint)
         self.ready.set()
-        await self._hello(models)
+        if dask_compat.registered(worker):
+            await self._hello(models)
+        else:  # a preload runs before the worker registers: the scheduler would not know it yet
+            worker.loop.add_callback(self._hello_when_registered, models)
         dask_compat.add_periodic(worker, "dask-agents-report", self.flush, agents_config.seconds("worker.report-interval"))
+
+    async def _hello_when_registered(self, models: list[str], timeout: float = 120.0) -> None:
+        """Announce this worker once it has registered (without holding up its start-up)."""
+        import asyncio
+
+        deadline = time.monotonic() + timeout
+        while not dask_compat.registered(self.worker):
+            if time.monotonic() > deadline or self.worker.status.name in ("closing", "closed", "failed"):
+                logger.warning("dask-agents: the worker did not register with its scheduler; telemetry is off")
+                return
+            await asyncio.sleep(0.05)
+        await self._hello(list(self.engines.hosted) if self.engines is not None else models)
 
     def _models_for(self, worker: Worker) -> list[str]:
         if isinstance(self.models, dict):
@@ -204,16 +219,28 @@ class AgentsWorkerPlugin(WorkerPlugin):
         return out
 
     # -- handlers ---------------------------------------------------------------------
-    def _end_session_handler(self, session: str) -> int:
-        if self.engines is not None:
-            self.engines.end_session(session)  # drop its KV at once (engines apply it between steps)
-        return self.instances.end_session(session)
+    def _end_session_handler(self, session: str | None = None, sessions: list | None = None) -> int:
+        """Sessions ended: drop their KV and release their stateful instances. The scheduler
+        batches the sessions that end together (``sessions``): one RPC per worker, not one per
+        session, when thousands end at once. Returns the instances released."""
+        ended = ([session] if session is not None else []) + list(sessions or ())
+        n = 0
+        for sid in ended:
+            if self.engines is not None:
+                self.engines.end_session(sid)  # drop its KV at once (engines apply it between steps)
+            n += self.instances.end_session(sid)
+        return n
 
-    async def _kv_handler(self, model: str, op: str, session: str, args: dict | None = None) -> dict:
-        """A KV directive from the controller (``Engines.kv_directive``); errors go back to it."""
+    async def _kv_handler(self, model: str, directive: str, session: str, args: dict | None = None) -> dict:
+        """A KV directive from the controller (``Engines.kv_directive``); errors go back to it.
+        (``directive``, not ``op``: Dask's RPC message carries its own ``op``.)"""
         import asyncio
 
-        return await asyncio.to_thread(self.engines.kv_directive, model, op, session, **(args or {}))
+        if not isinstance(args, (dict, type(None))):
+            from kv.engine_kv import KVDirectiveError
+
+            raise KVDirectiveError(f"KV directive arguments must be a dict, got {args!r}")
+        return await asyncio.to_thread(self.engines.kv_directive, model, directive, session, **(args or {}))
 
     def _kv_hint(self, session: str | None = None, state: str | None = None, node: str | None = None,
                  wait_key: str | None = None, at: float | None = None, **kw: Any) -> None:
@@ -226,7 +253,10 @@ class AgentsWorkerPlugin(WorkerPlugin):
             logger.debug("dask-agents: KV hint for %s ignored: %s", session, e)
 
     def _reprioritize(self, priorities: dict | None = None, **kw: Any) -> None:
-        dask_compat.reprioritize(self.worker, priorities or {})
+        try:
+            dask_compat.reprioritize(self.worker, priorities if isinstance(priorities, dict) else {})
+        except TypeError as e:  # a malformed message changes nothing and never closes the stream
+            logger.warning("dask-agents: priorities ignored: %s", e)
 
     async def _swap_handler(self, remove: str | None = None, add: str | None = None) -> list[str]:
         import asyncio
@@ -248,7 +278,8 @@ def engine_report(host: Any) -> dict:
     counters also ``running``, ``waiting``, ``evictions``, ``hit_tokens``/``query_tokens``
     and ``kv_bytes``/``kv_capacity_bytes`` per tier (``device`` only). An engine with a
     ``kv_report()`` (per-session KV tiers) adds ``kv_bytes``/``kv_capacity_bytes`` for its
-    tiers and ``kv_traffic_bytes`` (cumulative bytes ``offloaded``/``spilled``/``restored``)."""
+    tiers, ``kv_traffic_bytes`` (cumulative bytes ``offloaded``/``spilled``/``restored``),
+    ``kv_policy`` and ``kv_actions`` (cumulative count of the KV policy's directives by kind)."""
     settings = host.settings
     out: dict[str, Any] = {"engine": settings.engine, "emulated": settings.engine == "emulated",
                            "steps": int(getattr(host, "steps", 0))}
@@ -267,4 +298,7 @@ def engine_report(host: Any) -> dict:
         for k in ("kv_bytes", "kv_capacity_bytes", "kv_traffic_bytes"):
             if kv.get(k):
                 out[k] = {**out.get(k, {}), **kv[k]}
+        if kv.get("kv_policy") is not None:
+            out["kv_policy"] = kv["kv_policy"]
+            out["kv_actions"] = dict(kv.get("kv_actions") or {})
     return out

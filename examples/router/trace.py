@@ -29,7 +29,7 @@ import math
 import os
 import random
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -80,9 +80,26 @@ def trace_dir(directory: str | os.PathLike | None = None) -> Path:
 
 def _count(value: str, column: str, where: str) -> int:
     text = value.strip()
-    if not text or not (text.isdigit() and text.isascii()):
-        raise ValueError(f"{where}: {column} must be a non-negative integer, got {value!r}")
+    if not text or not (text.isdigit() and text.isascii()) or len(text) > 12:
+        raise ValueError(f"{where}: {column} must be a non-negative integer below 10**12, got {_short(value)}")
     return int(text)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a garbage row must not flood the message)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _text_lines(f, name: str) -> Iterator[str]:
+    """The lines of the binary file ``f`` as text (UTF-8, a leading BOM dropped); ValueError
+    naming the file and the line that is not UTF-8."""
+    for n, raw in enumerate(f, 1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{name}: line {n}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+        yield text.removeprefix("\ufeff") if n == 1 else text
 
 
 def read_csv(path: str | os.PathLike, label: str) -> list[Arrival]:
@@ -93,33 +110,46 @@ def read_csv(path: str | os.PathLike, label: str) -> list[Arrival]:
     number of fields, unparsable timestamp, token count that is not a non-negative integer),
     or if the file holds no rows."""
     path = Path(path)
+    with open(path, "rb") as f:
+        reader = csv.reader(_text_lines(f, path.name))
+        try:
+            return _rows(path, label, reader)
+        except csv.Error as e:  # NUL bytes, an unterminated quote, a huge field...
+            raise ValueError(f"{path.name}: line {reader.line_num}: not CSV ({e})") from None
+
+
+def _rows(path: Path, label: str, reader) -> list[Arrival]:
+    """The body of :func:`read_csv`: validate ``reader``'s rows."""
     rows: list[Arrival] = []
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            raise ValueError(f"{path.name}: line 1: empty file (expected header {','.join(COLUMNS)})")
-        names = [h.strip() for h in header]
-        missing = [c for c in COLUMNS if c not in names]
-        if missing:
-            raise ValueError(f"{path.name}: line {reader.line_num}: missing column(s) {', '.join(missing)} "
-                             f"(header {','.join(names)!r}, expected {','.join(COLUMNS)})")
-        i_ts, i_ctx, i_gen = (names.index(c) for c in COLUMNS)
-        start_line = reader.line_num
-        for row in reader:
-            line = reader.line_num
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue  # blank line (e.g. a trailing newline)
-            where = f"{path.name}: line {line}"
-            if len(row) != len(names):
-                raise ValueError(f"{where}: expected {len(names)} fields ({','.join(names)}), got {len(row)}: {row!r}")
+    header = next(reader, None)
+    if header is None:
+        raise ValueError(f"{path.name}: line 1: empty file (expected header {','.join(COLUMNS)})")
+    names = [h.strip() for h in header]
+    missing = [c for c in COLUMNS if c not in names]
+    if missing:
+        raise ValueError(f"{path.name}: line {reader.line_num}: missing column(s) {', '.join(missing)} "
+                         f"(header {','.join(names)!r}, expected {','.join(COLUMNS)})")
+    i_ts, i_ctx, i_gen = (names.index(c) for c in COLUMNS)
+    start_line = reader.line_num
+    for row in reader:
+        line = reader.line_num
+        if not row or (len(row) == 1 and not row[0].strip()):
+            continue  # blank line (e.g. a trailing newline)
+        where = f"{path.name}: line {line}"
+        if len(row) != len(names):
+            raise ValueError(f"{where}: expected {len(names)} fields ({','.join(names)}), got {len(row)}: {_short(row)}")
+        try:
+            ts = datetime.fromisoformat(row[i_ts].strip())
+        except ValueError:
+            raise ValueError(f"{where}: TIMESTAMP {_short(row[i_ts])} does not parse as a date and time") from None
+        if ts.tzinfo is not None:  # compare like the trace's own (naive, UTC) timestamps
             try:
-                ts = datetime.fromisoformat(row[i_ts].strip())
-            except ValueError:
-                raise ValueError(f"{where}: TIMESTAMP {row[i_ts]!r} does not parse as a date and time") from None
-            rows.append(Arrival(at=0.0, label=label, timestamp=ts, source=path.name, line=line,
-                                context_tokens=_count(row[i_ctx], "ContextTokens", where),
-                                generated_tokens=_count(row[i_gen], "GeneratedTokens", where)))
+                ts = ts.astimezone(timezone.utc).replace(tzinfo=None)
+            except OverflowError:
+                raise ValueError(f"{where}: TIMESTAMP {_short(row[i_ts])} is out of range") from None
+        rows.append(Arrival(at=0.0, label=label, timestamp=ts, source=path.name, line=line,
+                            context_tokens=_count(row[i_ctx], "ContextTokens", where),
+                            generated_tokens=_count(row[i_gen], "GeneratedTokens", where)))
     if not rows:
         raise ValueError(f"{path.name}: line {start_line}: no data rows after the header")
     t0 = min(r.timestamp for r in rows)

@@ -57,11 +57,10 @@ class Prioritize:
         budget = expected_duration(view) * self.slowdown
         if budget <= 0:
             return set()
-        out = set()
-        for s in view.sessions.values():
-            if view.now - s.created > budget:
-                out.add(s.id if self.key == "session" else s.tenant)
-        return out
+        now = view.now  # one comprehension: this runs over every live session each tick
+        if self.key == "session":
+            return {s.id for s in view.sessions.values() if now - s.created > budget}
+        return {s.tenant for s in view.sessions.values() if now - s.created > budget}
 
     def desired(self, call: CallView, view: ClusterView, starved: set) -> tuple:
         """The priority ``call`` should have now."""
@@ -73,10 +72,27 @@ class Prioritize:
         return priority(call.priority[0], progress, call.priority[-1], group in starved if group else False, kv)
 
     def __call__(self, view: ClusterView) -> Iterator[SetPriority]:
-        starved = self.starved_groups(view)
+        # Per session, only the sessions of the calls in view are asked (O(calls in view), not
+        # a scan of every live session each tick); per tenant, any session of it counts: a scan.
+        starved = _StarvedSessions(view, self) if self.key == "session" else self.starved_groups(view)
         for call in view.calls.values():
             if len(call.priority) != 5:
                 continue  # not created by dask-agents' priority scheme
             want = self.desired(call, view, starved)
             if want != tuple(call.priority):
                 yield SetPriority(call.key, want, reason="progress" if want[1] == 0 else "fair-share")
+
+
+class _StarvedSessions:
+    """``sid in starved`` exactly as ``sid in policy.starved_groups(view)`` for session fair
+    share, computed on demand."""
+
+    def __init__(self, view: ClusterView, policy: Prioritize):
+        self.view = view
+        self.budget = expected_duration(view) * policy.slowdown
+
+    def __contains__(self, sid: object) -> bool:
+        if self.budget <= 0:
+            return False
+        s = self.view.sessions.get(sid)
+        return s is not None and self.view.now - s.created > self.budget

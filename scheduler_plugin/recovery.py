@@ -1,0 +1,165 @@
+"""What happens to calls pinned to a worker that died or left (the global controller's part).
+
+The scheduler plugin pins some calls to one worker (stateful calls to their session's
+instance, LLM calls to an engine holding the session's KV, calls of a component the control
+plane routed). Dask reschedules the calls of a lost worker, but a call pinned *strictly* to it
+has nowhere to go: it would sit in ``no-worker`` forever and its future would hang. Here,
+right after Dask has released the lost worker's tasks (``remove_worker``), and whenever one
+of our calls becomes ``no-worker`` later (a lost result recomputed, a dependency finishing):
+
+- LLM calls and routed stateless calls are placed again (on another host of the model, or
+  anywhere when none is left): they run elsewhere; an engine recomputes the session's KV
+  from the prompt;
+- stateful calls fail with :class:`~dask_agents.errors.InstanceLostError` naming the session,
+  component, worker and cause: the instance's state went with the worker, and running the
+  call on a fresh instance would silently give another answer. Their dependents fail with
+  the same cause, as for a call that raised. This is Nalar's rule: pending invocations of a
+  lost instance fail with the error propagated to the workflow; later calls of the session
+  go to a fresh instance elsewhere.
+
+Nothing here runs inside a Dask transition (the hook only notes the key); recovery runs from
+``remove_worker`` or a callback on the event loop right after.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from typing import Any
+
+from dask_agents.calls import ANNOTATION
+from dask_agents.errors import InstanceLostError, where
+from scheduler_plugin import dask_compat
+
+logger = logging.getLogger(__name__)
+
+TOPIC = "agents-faults"
+"""Event topic of fault incidents (``client.get_events("agents-faults")``)."""
+
+
+class Recovery:
+    """Re-places or fails calls stranded by a lost worker, for the scheduler plugin."""
+
+    def __init__(self, plugin: Any, history: int = 200):
+        self.plugin = plugin
+        self.stranded: set[str] = set()
+        self._scheduled = False
+        self.counts: Counter[str] = Counter()  # rerouted, failed, workers_lost
+        self.incidents: deque[dict] = deque(maxlen=history)
+        # worker -> why it left (for the error message of calls found stranded later)
+        self.gone: dict[str, str] = {}
+
+    @property
+    def scheduler(self) -> Any:
+        """The scheduler the plugin runs in."""
+        return self.plugin.scheduler
+
+    # -- hooks -------------------------------------------------------------------------------
+    def on_no_worker(self, key: Any) -> None:
+        """A call became ``no-worker`` (from the transition hook): recover it soon if it is pinned
+        to a worker that is gone. Cheap: one lookup; the work runs in a callback."""
+        ts = dask_compat.task(self.scheduler, key)
+        if ts is None or not self._pinned_to_dead(ts):
+            return
+        self.stranded.add(key)
+        if not self._scheduled:
+            self._scheduled = True
+            self.scheduler.loop.add_callback(self._recover_scheduled)
+
+    def on_worker_removed(self, worker: str, stimulus_id: str | None = None) -> None:
+        """``worker`` is gone (Dask already released its tasks): recover every call placed on it."""
+        cause = f"worker {worker} died or left the cluster ({stimulus_id or 'remove-worker'})"
+        self.gone[worker] = cause
+        while len(self.gone) > 1000:  # bounded: only recent causes matter
+            self.gone.pop(next(iter(self.gone)))
+        self.counts["workers_lost"] += 1
+        keys = [k for k, (w, _) in self.plugin.placed.items() if w == worker]
+        # plus calls the transition hook saw become unrunnable while Dask released the
+        # worker's tasks (finished calls whose result was lost and that Dask recomputes)
+        self.stranded.update(keys)
+        summary = self.recover()
+        incident = {"action": "worker-lost", "worker": worker, "time": time.time(), "cause": cause, **summary}
+        self.incidents.append(incident)
+        dask_compat.add_event(self.scheduler, TOPIC, incident)
+        if summary["rerouted"] or summary["failed"]:
+            logger.warning("dask-agents: %s: rerouted %d pinned calls, failed %d calls of lost stateful instances",
+                           cause, summary["rerouted"], summary["failed"])
+
+    # -- recovery ------------------------------------------------------------------------------
+    def _recover_scheduled(self) -> None:
+        self._scheduled = False
+        summary = self.recover()
+        if summary["rerouted"] or summary["failed"]:
+            incident = {"action": "stranded-calls", "time": time.time(), **summary}
+            self.incidents.append(incident)
+            dask_compat.add_event(self.scheduler, TOPIC, incident)
+
+    def _pinned_to_dead(self, ts: Any) -> bool:
+        pins = dask_compat.worker_restrictions(ts)
+        return bool(pins) and not any(dask_compat.has_worker(self.scheduler, w) for w in pins)
+
+    def recover(self) -> dict:
+        """Re-place or fail every stranded call; returns counts (and the failed keys)."""
+        s = self.scheduler
+        stimulus = f"dask-agents-recover-{time.time()}"
+        keys, self.stranded = self.stranded, set()
+        reschedule: list[Any] = []
+        rerouted = failed = 0
+        failed_keys: list[str] = []
+        for key in keys:
+            ts = dask_compat.task(s, key)
+            if ts is None or dask_compat.state(ts) not in ("waiting", "no-worker", "queued", "released"):
+                continue  # already running elsewhere, done, or forgotten
+            if not self._pinned_to_dead(ts):
+                continue
+            ann = dask_compat.annotations(ts).get(ANNOTATION) or {}
+            if not (ann.get("stateful") or ann.get("kind") == "llm" or key in self.plugin.placed):
+                continue  # pinned by the user, not by us: Dask's behaviour (it waits for that worker)
+            pins = dask_compat.worker_restrictions(ts)
+            if ann.get("stateful"):
+                if dask_compat.fail_task(s, key, self._lost_error(key, ann, pins), stimulus):
+                    failed += 1
+                    failed_keys.append(key)
+                continue
+            self._replace(ts, ann)
+            rerouted += 1
+            reschedule.append(key)
+        if reschedule:
+            dask_compat.reschedule(s, reschedule, stimulus)
+        self.counts["rerouted"] += rerouted
+        self.counts["failed"] += failed
+        return {"rerouted": rerouted, "failed": failed, "failed_keys": failed_keys[:50]}
+
+    def _replace(self, ts: Any, ann: dict) -> None:
+        """Place a stateless pinned call again: LLM calls on another host of their model (the
+        session's binding moves with it), routed calls on the component's routes."""
+        plugin = self.plugin
+        key = dask_compat.task_key(ts)
+        plugin._unplace(key)  # noqa: SLF001 (the plugin's own placement bookkeeping)
+        component = ann.get("component") or str(key).rsplit("-", 1)[0]
+        model = ann.get("llm_model") if ann.get("kind") == "llm" else None
+        candidates = plugin._candidates(model, component)  # noqa: SLF001
+        if candidates:
+            if model is not None:
+                plugin._place(ts, ann.get("session"), f"llm:{model}", candidates)  # noqa: SLF001
+            else:
+                plugin._place(ts, None, component, candidates)  # noqa: SLF001
+        else:  # no worker left at all: let Dask place it on the next one that joins
+            dask_compat.clear_worker_restriction(ts)
+
+    def _lost_error(self, key: Any, ann: dict, pins: set) -> InstanceLostError:
+        worker = next(iter(pins), None)
+        cause = self.gone.get(worker) or f"worker {worker} died or left the cluster"
+        session, component = ann.get("session"), ann.get("component")
+        rec = self.plugin.state.calls.get(key)
+        done = rec is not None and rec.state == "finished"
+        what = ("its result was lost with the worker, and re-running it on a fresh instance could give "
+                "another answer" if done else "the call did not complete and is not re-run on a fresh instance")
+        msg = (f"{where(component, ann.get('method'), session)}: its stateful instance was lost: {cause}; "
+               f"{what} (call {key}). Later calls of this session start a fresh instance.")
+        return InstanceLostError(msg, session=session, component=component, worker=worker)
+
+    def stats(self) -> dict:
+        """Counters and recent incidents."""
+        return {**self.counts, "incidents": list(self.incidents)[-20:]}

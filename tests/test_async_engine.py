@@ -1,0 +1,71 @@
+"""``engine: vllm-async``: vLLM's AsyncLLM (the GPU workers' form) behind the same Engines
+interface, run here with the CPU build (its engine core is a child process of this one)."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_agents as da
+from worker_plugin.async_engine import AsyncEngineHost
+from worker_plugin.engine import ModelSettings
+
+TINY = {"model": "builtin:tiny-llama", "load-format": "dummy", "tokenizer": "byte", "dtype": "bfloat16",
+        "max-model-len": 1024, "kv-cache-memory-bytes": "16 MiB"}
+MODELS = {"inproc": TINY, "async": {**TINY, "engine": "vllm-async"}}
+PROMPT = "You are a careful software engineer. Fix the failing test and explain the patch. " * 4
+
+
+@pytest.fixture(scope="module")
+def client():
+    with dask.config.set({"agents.llm.models": MODELS}):
+        with LocalCluster(n_workers=1, threads_per_worker=4, processes=False, dashboard_address=":0") as cluster:
+            with Client(cluster) as c:
+                da.install(c, models=["inproc", "async"])
+                yield c
+
+
+def _directive(dask_worker=None) -> str:
+    try:
+        dask_worker.plugins["dask-agents"].engines.kv_directive("async", "inspect", "s1")
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+def test_async_engine_serves_calls_like_the_in_process_engine(client):
+    with da.session(client):
+        a1 = da.llm("async").generate(PROMPT, max_tokens=8).value(300)
+        a2 = da.llm("async").generate(PROMPT + " Then add a regression test.", max_tokens=8).value(120)
+        many = [da.llm("async").generate(f"{PROMPT} variant {i}", max_tokens=4) for i in range(4)]
+        outs = [f.value(120) for f in many]
+        ref = da.llm("inproc").generate(PROMPT, max_tokens=8).value(300)
+    assert a1.token_ids == ref.token_ids  # same model, greedy: the same tokens either way
+    assert a1.output_tokens == 8 and a2.cached_tokens >= 256  # vLLM's prefix cache serves the follow-up
+    assert all(o.output_tokens == 4 for o in outs)
+    # no in-process block pool: KV directives are refused with a clear error
+    msg = client.run(_directive).popitem()[1]
+    assert "no per-session KV control" in msg and "AsyncEngineHost" in msg
+
+
+def _in_daemon(q) -> None:
+    host = AsyncEngineHost("d", ModelSettings(engine="vllm-async", **TINY))
+    host.start()
+    try:
+        host.wait_loaded(60)
+        q.put("loaded")
+    except Exception as e:
+        q.put(f"{type(e).__name__}: {e}")
+
+
+def test_a_daemonic_worker_gets_a_clear_error():
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_in_daemon, args=(q,), daemon=True)
+    p.start()
+    msg = q.get(timeout=120)
+    p.join(30)
+    assert "distributed.worker.daemon: false" in msg and "engine: vllm-async" in msg

@@ -1,0 +1,193 @@
+"""vLLM's AsyncLLM as an engine host: the usual form on GPU workers (``engine: vllm-async``).
+
+AsyncLLM runs its engine core in a child process (the GPU's own event loop, CUDA graphs,
+tensor parallelism), so the Dask worker that hosts it must not be daemonic
+(``distributed.worker.daemon: false``, or a worker without a nanny). It runs here on a
+private asyncio loop in one thread; calls submit from any thread and get a
+``concurrent.futures.Future`` like ``EngineHost``'s, so ``Engines`` treats both alike.
+
+Per-session KV control (``kv/engine_kv.py``) needs the block pool in this process, which
+AsyncLLM keeps in its engine core: on this host the lower tiers are LMCache's
+(``kv-connector: lmcache``, vLLM's ``LMCacheConnectorV1``), and KV directives are refused
+with a clear error. vLLM's prefix cache still serves each session's follow-ups, and the
+scheduler still routes a session to the engine that holds its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from worker_plugin.engine import _LOAD_LOCK, ModelSettings, _resolve, engine_priority, wait_loaded
+from worker_plugin.tokenizer import ByteTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngineHost:
+    """One vLLM AsyncLLM and the thread whose event loop drives it (the ``EngineHost`` interface,
+    without per-session KV control)."""
+
+    def __init__(self, name: str, settings: ModelSettings):
+        self.name = name
+        self.settings = settings
+        self.tokenizer = ByteTokenizer() if settings.tokenizer == "byte" else None
+        self.max_model_len = settings.max_model_len
+        self.loaded = threading.Event()
+        self.load_error: BaseException | None = None
+        self.crashed: BaseException | None = None
+        self.kv: Any = None  # no in-process block pool: KV directives are refused
+        self.kv_manager: Any = None
+        self.geometry: Any = None
+        self.steps = 0  # finished requests (AsyncLLM does not expose its step count)
+        self.started_at: float | None = None
+        self._engine: Any = None
+        self._loop = asyncio.new_event_loop()
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"dask-agents-async-engine-{name}", daemon=True)
+
+    def start(self) -> None:
+        """Start loading the engine in the background (idempotent)."""
+        if self.started_at is None:
+            self.started_at = time.time()
+            self._thread.start()
+
+    def wait_loaded(self, timeout: float | None = None) -> None:
+        """Block until the engine is ready; re-raise a load failure."""
+        wait_loaded(self, timeout)
+
+    def _engine_args(self) -> Any:
+        from vllm import AsyncEngineArgs
+
+        s = self.settings
+        kv_transfer = None
+        if s.kv_connector == "lmcache":
+            from vllm.config import KVTransferConfig
+
+            kv_transfer = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+        return AsyncEngineArgs(
+            model=s.model_path(), load_format=s.load_format, skip_tokenizer_init=self.tokenizer is not None,
+            dtype=s.dtype, max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
+            kv_cache_memory_bytes=s.kv_bytes(), scheduling_policy=s.scheduling,
+            tensor_parallel_size=s.tensor_parallel_size, kv_transfer_config=kv_transfer,
+            enforce_eager=s.enforce_eager, disable_log_stats=True,
+        )
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            import multiprocessing
+
+            if multiprocessing.current_process().daemon:
+                raise RuntimeError(
+                    f"engine {self.name!r} (engine: vllm-async) starts vLLM's engine core in a child process, "
+                    "which a daemonic worker process cannot have: start the worker with the Dask config "
+                    "`distributed.worker.daemon: false` (or without a nanny), or use `engine: vllm`")
+            with _LOAD_LOCK:  # vLLM's and transformers' lazy imports race between loading threads
+                from vllm.v1.engine.async_llm import AsyncLLM
+
+                self._engine = AsyncLLM.from_engine_args(self._engine_args())
+        except BaseException as e:  # reported to every caller by wait_loaded
+            logger.exception("loading engine %s failed", self.name)
+            self.load_error = e
+            self.loaded.set()
+            return
+        self.loaded.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            engine, self._engine = self._engine, None
+            if engine is not None:
+                try:
+                    engine.shutdown()
+                except Exception:
+                    logger.exception("engine %s: shutdown failed", self.name)
+            self._loop.close()
+
+    def sampling_params(self, max_tokens: int, temperature: float, seed: int | None,
+                        priority: tuple = ()) -> Any:
+        """vLLM sampling parameters for one call, with its priority beside them."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                ignore_eos=True, detokenize=False)
+        return params, engine_priority(priority)
+
+    def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
+        """Start a request; the returned future resolves to vLLM's final RequestOutput."""
+        fut: Future = Future()
+        if self._closed or self.crashed is not None or self._engine is None:
+            fut.set_exception(self._stopped_error())
+            return fut
+        sampling, priority = params
+
+        def begin() -> None:
+            self._tasks[request_id] = self._loop.create_task(self._generate(request_id, token_ids, sampling,
+                                                                            priority, fut))
+        self._loop.call_soon_threadsafe(begin)
+        return fut
+
+    async def _generate(self, request_id: str, token_ids: list[int], sampling: Any, priority: int,
+                        fut: Future) -> None:
+        from vllm.inputs import TokensPrompt
+
+        final = None
+        try:
+            priority = priority if self.settings.scheduling == "priority" else 0
+            async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), sampling,
+                                                   request_id, priority=priority):
+                final = out
+            self.steps += 1
+            _resolve(fut, result=final)
+        except asyncio.CancelledError:  # aborted by its caller, or the host is closing
+            _resolve(fut, exc=self._stopped_error() if self._closed else RuntimeError(f"request {request_id} aborted"))
+        except Exception as e:
+            if self._engine.errored:  # the engine core died: every call fails alike; restart it
+                self.crashed = e
+            _resolve(fut, exc=self._stopped_error() if self.crashed is not None else e)
+        finally:
+            self._tasks.pop(request_id, None)
+
+    def _stopped_error(self) -> BaseException:
+        from dask_agents.errors import EngineStoppedError
+
+        if self.crashed is not None:
+            return EngineStoppedError(f"engine {self.name!r} crashed: {self.crashed!r}", crashed=True)
+        return EngineStoppedError(f"engine {self.name!r} is closed")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request its caller gave up on."""
+        def cancel() -> None:
+            task = self._tasks.get(request_id)
+            if task is not None:
+                task.cancel()  # AsyncLLM aborts a request whose generator is closed
+        if not self._closed and self._loop.is_running():
+            self._loop.call_soon_threadsafe(cancel)
+
+    def _shutdown_and_stop(self) -> None:
+        # on the loop, while it runs: AsyncLLM cancels its output handler itself (stopping the
+        # loop under it first logs a failed handler)
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:
+                logger.exception("engine %s: shutdown failed", self.name)
+        self._loop.stop()
+
+    def close(self) -> None:
+        """Stop the engine (its core process too); requests in flight fail with a clear error."""
+        self._closed = True
+        if self._loop.is_running():
+            def stop() -> None:
+                for task in list(self._tasks.values()):
+                    task.cancel()
+                self._loop.call_soon(self._shutdown_and_stop)
+            self._loop.call_soon_threadsafe(stop)
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
