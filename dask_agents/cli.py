@@ -84,15 +84,16 @@ main.add_command(report_command)  # defined beside the plotting code it drives
 
 @main.command("whatif")
 @click.argument("telemetry", type=click.Path(exists=True, dir_okay=False))
-@click.option("--gpus", type=int, default=None,
+@click.option("--gpus", type=click.IntRange(min=1), default=None,
               help="Engine replicas in all, split over the models by their recorded LLM work (default: as recorded).")
 @click.option("--replicas", "replicas", multiple=True, help="MODEL=N engine replicas of one model (repeatable).")
-@click.option("--load-scale", type=float, default=1.0, show_default=True,
+@click.option("--load-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="Session arrivals this many times faster than recorded.")
-@click.option("--max-batch", type=int, default=256, show_default=True, help="Concurrent sequences per engine.")
-@click.option("--kv-blocks", type=int, default=1 << 20, show_default=True,
+@click.option("--max-batch", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Concurrent sequences per engine.")
+@click.option("--kv-blocks", type=click.IntRange(min=1), default=1 << 20, show_default=True,
               help="KV capacity per engine, in blocks of --block-size tokens.")
-@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
 def whatif_command(telemetry: str, gpus: int | None, replicas: tuple[str, ...], load_scale: float, max_batch: int,
                    kv_blocks: int, block_size: int, json_path: str | None) -> None:
@@ -132,9 +133,14 @@ def whatif_command(telemetry: str, gpus: int | None, replicas: tuple[str, ...], 
     click.echo(row(f"predicted {asked} x{load_scale:g}", pred))
     click.echo("(predictions: EMULATED engine calibrated on the recording)")
     if json_path:
+        def strict(x: object) -> object:  # NaN (no sample) is null: the file stays valid JSON
+            if isinstance(x, dict):
+                return {k: strict(v) for k, v in x.items()}
+            if isinstance(x, float) and x != x:
+                return None
+            return x
+        doc = {"telemetry": telemetry, "emulated": True, "calibration": {m: vars(f) for m, f in fits.items()},
+               "validation": check, "whatif": {"replicas": asked, "load_scale": load_scale, **kw, "predicted": pred}}
         with open(json_path, "w") as fh:
-            json.dump({"telemetry": telemetry, "emulated": True,
-                       "calibration": {m: vars(f) for m, f in fits.items()}, "validation": check,
-                       "whatif": {"replicas": asked, "load_scale": load_scale, **kw, "predicted": pred}},
-                      fh, indent=2, default=float)
+            json.dump(strict(doc), fh, indent=2, allow_nan=False)
         click.echo(f"wrote {json_path}")

@@ -1,17 +1,26 @@
 """``agents.*`` configuration: defaults shipped in ``agents.yaml``, overridable the Dask way.
 
 Values come from ``dask.config`` (yaml files, ``DASK_AGENTS__...`` environment variables,
-``dask.config.set``); this module only registers the defaults.
+``dask.config.set``); this module registers the defaults and checks values against the JSON
+schema ``agents-schema.yaml`` with :mod:`jsonschema`. Durations, byte sizes and bandwidths are
+schema ``format`` s (``duration``, ``positive-duration``, ``bytes``, ``bandwidth``) checked with
+Dask's own parsers.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import dask.config
+import jsonschema
+import jsonschema.exceptions
+import jsonschema.validators
 import yaml
+
+from dask_agents.errors import ConfigError, short_repr
 
 _HERE = os.path.dirname(__file__)
 DEFAULTS_PATH = os.path.join(_HERE, "agents.yaml")
@@ -52,150 +61,218 @@ def seconds(key: str) -> float:
     """Return the time-valued key ``agents.<key>`` in seconds.
 
     Raises :class:`~dask_agents.errors.ConfigError` naming the key when the value is not a
-    finite, non-negative duration (``"2ms"``, ``"10 minutes"``, a number of seconds)."""
+    finite, non-negative duration (``"2ms"``, ``"10 minutes"``, a number of seconds), or is 0
+    where the schema says ``format: positive-duration`` (periods and timeouts)."""
     value = get(key)
-    return _seconds(f"agents.{key}", value)
+    positive = _subschema(key).get("format") == "positive-duration"
+    try:
+        return parse_duration(value, positive=positive)
+    except ValueError as e:
+        raise ConfigError(f"agents.{key}: {e}") from None
 
 
-def _seconds(name: str, value: Any) -> float:
+# -- the value formats of agents-schema.yaml ---------------------------------------------------
+
+_PARSE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, OverflowError, IndexError)
+
+
+def parse_duration(value: Any, *, positive: bool = False) -> float:
+    """Seconds from a duration: a time string (``"100ms"``, ``"10 minutes"``) or a number of seconds.
+
+    Raises ValueError (quoting the value) unless the result is finite and >= 0 (> 0 with
+    ``positive``)."""
     from dask.utils import parse_timedelta
 
-    from dask_agents.errors import ConfigError
-
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ConfigError(f"{name}: expected a duration such as '2ms' or a number of seconds, got {_short(value)}")
+        raise ValueError(f"expected a duration such as '2ms' or a number of seconds, got {short_repr(value)}")
     try:
         out = float(parse_timedelta(value, default="s"))
-    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, IndexError):
-        raise ConfigError(f"{name}: {_short(value)} is not a duration (e.g. '100ms', '2s', '10 minutes')") from None
+    except _PARSE_ERRORS:
+        raise ValueError(f"{short_repr(value)} is not a duration (e.g. '100ms', '2s', '10 minutes')") from None
     if not math.isfinite(out) or out < 0:
-        raise ConfigError(f"{name}: a duration must be finite and >= 0, got {_short(value)}")
+        raise ValueError(f"a duration must be finite and >= 0, got {short_repr(value)}")
+    if positive and out <= 0:
+        raise ValueError(f"a period or timeout must be > 0, got {short_repr(value)}")
     return out
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from a byte size: ``"64 MiB"`` or a number of bytes; ValueError unless >= 0."""
+    from dask.utils import parse_bytes
+
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)) or (
+            isinstance(value, str) and not value.strip()):  # dask reads "" as 1 byte
+        raise ValueError(f"{short_repr(value)} is not a byte size (e.g. '64 MiB')")
+    try:
+        n = parse_bytes(value) if isinstance(value, str) else int(value)
+    except _PARSE_ERRORS:
+        raise ValueError(f"{short_repr(value)} is not a byte size (e.g. '64 MiB')") from None
+    if n < 0:
+        raise ValueError(f"a byte size must be >= 0, got {short_repr(value)}")
+    return n
+
+
+def parse_bandwidth(value: Any) -> float:
+    """Bytes per second from ``"25 GB/s"``, ``"25GB"`` or a number (read as
+    ``kv.blocks.Tiers`` reads it); ValueError unless > 0."""
+    text = value.strip().removesuffix("/s") if isinstance(value, str) else value
+    try:
+        n = parse_size(text)
+    except ValueError:
+        raise ValueError(f"{short_repr(value)} is not a bandwidth (e.g. '25 GB/s')") from None
+    if n <= 0:  # whole bytes: 0.5 is 0 bytes per second
+        raise ValueError(f"a bandwidth must be at least 1 byte/s, got {short_repr(value)}")
+    return float(n)
+
+
+def _format(parse: Callable[[Any], Any]) -> Callable[[Any], bool]:
+    """A jsonschema format check from a parser: only strings and numbers are checked (the
+    ``type`` keyword speaks for other values); the parser's ValueError is the error's cause."""
+
+    def check(instance: Any) -> bool:
+        if isinstance(instance, bool) or not isinstance(instance, (str, int, float)):
+            return True
+        parse(instance)
+        return True
+
+    return check
+
+
+FORMAT_CHECKER = jsonschema.FormatChecker(formats=())
+"""Checks the formats ``agents-schema.yaml`` uses (and no others)."""
+for _name, _parse in {
+    "duration": parse_duration,
+    "positive-duration": lambda v: parse_duration(v, positive=True),
+    "bytes": parse_size,
+    "bandwidth": parse_bandwidth,
+}.items():
+    FORMAT_CHECKER.checks(_name, raises=ValueError)(_format(_parse))
 
 
 # -- validation against agents-schema.yaml -----------------------------------------------------
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-    "object": (dict,), "array": (list, tuple), "null": (type(None),),
-}
 _schema_cache: dict[str, Any] = {}
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters."""
-    try:
-        text = repr(value)
-    except Exception:
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+_EXACT_FLOAT_INT = 2**53
 
 
 def schema() -> dict:
     """The ``agents.*`` JSON schema (``agents-schema.yaml``), loaded once per modification."""
-    mtime = os.path.getmtime(SCHEMA_PATH)
-    if _schema_cache.get("mtime") != mtime:
-        with open(SCHEMA_PATH) as f:
-            _schema_cache.update(mtime=mtime, schema=yaml.safe_load(f))
+    _load()
     return _schema_cache["schema"]
 
 
-def _is(value: Any, type_name: str) -> bool:
-    if isinstance(value, bool) and type_name in ("integer", "number"):
-        return False  # True is an int to Python, not a number to a config file
-    return isinstance(value, _TYPES.get(type_name, (object,)))
-
-
-def _check(name: str, value: Any, node: dict) -> None:
-    """Validate ``value`` (at dotted key ``name``) against the schema ``node``; raise ConfigError."""
-    from dask.utils import parse_bytes
-
-    from dask_agents.errors import ConfigError
-
-    types = node.get("type")
-    types = [types] if isinstance(types, str) else list(types or [])
-    if types and not any(_is(value, t) for t in types):
-        raise ConfigError(f"{name}: expected {' or '.join(types)}, got {type(value).__name__} {_short(value)}")
-    if "enum" in node and value not in node["enum"]:
-        raise ConfigError(f"{name}: {_short(value)} is not one of {', '.join(map(str, node['enum']))}")
-    key = name.rpartition(".")[2]
-    if isinstance(value, str) and "string" in types and ("number" in types or "integer" in types):
-        if "integer" in types:  # a byte size: "64 MiB"
-            try:
-                n = parse_bytes(value)
-            except (ValueError, KeyError, TypeError):
-                raise ConfigError(f"{name}: {_short(value)} is not a byte size (e.g. '64 MiB')") from None
-            if n < 0:
-                raise ConfigError(f"{name}: a byte size must be >= 0, got {_short(value)}")
-        elif key == "bandwidth":  # bytes per second: "25 GB/s"
-            try:
-                n = parse_bytes(value.strip().removesuffix("/s"))
-            except (ValueError, KeyError, TypeError):
-                raise ConfigError(f"{name}: {_short(value)} is not a bandwidth (e.g. '25 GB/s')") from None
-            if n <= 0:
-                raise ConfigError(f"{name}: a bandwidth must be > 0, got {_short(value)}")
-        else:
-            _check_duration(name, key, value)
+def _load() -> None:
+    """(Re)load the schema when its file changed: check it, and build its validator (the draft
+    its ``$schema`` names, finite numbers, exact integers, :data:`FORMAT_CHECKER`)."""
+    mtime = os.path.getmtime(SCHEMA_PATH)
+    if _schema_cache.get("mtime") == mtime:
         return
-    if _is(value, "number"):
-        if not math.isfinite(value):
-            raise ConfigError(f"{name}: must be finite, got {_short(value)}")
-        if "minimum" in node and value < node["minimum"]:
-            raise ConfigError(f"{name}: must be >= {node['minimum']}, got {_short(value)}")
-        if "maximum" in node and value > node["maximum"]:
-            raise ConfigError(f"{name}: must be <= {node['maximum']}, got {_short(value)}")
-        if "exclusiveMinimum" in node and value <= node["exclusiveMinimum"]:
-            raise ConfigError(f"{name}: must be > {node['exclusiveMinimum']}, got {_short(value)}")
-        if "string" in types and "integer" in types and value < 0:  # a byte size given in bytes
-            raise ConfigError(f"{name}: a byte size must be >= 0, got {_short(value)}")
-        if "string" in types and "number" in types:
-            if key == "bandwidth":  # bytes per second given as a number
-                if value <= 0:
-                    raise ConfigError(f"{name}: a bandwidth must be > 0, got {_short(value)}")
-            else:  # a duration given in seconds
-                _check_duration(name, key, value)
-    if isinstance(value, (list, tuple)) and isinstance(node.get("items"), dict):
-        for i, item in enumerate(value):
-            _check(f"{name}[{i}]", item, node["items"])
+    with open(SCHEMA_PATH) as f:
+        loaded = yaml.safe_load(f)
+    base = jsonschema.validators.validator_for(loaded, default=jsonschema.Draft202012Validator)
+    base.check_schema(loaded)
+    # A JSON number is finite: YAML's .inf/.nan (or such a float from Python) are not numbers
+    # here. An integer may be written 2048.0 (as JSON Schema and pydantic read it) while the
+    # float is exact (|x| <= 2**53): pydantic refuses larger floats for its int fields.
+    checker = base.TYPE_CHECKER.redefine_many({
+        "number": lambda tc, v: base.TYPE_CHECKER.is_type(v, "number") and (isinstance(v, int) or math.isfinite(v)),
+        "integer": lambda tc, v: base.TYPE_CHECKER.is_type(v, "integer") and (
+            isinstance(v, int) or abs(v) <= _EXACT_FLOAT_INT),
+    })
+    cls = jsonschema.validators.extend(base, type_checker=checker)
+    _schema_cache.update(mtime=mtime, schema=loaded, validator=cls(loaded, format_checker=FORMAT_CHECKER),
+                         nodes={})
+
+
+def _subschema(key: str) -> dict:
+    """The schema of ``agents.<key>`` (``{}`` where the schema does not describe it)."""
+    _load()
+    nodes = _schema_cache["nodes"]
+    if key not in nodes:
+        node: Any = (_schema_cache["schema"].get("properties") or {}).get("agents") or {}
+        for part in key.split("."):
+            props = node.get("properties") or {}
+            extra = node.get("additionalProperties")
+            if part in props or part.replace("_", "-") in props:
+                node = props.get(part) or props[part.replace("_", "-")]
+            elif isinstance(extra, dict):
+                node = extra
+            else:
+                node = {}
+                break
+        nodes[key] = node
+    return nodes[key]
+
+
+def _canonical(value: Any, node: Any) -> Any:
+    """``value`` with ``some_key`` renamed to the schema's ``some-key`` (Dask treats the two
+    as one key, and ``DASK_AGENTS__...`` variables give underscores) and tuples as lists."""
+    if not isinstance(node, dict):
+        node = {}
     if isinstance(value, dict):
         props = node.get("properties") or {}
-        extra = node.get("additionalProperties", True)
-        for req in node.get("required") or ():
-            if req not in value and req.replace("-", "_") not in value:
-                raise ConfigError(f"{name}: missing required key {req!r}")
+        extra = node.get("additionalProperties")
+        out = {}
         for k, v in value.items():
-            if not isinstance(k, str):
-                raise ConfigError(f"{name}: keys must be strings, got {_short(k)}")
-            sub = props.get(k) or props.get(k.replace("_", "-"))
-            if sub is None:
-                if extra is False:
-                    known = ", ".join(sorted(props)) or "none"
-                    raise ConfigError(f"{name}.{k}: unknown key (known under {name}: {known})")
-                if not isinstance(extra, dict):
-                    continue
-                sub = extra
-            _check(f"{name}.{k}", v, sub)
+            if isinstance(k, str) and k not in props and k.replace("_", "-") in props:
+                k = k.replace("_", "-")
+            out[k] = _canonical(v, props.get(k, extra))
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v, node.get("items")) for v in value]
+    return value
 
 
-def _check_duration(name: str, key: str, value: Any) -> None:
-    from dask_agents.errors import ConfigError
+def _dotted(path: Iterable[Any]) -> str:
+    """``agents.x.y[0]`` from a jsonschema path."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
-    s = _seconds(name, value)
-    if s <= 0 and (key.endswith("interval") or key == "tick"):
-        raise ConfigError(f"{name}: a period must be > 0, got {_short(value)}")
+
+def _message(error: jsonschema.exceptions.ValidationError) -> str:
+    """``agents.x.y: <what is wrong>`` for one jsonschema error, its value cut short."""
+    where = _dotted(error.absolute_path)
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        props = error.schema.get("properties") or {}
+        unknown = sorted((k for k in error.instance if k not in props), key=str)
+        known = ", ".join(sorted(props)) or "none"
+        return f"{_dotted([*error.absolute_path, unknown[0]])}: unknown key (known under {where}: {known})"
+    if error.validator == "format" and error.cause is not None:
+        return f"{where}: {error.cause}"
+    text = error.message
+    try:
+        full = repr(error.instance)
+    except Exception:
+        full = None
+    if full and len(full) > 80 and text.startswith(full):  # jsonschema quotes the whole value
+        text = short_repr(error.instance) + text[len(full):]
+    if error.validator == "type" and isinstance(error.instance, float):
+        if not math.isfinite(error.instance):
+            text += " (numbers must be finite)"
+        elif error.instance.is_integer():
+            text += " (a float this large is not an exact integer: write it as an int)"
+    if len(text) > 400:
+        text = text[:397] + "..."
+    return f"{where}: {text}"
 
 
 def validate(config: dict | None = None) -> None:
-    """Check ``agents.*`` against ``agents-schema.yaml`` (and durations, byte sizes and
-    bandwidths by their meaning).
+    """Check ``agents.*`` against ``agents-schema.yaml`` with jsonschema (durations, byte sizes
+    and bandwidths through their ``format``).
 
     ``config``: the value of the ``agents`` key (default: the current Dask configuration).
     Raises :class:`~dask_agents.errors.ConfigError` naming the first bad key, for example
-    ``agents.control.interval: 'soon' is not a duration``."""
-    from dask_agents.errors import ConfigError
-
+    ``agents.control.interval: 'soon' is not a duration (e.g. '100ms', '2s', '10 minutes')``."""
     value = dask.config.get("agents", default={}) if config is None else config
-    root = (schema().get("properties") or {}).get("agents") or {}
-    if not isinstance(value, dict):
-        raise ConfigError(f"agents: expected a mapping of settings, got {type(value).__name__} {_short(value)}")
-    _check("agents", value, root)
+    _load()
+    instance = _canonical({"agents": value}, _schema_cache["schema"])
+    errors = list(_schema_cache["validator"].iter_errors(instance))
+    if not errors:
+        return
+    try:
+        error = jsonschema.exceptions.best_match(errors)
+    except TypeError:  # sibling paths that do not compare (a dict with int and str keys)
+        error = min(errors, key=lambda e: len(e.path))
+    raise ConfigError(_message(error))

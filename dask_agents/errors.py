@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+SHORT_REPR_LIMIT = 80
+"""Characters of a value's ``repr`` that error messages show (see :func:`short_repr`)."""
+
+
+def short_repr(value: object, limit: int = SHORT_REPR_LIMIT) -> str:
+    """``repr(value)`` cut to ``limit`` characters (ending in ``...`` when cut).
+
+    Error messages quote the bad value with this, so they stay readable for huge inputs; a
+    broken ``__repr__`` shows as ``<TypeName>`` instead of hiding the real problem."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
+
 
 def where(component: str, method: str | None, session: str | None) -> str:
     """Format ``Component.method (session S)`` for error messages."""

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
-from dask_agents.errors import HintError
+from dask_agents.errors import HintError, short_repr
 
 MAX_WAIT_S = 60.0
 """Upper bound of ``batching.max_wait`` (seconds)."""
@@ -68,15 +68,6 @@ class ToolHints(ComponentHints):
     kind: ToolKind = "custom"
 
 
-def _short(value: object, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters (messages stay readable for huge inputs)."""
-    try:
-        text = repr(value)
-    except Exception:  # a broken __repr__ must not hide the real problem
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def validate_hints(cls: type[ComponentHints], component: str, hints: dict) -> ComponentHints:
     """Build ``cls(**hints)``; on failure raise :class:`HintError` naming the component and each bad key."""
     try:
@@ -88,7 +79,7 @@ def validate_hints(cls: type[ComponentHints], component: str, hints: dict) -> Co
             if err["type"] == "extra_forbidden":
                 problems.append(f"unknown hint {loc!r}")
             else:
-                problems.append(f"{loc}: {err['msg']} (got {_short(err.get('input'))})")
+                problems.append(f"{loc}: {err['msg']} (got {short_repr(err.get('input'))})")
         known = ", ".join(sorted(cls.model_fields))
         raise HintError(
             f"invalid hints for component {component!r}: {'; '.join(problems)}. Known hints: {known}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+from typing import Any
 
 from distributed import Client
 
@@ -17,7 +18,7 @@ import dask_agents.config as agents_config
 from dask_agents import runtime
 from dask_agents.calls import find_client, submit_call
 from dask_agents.components import make_spec
-from dask_agents.errors import UnknownModelError
+from dask_agents.errors import UnknownModelError, short_repr
 from dask_agents.futures import AgentFuture
 from dask_agents.hints import ComponentHints
 
@@ -57,16 +58,21 @@ def component_name(model: str) -> str:
 
 
 def check_generate_args(model: str, prompt: object, max_tokens: object, temperature: object,
-                        seed: object) -> None:
-    """Validate ``generate``'s arguments: ``prompt`` a non-empty string or list of token ids
-    (ints >= 0) or a future of one, ``max_tokens`` None or an int >= 1, ``temperature`` a finite number >= 0,
-    ``seed`` None or an int. Raises TypeError/ValueError naming the model and the argument."""
+                        seed: object) -> tuple[Any, int | None, float, int | None]:
+    """Validate and normalise ``generate``'s arguments.
+
+    ``prompt``: a non-empty string or sequence of token ids (ints >= 0) or a future of one;
+    ``max_tokens``: None or an int >= 1; ``temperature``: a finite number >= 0; ``seed``: None or
+    an int. Any :class:`numbers.Integral` / :class:`numbers.Real` is accepted (``numpy.int64``...)
+    and returned as the plain Python type the worker requires: ``(prompt, max_tokens,
+    temperature, seed)`` with token ids as a ``list[int]``, ``max_tokens``/``seed`` as ``int``
+    (or None) and ``temperature`` as ``float``. Raises TypeError/ValueError naming the model and
+    the argument."""
     import math
     from numbers import Integral, Real
 
     def bad(kind: type[Exception], what: str, value: object) -> Exception:
-        shown = repr(value)
-        return kind(f"da.llm({model!r}).generate: {what}, got {shown if len(shown) <= 80 else shown[:77] + '...'}")
+        return kind(f"da.llm({model!r}).generate: {what}, got {short_repr(value)}")
 
     from distributed import Future
 
@@ -83,6 +89,7 @@ def check_generate_args(model: str, prompt: object, max_tokens: object, temperat
                 raise bad(TypeError, "token ids must be ints", t)
             if t < 0:
                 raise bad(ValueError, "token ids must be >= 0", t)
+        prompt = [int(t) for t in prompt]
     else:
         raise bad(TypeError, "prompt must be a string or a list of token ids", prompt)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, Integral)):
@@ -91,10 +98,16 @@ def check_generate_args(model: str, prompt: object, max_tokens: object, temperat
         raise bad(ValueError, "max_tokens must be >= 1", max_tokens)
     if isinstance(temperature, bool) or not isinstance(temperature, Real):
         raise bad(TypeError, "temperature must be a number", temperature)
-    if not math.isfinite(temperature) or temperature < 0:
+    try:
+        temp = float(temperature)
+    except (OverflowError, ValueError):  # an int too large for a float
+        temp = math.inf
+    if not math.isfinite(temp) or temp < 0:
         raise bad(ValueError, "temperature must be finite and >= 0", temperature)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
         raise bad(TypeError, "seed must be an int", seed)
+    return (prompt, None if max_tokens is None else int(max_tokens), temp,
+            None if seed is None else int(seed))
 
 
 class LLM:
@@ -113,7 +126,7 @@ class LLM:
 
         Arguments are checked here, before anything is submitted: a bad one raises TypeError or
         ValueError naming the model and the argument."""
-        check_generate_args(self.model, prompt, max_tokens, temperature, seed)
+        prompt, max_tokens, temperature, seed = check_generate_args(self.model, prompt, max_tokens, temperature, seed)
         _check_model(find_client(self._spec, "generate"), self.model, self._spec.name)
         kwargs = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
         return submit_call(self._spec, "generate", runtime.run_llm, self.model, (prompt,), kwargs,

@@ -18,6 +18,7 @@ from distributed import Client
 
 from dask_agents import context
 from dask_agents.calls import ANNOTATION
+from dask_agents.errors import short_repr
 
 
 _LABEL = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:+@-]{0,127}")
@@ -29,10 +30,9 @@ def _check_label(what: str, value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, str) or not _LABEL.fullmatch(value):
-        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise ValueError(
             f"da.session({what}=...) must be a string of 1-128 letters, digits and _ . : + @ - "
-            f"(not starting with a symbol), got {shown}"
+            f"(not starting with a symbol), got {short_repr(value)}"
         )
 
 

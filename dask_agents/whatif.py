@@ -6,9 +6,9 @@ From it this module rebuilds each session as a script and replays every session 
 time on a chosen number of engine replicas per model:
 
 - **Sessions** start when they started in the recording (times divided by ``load_scale``).
-  A call is created a recorded gap after the event that preceded its creation in its session
-  (the finish of an earlier call, or the start of the call that created it): the driver's and
-  the tools' own time is kept, the waits on engines are recomputed.
+  A call is created a recorded gap after the latest finish of an earlier call of its session
+  (or the session's start), and not before the same gap after the start of the call that
+  created it: the driver's and the tools' own time is kept, the waits on engines are recomputed.
 - Every call starts its recorded dispatch delay (created -> started: scheduling, a free
   thread) after its creation. **Calls that are not LLM calls** then take their recorded service
   time; one that created calls finishes its recorded tail after the last of its children
@@ -134,6 +134,8 @@ def summarize(sessions: list[float], llm: list[float], makespan: float, hit_rate
 def scripts_from_frame(df: Any) -> list[Script]:
     """Session scripts from a ``da.telemetry`` calls frame (only finished calls of sessions
     whose calls all finished are kept: a replay needs whole sessions)."""
+    import pandas as pd
+
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise WhatIfError(f"telemetry lacks column(s) {', '.join(missing)} (a da.telemetry(client) calls table has them)")
@@ -150,7 +152,7 @@ def scripts_from_frame(df: Any) -> list[Script]:
 
             def num(name: str) -> int:
                 v = d.get(name)
-                return int(v) if v is not None and v == v else 0
+                return 0 if v is None or pd.isna(v) else int(v)
             model = d.get("model") if d.get("kind") == "llm" else None
             calls.append(Call(
                 key=str(d["key"]), component=str(d["component"]), kind=str(d["kind"]),
@@ -180,7 +182,7 @@ def load(path: str) -> list[Script]:
 
     try:
         df = _read(path)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: no parquet engine
         raise WhatIfError(f"{path}: cannot read telemetry: {e}") from e
     return scripts_from_frame(df)
 
@@ -198,15 +200,22 @@ def recorded_replicas(scripts: Iterable[Script]) -> dict[str, int]:
 # -- calibration ---------------------------------------------------------------------------------
 
 def _concurrency(calls: list[Call]) -> list[float]:
-    """Mean number of calls in service on the same worker during each call (itself included)."""
+    """Mean number of calls in service on the same worker during each call (itself included):
+    the integral of the in-service count over the call's span, over its duration (a sweep over
+    the sorted starts and finishes: O(n log n))."""
+    import numpy as np
+
+    starts = np.array([c.started for c in calls], dtype=float)
+    ends = np.array([c.finished for c in calls], dtype=float)
+    times = np.unique(np.concatenate([starts, ends]))
+    # calls in service on [times[k], times[k+1]): started at or before, not finished by then
+    count = np.searchsorted(np.sort(starts), times, side="right") - np.searchsorted(np.sort(ends), times, side="right")
+    area = np.concatenate([[0.0], np.cumsum(count[:-1] * np.diff(times))])  # integral up to times[k]
+    at = dict(zip(times.tolist(), area.tolist()))
     out = []
-    for c in calls:
-        dur = c.finished - c.started
-        if dur <= 0:
-            out.append(1.0)
-            continue
-        overlap = sum(max(0.0, min(c.finished, o.finished) - max(c.started, o.started)) for o in calls if o is not c)
-        out.append(1.0 + overlap / dur)
+    for c, s0, e0 in zip(calls, starts, ends):
+        dur = e0 - s0
+        out.append(1.0 if dur <= 0 else max(1.0, (at[float(e0)] - at[float(s0)]) / dur))
     return out
 
 
@@ -284,8 +293,6 @@ class _Replay:
                             for _ in range(n)] for m, n in replicas.items()}
         self.events: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
-        self.finish: dict[tuple[int, str], float] = {}  # (session index, call key) -> replayed finish
-        self.start: dict[tuple[int, str], float] = {}
         self.pending_children: dict[tuple[int, str], int] = {}
         self.children_done: dict[tuple[int, str], float] = {}
         self.binding: dict[tuple[int, str], _Replica] = {}
@@ -299,33 +306,36 @@ class _Replay:
         self._plan()
 
     def _plan(self) -> None:
-        """For each call: the event it follows and the gap after it."""
-        self.trigger: dict[tuple[int, str], tuple[tuple[str, str] | None, float]] = {}
+        """For each call: the events it waits for and the gap after each (see the module docstring)."""
+        self.triggers: dict[tuple[int, str], list[tuple[tuple[str, str] | None, float]]] = {}
         self.children: dict[tuple[int, str], list[str]] = {}
         self.tail: dict[tuple[int, str], float] = {}
+        self.waiters: dict[tuple[int, tuple[str, str]], list[tuple[str, float]]] = {}
+        self.need: dict[tuple[int, str], int] = {}  # events a call still waits for
+        self.ready_at: dict[tuple[int, str], float] = {}  # the latest time its fired events allow
         for i, s in enumerate(self.scripts):
-            keys = {c.key for c in s.calls}
-            by_key = {c.key: c for c in s.calls}
+            by_key = self.calls[i]
             for c in s.calls:
-                if c.creator in keys:
+                if c.creator in by_key:
                     self.children.setdefault((i, c.creator), []).append(c.key)
             for c in s.calls:
-                best: tuple[tuple[str, str] | None, float] = (None, c.created)  # after the session start
-                best_t = 0.0
+                after: tuple[str, str] | None = None
+                gap, best_t = c.created, 0.0  # after the session start
                 for o in s.calls:
                     if o is not c and o.finished <= c.created + 1e-9 and o.finished >= best_t:
-                        best, best_t = (("finish", o.key), c.created - o.finished), o.finished
-                if c.creator in by_key and by_key[c.creator].started >= best_t:
-                    best = (("start", c.creator), c.created - by_key[c.creator].started)
-                self.trigger[(i, c.key)] = best
+                        after, gap, best_t = ("finish", o.key), c.created - o.finished, o.finished
+                triggers = [(after, gap)]
+                if c.creator in by_key:  # and never before its creator runs, whatever finished first
+                    triggers.append((("start", c.creator), max(0.0, c.created - by_key[c.creator].started)))
+                self.triggers[(i, c.key)] = triggers
+                self.need[(i, c.key)] = sum(1 for ev, _ in triggers if ev is not None)
+                for ev, g in triggers:
+                    if ev is not None:
+                        self.waiters.setdefault((i, ev), []).append((c.key, g))
                 kids = self.children.get((i, c.key))
                 if kids:
                     self.tail[(i, c.key)] = max(0.0, c.finished - max(by_key[k].finished for k in kids))
                     self.pending_children[(i, c.key)] = len(kids)
-        self.waiters: dict[tuple[int, tuple[str, str]], list[str]] = {}
-        for (i, key), (ev, _gap) in self.trigger.items():
-            if ev is not None:
-                self.waiters.setdefault((i, ev), []).append(key)
 
     def _push(self, t: float, kind: str, payload: Any) -> None:
         heapq.heappush(self.events, (t, next(self._seq), kind, payload))
@@ -334,9 +344,11 @@ class _Replay:
         for i, s in enumerate(self.scripts):
             t0 = s.start / self.load_scale
             for c in s.calls:
-                ev, gap = self.trigger[(i, c.key)]
-                if ev is None:
-                    self._push(t0 + gap, "create", (i, c.key))
+                ev, gap = self.triggers[(i, c.key)][0]
+                if ev is None:  # after the session's start
+                    self.ready_at[(i, c.key)] = t0 + gap
+                    if not self.need[(i, c.key)]:
+                        self._push(t0 + gap, "create", (i, c.key))
         now = 0.0
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
@@ -363,7 +375,6 @@ class _Replay:
 
     def _start(self, now: float, i: int, key: str) -> None:
         c = self._call(i, key)
-        self.start[(i, key)] = now
         self._fire(now, i, ("start", key))
         if c.model is not None:
             self._submit(now, i, c)
@@ -387,6 +398,10 @@ class _Replay:
         from worker_plugin.emulated import Sequence
 
         rep = self._replica(i, c.model)
+        try:
+            rep.sched.check(c.key, c.prompt_tokens, c.output_tokens)
+        except ValueError as e:  # the allocation's engines cannot hold this call at all
+            raise WhatIfError(f"session {self.scripts[i].id}: {e} (raise --kv-blocks)") from None
         tokens = self._tokens(i, c.prompt_tokens)
         seq = Sequence(f"{i}:{c.key}", tokens, c.output_tokens, priority=(-self.progress[i],))
         self.inflight[seq.request_id] = (i, c.key, now)
@@ -416,7 +431,6 @@ class _Replay:
         self._push(t, "step", rep)
 
     def _done(self, now: float, i: int, key: str) -> None:
-        self.finish[(i, key)] = now
         self.progress[i] += 1
         self.live_calls[i] -= 1
         self.session_end[i] = max(self.session_end[i], now)
@@ -434,8 +448,12 @@ class _Replay:
                 self._push(t, "done", (i, parent))
 
     def _fire(self, now: float, i: int, event: tuple[str, str]) -> None:
-        for key in self.waiters.get((i, event), ()):
-            self._push(now + self.trigger[(i, key)][1], "create", (i, key))
+        for key, gap in self.waiters.get((i, event), ()):
+            t = max(self.ready_at.get((i, key), now), now + gap)
+            self.ready_at[(i, key)] = t
+            self.need[(i, key)] -= 1
+            if not self.need[(i, key)]:
+                self._push(t, "create", (i, key))
 
 
 def system_prefix(scripts: Iterable[Script]) -> int:
@@ -495,8 +513,8 @@ def parse_replicas(items: Iterable[str], gpus: int | None, scripts: list[Script]
     out: dict[str, int] = {}
     for item in items:
         name, sep, n = item.partition("=")
-        if not sep or not n.strip().isdigit():
-            raise WhatIfError(f"--replicas takes MODEL=N, got {item!r}")
+        if not sep or not n.strip().isdigit() or int(n) < 1:
+            raise WhatIfError(f"--replicas takes MODEL=N with N >= 1, got {item!r}")
         out[name.strip()] = int(n)
     base = recorded_replicas(scripts)
     rest = [m for m in base if m not in out]
@@ -504,11 +522,13 @@ def parse_replicas(items: Iterable[str], gpus: int | None, scripts: list[Script]
         left = gpus - sum(out.values())
         if left < len(rest):
             raise WhatIfError(f"--gpus {gpus} leaves {left} for {len(rest)} model(s) that need one each")
+        # one each, then the rest by recorded LLM work (largest remainder): exactly --gpus in all
         work = {m: sum(c.finished - c.started for s in scripts for c in s.calls if c.model == m) for m in rest}
         total = sum(work.values()) or 1.0
-        shares = {m: max(1, int(left * work[m] / total)) for m in rest}
-        while sum(shares.values()) < left and rest:  # hand out what rounding left over
-            m = max(rest, key=lambda m: left * work[m] / total - shares[m])
+        extra = left - len(rest)
+        quota = {m: extra * work[m] / total for m in rest}
+        shares = {m: 1 + int(quota[m]) for m in rest}
+        for m in sorted(rest, key=lambda m: quota[m] - int(quota[m]), reverse=True)[:left - sum(shares.values())]:
             shares[m] += 1
         out.update(shares)
     else:

@@ -685,8 +685,10 @@ def load_telemetry(source: Any, block_size: int = 512, time_scale: float = 1.0, 
             what = "a finite number >= 0"
             if integer:
                 what = f"an integer >= 0 (at most {MAX_TOKENS})" if f > MAX_TOKENS else "an integer >= 0"
-            shown = repr(v) if len(repr(v)) <= 80 else repr(v)[:77] + "..."
-            raise ValueError(f"{where_of(i)}: {col} must be {what}, got {shown}")
+            # imported here: kv itself does not load the dask_agents package
+            from dask_agents.errors import short_repr
+
+            raise ValueError(f"{where_of(i)}: {col} must be {what}, got {short_repr(v)}")
         return int(f) if integer else f
 
     llm: dict[str, list[tuple]] = defaultdict(list)

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any, Union
 
+from dask_agents.errors import short_repr
+
 
 class ActionError(ValueError):
     """A control action with a malformed field; the message names the action and the field."""
 
 
 def _fail(action: Any, field: str, what: str, value: Any) -> ActionError:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return ActionError(f"{type(action).__name__}.{field}: {what}, got {shown}")
+    """An :class:`ActionError` naming the action's class, the field and the (shortened) value."""
+    return ActionError(f"{type(action).__name__}.{field}: {what}, got {short_repr(value)}")
 
 
 def _text(action: Any, field: str, value: Any, *, optional: bool = False) -> None:

@@ -2,11 +2,14 @@
 critical path, run and supervised by :mod:`scheduler_plugin.watchdog` (policies in threads,
 restart of a dead or stalled loop). ``tick`` is the same pass run inline, for tests and tools.
 
-Each tick builds a read-only :class:`~scheduler_plugin.view.ClusterView` (bounded by
+Each pass builds a read-only :class:`~scheduler_plugin.view.ClusterView` (bounded by
 ``agents.control.max-calls-per-tick``), runs every enabled policy, and hands their
 suggestions to the enforcement layer (the pattern of Dask's Active Memory Manager). A policy
 that raises is logged and reported; the others still run and earlier decisions stand.
-Tick time is measured and exposed, because a slow tick blocks the whole scheduler.
+Two timings are recorded per pass: ``tick_seconds``, the time the pass held the scheduler's
+event loop (view, enforcement; for an inline ``tick`` also the policies), because that time
+delays every other scheduler operation; and ``policy_seconds``, the policies' own run time
+(in their threads for the running loop, so not on the event loop).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from typing import Any, Callable, Iterable
 from distributed.utils import import_term
 
 import dask_agents.config as agents_config
-from scheduler_plugin import dask_compat
 from scheduler_plugin.actions import Action
 from scheduler_plugin.enforce import Enforcer
 from scheduler_plugin.view import ClusterView
@@ -66,7 +68,10 @@ class ControlLoop:
         self.max_actions = int(agents_config.get("control.max-actions-per-tick"))
         self.running = False
         self.ticks = 0
+        # per pass: time on the scheduler's event loop (what delays the scheduler) ...
         self.tick_seconds: deque[float] = deque(maxlen=1000)
+        # ... and the policies' own run time (in their threads for the running loop)
+        self.policy_seconds: deque[float] = deque(maxlen=1000)
         self.errors: dict[str, str] = {}
         self.policy_errors = 0
         self._idle_since: dict[str, float] = {}
@@ -100,33 +105,13 @@ class ControlLoop:
 
     # -- one pass -------------------------------------------------------------------------
     def tick(self) -> dict:
-        """Build the view, run the policies, enforce; returns a summary of this pass."""
-        t0 = time.perf_counter()
-        self.enforcer.drainer.progress()
-        view = self.build_view()
-        self.view_seconds.append(time.perf_counter() - t0)
-        applied: dict[str, int] = {}
-        for name, policy in self.policies.items():
-            try:
-                actions = []
-                for a in policy(view):
-                    actions.append(a)
-                    if len(actions) >= self.max_actions:
-                        break
-            except Exception as e:  # keep serving: log, report, let earlier decisions stand
-                self.policy_errors += 1
-                self.errors[name] = f"{type(e).__name__}: {e}"
-                logger.exception("dask-agents: policy %s raised", name)
-                dask_compat.add_event(self.plugin.scheduler, "agents-control",
-                                      {"action": "policy-error", "policy": name, "error": self.errors[name]})
-                continue
-            applied[name] = self.enforcer.apply(actions, name)
-        dt = time.perf_counter() - t0
-        self.ticks += 1
-        self.tick_seconds.append(dt)
-        return {"tick": self.ticks, "seconds": dt, "view_seconds": self.view_seconds[-1], "applied": applied,
-                "calls_in_view": len(view.calls),
-                "truncated": view.truncated}
+        """One pass inline on the calling thread: build the view, call the policies, enforce.
+
+        The same pass as the running loop's (:meth:`Watchdog.run_inline`, sharing its error
+        reporting, quarantine and timings), with the policies called here instead of in
+        threads; a policy quarantined by the loop or running in one of its threads is skipped.
+        Returns the pass's summary (``seconds`` is the whole pass: it all ran on this thread)."""
+        return self.watchdog.run_inline()
 
     def build_view(self) -> ClusterView:
         """A snapshot for the policies; at most ``max_calls`` waiting calls.
@@ -143,13 +128,18 @@ class ControlLoop:
         return scan_view(self.plugin, now, self.max_calls, self._idle_since, draining)
 
     def stats(self) -> dict:
-        """Tick timing, action counters and the last error of each failing policy."""
+        """Pass timings (``tick_seconds_*``: on the event loop; ``policy_seconds_*``: the
+        policies' run time), action counters and the last error of each failing policy."""
         ts = sorted(self.tick_seconds)
-        pct = (lambda q: ts[min(int(q * len(ts)), len(ts) - 1)] if ts else None)
+        ps = sorted(self.policy_seconds)
+        pct = (lambda xs, q: xs[min(int(q * len(xs)), len(xs) - 1)] if xs else None)
         return {
             "running": self.running, "interval": self.interval, "ticks": self.ticks,
             "policies": list(self.policies), "tick_seconds_last": self.tick_seconds[-1] if ts else None,
-            "tick_seconds_p50": pct(0.5), "tick_seconds_p99": pct(0.99), "tick_seconds_max": ts[-1] if ts else None,
+            "tick_seconds_p50": pct(ts, 0.5), "tick_seconds_p99": pct(ts, 0.99),
+            "tick_seconds_max": ts[-1] if ts else None,
+            "policy_seconds_p50": pct(ps, 0.5), "policy_seconds_p99": pct(ps, 0.99),
+            "policy_seconds_max": ps[-1] if ps else None,
             "policy_errors": self.policy_errors, "errors": dict(self.errors), **self.enforcer.stats(),
             "recent": list(self.enforcer.recent)[-20:], **self.watchdog.stats(),
         }

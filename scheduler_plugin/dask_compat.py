@@ -349,3 +349,8 @@ def is_wanted(scheduler: Scheduler, key: Any) -> bool:
     (its worker was lost) it will run again rather than be forgotten."""
     ts = scheduler.tasks.get(key)
     return ts is not None and bool(ts.who_wants or ts.waiters)
+
+
+async def call_worker(scheduler: Scheduler, address: str, op: str, **kwargs: Any) -> Any:
+    """Call the RPC handler ``op`` of the worker at ``address`` (the scheduler's connection pool)."""
+    return await getattr(scheduler.rpc(address), op)(**kwargs)

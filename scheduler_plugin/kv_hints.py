@@ -35,6 +35,9 @@ class KVHints:
         self.holders: dict[str, set[str]] = defaultdict(set)  # session -> workers its LLM calls ran on
         self.llm_open: Counter[str] = Counter()  # session -> LLM calls processing
         self._processing: dict[str, set[str]] = defaultdict(set)  # session -> its LLM calls counted in llm_open
+        # call key -> its session, for the calls in ``_processing``: ``forget`` finds the entry
+        # of a call whose record the workflow state has dropped (no session to read from it)
+        self._session_of: dict[str, str] = {}
         self._last: dict[str, tuple] = {}  # session -> last (state, wait_key) sent
         self._ended: set[str] = set()  # recently ended sessions: late transitions are ignored
 
@@ -45,23 +48,39 @@ class KVHints:
         if sid is None or sid in self._ended:
             return
         if rec.kind == "llm":
-            if finish == "processing" and worker is not None and rec.key not in self._processing[sid]:
+            if finish == "processing" and worker is not None and rec.key not in self._processing.get(sid, ()):
                 self._processing[sid].add(rec.key)
+                self._session_of[rec.key] = sid
                 self.holders[sid].add(worker)
                 self.llm_open[sid] += 1
                 self._hint(sid, "running", workers=[worker])
             elif finish in _DONE and rec.key in self._processing.get(sid, ()):
-                self._processing[sid].discard(rec.key)
-                if not self._processing[sid]:
-                    del self._processing[sid]
-                self.llm_open[sid] -= 1
-                if self.llm_open[sid] <= 0:
-                    del self.llm_open[sid]
-                    self._hint(sid, "paused", node=key_split(rec.creator) if rec.creator else None)
+                self._llm_done(sid, rec.key, key_split(rec.creator) if rec.creator else None)
         elif finish == "processing" and sid in self.holders and not self.llm_open.get(sid):
             kind = getattr(rec, "tool_kind", None)
             if kind:  # the session's KV now waits on this tool: its kind predicts for how long
                 self._hint(sid, "paused", wait_key=kind)
+
+    def forget(self, key: str) -> None:
+        """An LLM call left ``processing`` after the workflow state dropped its record (O(1)):
+        count it done, as ``on_transition`` would have (its creator is unknown by then)."""
+        sid = self._session_of.get(key)
+        if sid is not None:
+            self._llm_done(sid, key, None)
+
+    def _llm_done(self, sid: str, key: str, node: str | None) -> None:
+        """One LLM call of ``sid`` counted in ``llm_open`` is over; the last one pauses the session."""
+        self._session_of.pop(key, None)
+        keys = self._processing.get(sid)
+        if keys is None or key not in keys:
+            return
+        keys.discard(key)
+        if not keys:
+            del self._processing[sid]
+        self.llm_open[sid] -= 1
+        if self.llm_open[sid] <= 0:
+            del self.llm_open[sid]
+            self._hint(sid, "paused", node=node)
 
     def on_session_end(self, sid: str) -> None:
         """Forget a session (its end invalidates its KV on every holder); calls of it that
@@ -69,7 +88,8 @@ class KVHints:
         self.holders.pop(sid, None)
         self.llm_open.pop(sid, None)
         self._last.pop(sid, None)
-        self._processing.pop(sid, None)
+        for key in self._processing.pop(sid, ()):
+            self._session_of.pop(key, None)
         self._ended.add(sid)
         if len(self._ended) > 10_000:  # a bound: ended ids only guard against stragglers
             self._ended.clear()

@@ -256,7 +256,7 @@ def families(plugin: Any) -> Iterator[Any]:
     h = HistogramMetricFamily(name("session_latency_seconds"), "Session latency: created to completed")
     h.add_metric([], agg.session_latency.buckets(), agg.session_latency.sum)
     yield h
-    h = HistogramMetricFamily(name("control_tick_seconds"), "Duration of control-loop passes")
+    h = HistogramMetricFamily(name("control_tick_seconds"), "Event-loop time of control-loop passes (policies run in threads, not counted)")
     h.add_metric([], agg.tick.buckets(), agg.tick.sum)
     yield h
 

@@ -31,7 +31,7 @@ from scheduler_plugin.kv_hints import KVHints
 from scheduler_plugin.policies import prioritize
 from scheduler_plugin.recovery import Recovery
 from scheduler_plugin.state import WorkflowState
-from scheduler_plugin.view_index import BindingMap, ViewIndex
+from scheduler_plugin.view_index import BindingMap, PlacedMap, Tally, ViewIndex
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +55,18 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.bindings: dict[tuple[str, str], str] = BindingMap()
         self.session_bindings: dict[str, list[tuple[str, str]]] = defaultdict(list)  # index by session
         self.session_workers: dict[str, set[str]] = defaultdict(set)  # stateful hosts, LLM KV holders
+        self.migrating: dict[str, tuple[str, str, str]] = {}  # LLM call -> (binding, source, target)
         self.kv_hints = KVHints(self._send_kv_hint)  # what engines holding a session's KV should know
         self.bound: dict[str, int] = defaultdict(int)  # worker -> live sessions bound to it (KV/instances held)
         self.assigned: dict[str, int] = defaultdict(int)  # worker -> sessions ever bound (round-robin tie-break)
+        # key -> (worker, what) of the calls we pinned; also indexed by worker (``placed.by_worker``)
+        # so a lost worker's calls are found without scanning every placed call
+        self.placed: PlacedMap = PlacedMap()
+        self.placed_by_worker: dict[str, dict[Any, str]] = self.placed.by_worker  # worker -> {key: what}
         # open calls placed per (worker, what): the load that matters when choosing an engine
-        # (a worker busy with agent tasks may have an idle engine)
-        self.placed: dict[str, tuple[str, str]] = {}  # key -> (worker, what)
-        self.open_placed: dict[tuple[str, str], int] = defaultdict(int)
+        # (a worker busy with agent tasks may have an idle engine). A read of a missing pair
+        # gives 0 without inserting it and an entry goes at zero: a lost worker's are few.
+        self.open_placed: Tally = Tally()
         self.client_sessions: dict[str, set[str]] = defaultdict(set)
         self.arrivals = itertools.count()
         self.control: ControlLoop | None = None
@@ -141,19 +146,30 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         dask_compat.set_worker_stream_interval(scheduler, [worker], agents_config.seconds("scheduler.batched-send-interval"))
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        """``worker`` left: drop what it held, then recover the calls pinned to it.
+
+        O(the worker's bindings and placed calls + models): the by-worker indexes of
+        ``bindings`` and ``placed`` find them without scanning every session's."""
         self.ready_workers.pop(worker, None)
         for ws in self.model_workers.values():
             ws.discard(worker)
-        for k in [k for k, w in self.bindings.items() if w == worker]:
+        # moves to or from it are moot (O(calls moved and not yet reported): a handful)
+        for key in [k for k, (_w, src, dst) in self.migrating.items() if worker in (src, dst)]:
+            del self.migrating[key]
+        dropped_llm: list[tuple[str, str]] = []
+        for k in self.bindings.keys_on(worker):
             del self.bindings[k]
             if k[1].startswith("llm:"):
                 self.state.forget_kv(k[0], k[1][4:])  # its KV died with the engine
+                dropped_llm.append((k[0], k[1][4:]))
         self.bound.pop(worker, None)
-        for k in [k for k in self.open_placed if k[0] == worker]:
-            del self.open_placed[k]
+        # the open-call counters of the worker: one per kind of call placed there (the calls
+        # themselves stay in ``placed`` until recovery re-places them or they end)
+        for what in set(self.placed_by_worker.get(worker, {}).values()):
+            self.open_placed.pop((worker, what), None)
         self.assigned.pop(worker, None)
         self.aggregates.forget_worker(worker)
-        self.view_index.on_worker_removed(worker)  # after the bindings: drops their KV token entries
+        self.view_index.on_worker_removed(worker, dropped_llm)  # drops those sessions' KV token entries
         # after the bindings are gone, so re-placed calls and their sessions go elsewhere
         self.recovery.on_worker_removed(worker, kwargs.get("stimulus_id"))
 
@@ -238,13 +254,19 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             # (and, for an engine, its KV) follow it there, so sessions are the load that lasts;
             # the open calls of this kind at this instant are a noisy tie-breaker (measured: open
             # calls first left one of two engines with 61% of the decode work, sessions first 5x%).
-            bound = min(candidates, key=lambda w: (self.bound[w], self.open_placed[(w, what)], self.assigned[w]))
+            bound = min(candidates, key=lambda w: (self.bound.get(w, 0), self.open_placed[(w, what)],
+                                                   self.assigned.get(w, 0)))
             if session is not None:
                 old = self.bindings.get((session, what))
                 if old is None:
                     self.session_bindings[session].append((session, what))
-                elif self.bound.get(old, 0) > 0:
-                    self.bound[old] -= 1
+                else:
+                    if self.bound.get(old, 0) > 0:
+                        self.bound[old] -= 1
+                    if what.startswith("llm:") and old != bound:
+                        # the new engine never held the session's KV: its next call recomputes
+                        # the prefix there (what balance prices), until that call reports
+                        self.state.forget_kv(session, what[4:])
                 self.bindings[(session, what)] = bound
                 self.bound[bound] += 1
                 self.assigned[bound] += 1
@@ -255,15 +277,40 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.open_placed[(bound, what)] += 1
 
     def _unplace(self, key: str) -> None:
+        """The call is no longer pinned by us (it ended, or is being placed again)."""
         where = self.placed.pop(key, None)
-        if where is not None and self.open_placed.get(where, 0) > 0:
-            self.open_placed[where] -= 1
+        if where is not None:
+            self.open_placed.decrement(where)
+
+    def _move_placed(self, key: str, target: str) -> tuple[str, str] | None:
+        """A placed call moved to ``target`` (a migration): move its placement bookkeeping
+        (``placed``, its by-worker index, the open-call counters) in O(1). Returns its former
+        (worker, what), or None if we had not placed it."""
+        where = self.placed.get(key)
+        if where is not None and where[0] != target:
+            self.open_placed.decrement(where)
+            self.placed[key] = (target, where[1])
+            self.open_placed[(target, where[1])] += 1
+        return where
+
+    def _forget_unrecorded(self, key: Any, finish: str) -> None:
+        """A task without a call record changed state: if it is a call the workflow state
+        dropped while it was open (session-less calls past ``max_loose_calls``, calls of an
+        expired session), drop what the view index, the KV hints and the placement
+        bookkeeping still hold for it. O(1): a few dict lookups for any other task."""
+        self.view_index.forget(key)
+        self.kv_hints.forget(key)
+        self.migrating.pop(key, None)
+        if key in self.placed and (finish != "released" or not dask_compat.is_wanted(self.scheduler, key)):
+            self._unplace(key)  # over (released and not wanted: cancelled); wanted: it runs again
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "no-worker":  # pinned to a lost worker? (also calls past retention)
             self.recovery.on_no_worker(key)
         rec = self.state.calls.get(key)
         if rec is None:
+            if finish != "processing":  # left a worker or the queue: nothing of it may stay behind
+                self._forget_unrecorded(key, finish)
             return
         worker = None
         ts = None
@@ -289,7 +336,10 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         for r in reports or ():
             try:
                 self.state.on_report(r["key"], r["started"], r["finished"], worker, r.get("metrics"))
-                self.aggregates.on_report(self.state.calls.get(r["key"]))
+                rec = self.state.calls.get(r["key"])
+                self.aggregates.on_report(rec)
+                if rec is not None and rec.kind == "llm" and rec.session is not None and worker is not None:
+                    self._llm_ran(rec, worker)
             except Exception:  # one bad report is dropped; raising here would close the worker's stream
                 logger.exception("dask-agents: a report from %s was dropped", worker)
         if isinstance(engines, dict) and worker is not None:
@@ -297,6 +347,26 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 self.aggregates.on_engine_stats(worker, engines, time.time())
             except Exception:
                 logger.exception("dask-agents: engine stats from %s were dropped", worker)
+
+    def _llm_ran(self, rec: Any, worker: str) -> None:
+        """An LLM call of a session finished on ``worker``: its KV is there (dropped at session
+        end); a migration it was part of either happened (binding stays on the target) or the
+        source refused it, the call having started (the binding goes back: the KV is there)."""
+        moved = self.migrating.pop(rec.key, None)
+        s = self.state.sessions.get(rec.session)
+        if s is None or s.state == "completed":  # reports trail the transitions: it already ended
+            if moved is not None and worker == moved[2] and dask_compat.has_worker(self.scheduler, worker):
+                self._end_sessions(worker, [rec.session])  # the target never heard of it before
+            return
+        self.session_workers[rec.session].add(worker)
+        self.kv_hints.holders[rec.session].add(worker)
+        if moved is not None:
+            what, source, target = moved
+            if worker == source and self.bindings.get((rec.session, what)) == target:
+                self.bindings[(rec.session, what)] = source
+                if self.bound.get(target, 0) > 0:
+                    self.bound[target] -= 1
+                self.bound[source] += 1
 
     # -- called by the enforcement layer ---------------------------------------------------
     def on_migrated(self, key: str, source: str, target: str) -> None:
@@ -318,6 +388,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                     and self.bindings.get((rec.session, what)) == source):
                 self.bindings[(rec.session, what)] = target
                 self.state.forget_kv(rec.session, what[4:])  # rebuilt on the target by this call
+                # Dask's steal may still be refused (the call started): the report decides
+                self.migrating[key] = (what, source, target)
                 if self.bound.get(source, 0) > 0:
                     self.bound[source] -= 1
                 self.bound[target] += 1
@@ -379,10 +451,17 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             w = self.bindings.pop(key, None)
             if w is not None and self.bound.get(w, 0) > 0:
                 self.bound[w] -= 1
+        for key in [k for k, m in self.migrating.items() if m is not None and k in s.calls] if s is not None else ():
+            _what, _source, target = self.migrating.pop(key)
+            self.session_workers[sid].add(target)  # a moved call that has not reported yet
         for addr in self.session_workers.pop(sid, ()):
             if dask_compat.has_worker(self.scheduler, addr):
-                self._ending[addr].append(sid)
-        if self._ending and not self._flushing_ends:
+                self._end_sessions(addr, [sid])
+
+    def _end_sessions(self, addr: str, sids: list[str]) -> None:
+        """Tell ``addr`` (soon, batched) that ``sids`` ended: their KV and instances go."""
+        self._ending[addr].extend(sids)
+        if not self._flushing_ends:
             self._flushing_ends = True
             self.scheduler.loop.add_callback(self._flush_ends)
 

@@ -19,6 +19,11 @@ of our calls becomes ``no-worker`` later (a lost result recomputed, a dependency
 
 Nothing here runs inside a Dask transition (the hook only notes the key); recovery runs from
 ``remove_worker`` or a callback on the event loop right after.
+
+Recovery never leaves a call behind: each call is recovered on its own, and a call whose
+recovery raises (a bug, a Dask internal that changed) is failed with that error, or, where
+failing it fails too or it is stateless, released from its pin so that Dask places it. Its
+future raises or completes; it does not hang.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from dask_agents.calls import ANNOTATION
+from dask_agents.calls import ANNOTATION, sanitize_annotation
 from dask_agents.errors import InstanceLostError, where
 from scheduler_plugin import dask_compat
 
@@ -74,7 +79,8 @@ class Recovery:
         while len(self.gone) > 1000:  # bounded: only recent causes matter
             self.gone.pop(next(iter(self.gone)))
         self.counts["workers_lost"] += 1
-        keys = [k for k, (w, _) in self.plugin.placed.items() if w == worker]
+        # O(calls placed there): the plugin indexes its placements by worker
+        keys = list(self.plugin.placed_by_worker.get(worker, ()))
         # plus calls the transition hook saw become unrunnable while Dask released the
         # worker's tasks (finished calls whose result was lost and that Dask recomputes)
         self.stranded.update(keys)
@@ -100,7 +106,10 @@ class Recovery:
         return bool(pins) and not any(dask_compat.has_worker(self.scheduler, w) for w in pins)
 
     def recover(self) -> dict:
-        """Re-place or fail every stranded call; returns counts (and the failed keys)."""
+        """Re-place or fail every stranded call; returns counts (and the failed keys).
+
+        Each call is handled on its own: one that raises is failed or unpinned
+        (:meth:`_fallback`) and the others are still recovered."""
         s = self.scheduler
         stimulus = f"dask-agents-recover-{time.time()}"
         keys, self.stranded = self.stranded, set()
@@ -108,32 +117,107 @@ class Recovery:
         rerouted = failed = 0
         failed_keys: list[str] = []
         for key in keys:
-            ts = dask_compat.task(s, key)
-            if ts is None or dask_compat.state(ts) not in ("waiting", "no-worker", "queued", "released"):
-                continue  # already running elsewhere, done, or forgotten
-            if not self._pinned_to_dead(ts):
-                continue
-            ann = dask_compat.annotations(ts).get(ANNOTATION) or {}
-            if not (ann.get("stateful") or ann.get("kind") == "llm" or key in self.plugin.placed):
-                continue  # pinned by the user, not by us: Dask's behaviour (it waits for that worker)
-            pins = dask_compat.worker_restrictions(ts)
-            if ann.get("stateful"):
-                if dask_compat.fail_task(s, key, self._lost_error(key, ann, pins), stimulus):
-                    failed += 1
-                    failed_keys.append(key)
-                continue
-            self._replace(ts, ann)
-            rerouted += 1
-            reschedule.append(key)
+            try:
+                outcome = self._recover_one(key, stimulus)
+            except Exception as e:  # never leave the call, nor the rest, behind
+                logger.exception("dask-agents: recovering call %s failed", key)
+                outcome = self._fallback(key, e, stimulus)
+            if outcome == "failed":
+                failed += 1
+                failed_keys.append(key)
+            elif outcome == "rerouted":
+                rerouted += 1
+                reschedule.append(key)
         if reschedule:
-            dask_compat.reschedule(s, reschedule, stimulus)
+            try:
+                dask_compat.reschedule(s, reschedule, stimulus)
+            except Exception:
+                # each call alone: one Dask refuses must not keep the others in no-worker
+                logger.exception("dask-agents: rescheduling %d recovered calls together failed", len(reschedule))
+                for key in reschedule:
+                    try:
+                        dask_compat.reschedule(s, [key], stimulus)
+                    except Exception:  # it stays no-worker until a worker joins
+                        logger.exception("dask-agents: rescheduling recovered call %s failed", key)
         self.counts["rerouted"] += rerouted
         self.counts["failed"] += failed
         return {"rerouted": rerouted, "failed": failed, "failed_keys": failed_keys[:50]}
 
+    def _recover_one(self, key: Any, stimulus: str) -> str | None:
+        """Recover one stranded call: ``"failed"``, ``"rerouted"`` (to reschedule) or None
+        (nothing to do: running elsewhere, done, forgotten, or pinned by the user)."""
+        s = self.scheduler
+        ts = dask_compat.task(s, key)
+        if ts is None or dask_compat.state(ts) not in ("waiting", "no-worker", "queued", "released"):
+            return None  # already running elsewhere, done, or forgotten
+        if not self._pinned_to_dead(ts):
+            return None
+        info = self._call_info(key, ts)
+        if not (info["stateful"] or info["kind"] == "llm" or key in self.plugin.placed):
+            return None  # pinned by the user, not by us: Dask's behaviour (it waits for that worker)
+        pins = dask_compat.worker_restrictions(ts)
+        if info["stateful"]:
+            return "failed" if dask_compat.fail_task(s, key, self._lost_error(key, info, pins), stimulus) else None
+        self._replace(ts, info)
+        return "rerouted"
+
+    def _call_info(self, key: Any, ts: Any) -> dict:
+        """What recovery needs to know of a call: from its record, else from its annotation
+        read through :func:`~dask_agents.calls.sanitize_annotation` (any client can set
+        ``dask.annotate(agents=...)``: an unchecked value must not break recovery)."""
+        rec = self.plugin.state.calls.get(key)
+        if rec is not None:
+            return {"kind": rec.kind, "stateful": rec.stateful, "session": rec.session, "llm_model": rec.model,
+                    "component": rec.component, "method": rec.method}
+        ann = sanitize_annotation(dask_compat.annotations(ts).get(ANNOTATION)) or {}
+        return {"kind": ann.get("kind"), "stateful": ann.get("stateful") is True, "session": ann.get("session"),
+                "llm_model": ann.get("llm_model"), "component": ann.get("component"), "method": ann.get("method")}
+
+    def _fallback(self, key: Any, error: BaseException, stimulus: str) -> str | None:
+        """Recovering ``key`` raised ``error``: never leave it pinned to a dead worker.
+
+        A stateful call (or one we cannot tell) fails with an error naming ``error``: its
+        instance is gone, so running it elsewhere could silently give another answer. A
+        stateless call, or one that failing raises for too, is unpinned so that Dask places
+        it on any worker (now, or on the next one that joins)."""
+        s = self.scheduler
+        try:
+            ts = dask_compat.task(s, key)
+            if ts is None or dask_compat.state(ts) not in ("waiting", "no-worker", "queued", "released"):
+                return None
+            try:
+                info: dict | None = self._call_info(key, ts)
+            except Exception:  # noqa: BLE001 (treated as stateful: failing is the safe side)
+                info = None
+            if info is None or info["stateful"]:
+                info = info or {}
+                worker = next(iter(dask_compat.worker_restrictions(ts)), None)
+                component = info.get("component") or str(key)
+                # the error's text, not the error: it travels pickled, and may not pickle
+                exc = InstanceLostError(
+                    f"{where(component, info.get('method'), info.get('session'))}: dask-agents could not "
+                    f"recover call {key} after worker {worker} was lost ({type(error).__name__}: {error}); "
+                    f"it is not re-run.",
+                    session=info.get("session"), component=info.get("component"), worker=worker)
+                if dask_compat.fail_task(s, key, exc, stimulus):
+                    return "failed"
+        except Exception:  # last resort below
+            logger.exception("dask-agents: failing unrecoverable call %s failed; unpinning it", key)
+        try:
+            ts = dask_compat.task(s, key)
+            if ts is None:
+                return None
+            self.plugin._unplace(key)  # noqa: SLF001 (the plugin's own placement bookkeeping)
+            dask_compat.clear_worker_restriction(ts)
+            return "rerouted"
+        except Exception:  # nothing more can be done here (logged)
+            logger.exception("dask-agents: unpinning call %s failed", key)
+            return None
+
     def _replace(self, ts: Any, ann: dict) -> None:
         """Place a stateless pinned call again: LLM calls on another host of their model (the
-        session's binding moves with it), routed calls on the component's routes."""
+        session's binding moves with it), routed calls on the component's routes. ``ann``:
+        the call's :meth:`_call_info`."""
         plugin = self.plugin
         key = dask_compat.task_key(ts)
         plugin._unplace(key)  # noqa: SLF001 (the plugin's own placement bookkeeping)

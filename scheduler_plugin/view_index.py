@@ -43,18 +43,24 @@ _ON_WORKER = "processing"
 _HELD = "queued"
 
 
+_ABSENT = object()
+
+
 class BindingMap(dict):
     """``plugin.bindings`` ((session, component or ``llm:model``) -> worker) that also keeps
-    the LLM part as ``llm``: (session, model) -> worker, the view's ``kv_affinity``.
+    two side indexes: ``llm``, the LLM part as (session, model) -> worker (the view's
+    ``kv_affinity``), and ``by_worker``, worker -> its binding keys (what a lost worker takes
+    with it, found without scanning every binding).
 
     A dict subclass so that the plugin's code, and anything reading its bindings, is
-    unchanged; every mutating method keeps the side index in step (O(1) each)."""
+    unchanged; every mutating method keeps the side indexes in step (O(1) each)."""
 
-    __slots__ = ("llm",)
+    __slots__ = ("by_worker", "llm")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
         self.llm: dict[tuple[str, str], str] = {}
+        self.by_worker: dict[str, dict[tuple, None]] = {}
         self.update(*args, **kwargs)
 
     @staticmethod
@@ -63,51 +69,156 @@ class BindingMap(dict):
             return (key[0], key[1][4:])
         return None
 
+    def _unindex(self, key: Any, worker: Any) -> None:
+        keys = self.by_worker.get(worker)
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self.by_worker[worker]
+
+    def keys_on(self, worker: str) -> list[tuple]:
+        """The binding keys pointing at ``worker`` (O(those), a copy: safe to delete while iterating)."""
+        return list(self.by_worker.get(worker, ()))
+
     def __setitem__(self, key: Any, value: Any) -> None:
+        old = dict.get(self, key, _ABSENT)
         dict.__setitem__(self, key, value)
+        if old is not _ABSENT and old != value:
+            self._unindex(key, old)
+        self.by_worker.setdefault(value, {})[key] = None
         k = self._llm_key(key)
         if k is not None:
             self.llm[k] = value
 
     def __delitem__(self, key: Any) -> None:
+        old = dict.__getitem__(self, key)
         dict.__delitem__(self, key)
+        self._unindex(key, old)
         k = self._llm_key(key)
         if k is not None:
             self.llm.pop(k, None)
 
     def pop(self, key: Any, *default: Any) -> Any:
-        """``dict.pop``, keeping ``llm`` in step."""
+        """``dict.pop``, keeping the side indexes in step."""
         had = key in self
         value = dict.pop(self, key, *default)
         if had:
+            self._unindex(key, value)
             k = self._llm_key(key)
             if k is not None:
                 self.llm.pop(k, None)
         return value
 
     def popitem(self) -> tuple:
-        """``dict.popitem``, keeping ``llm`` in step."""
+        """``dict.popitem``, keeping the side indexes in step."""
         key, value = dict.popitem(self)
+        self._unindex(key, value)
         k = self._llm_key(key)
         if k is not None:
             self.llm.pop(k, None)
         return key, value
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
-        """``dict.setdefault``, keeping ``llm`` in step."""
+        """``dict.setdefault``, keeping the side indexes in step."""
         if key not in self:
             self[key] = default
         return dict.__getitem__(self, key)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
-        """``dict.update``, keeping ``llm`` in step."""
+        """``dict.update``, keeping the side indexes in step."""
         for k, v in dict(*args, **kwargs).items():
             self[k] = v
 
     def clear(self) -> None:
-        """``dict.clear``, keeping ``llm`` in step."""
+        """``dict.clear``, keeping the side indexes in step."""
         dict.clear(self)
         self.llm.clear()
+        self.by_worker.clear()
+
+
+class Tally(dict):
+    """Counts keyed by anything (``plugin.open_placed``: (worker, what) -> open placed calls).
+
+    Reading a missing key gives 0 *without* inserting it (a ``defaultdict(int)`` inserts on
+    every read: choosing among candidates would leave a zero entry per worker ever
+    considered, which a lost worker's cleanup would then have to scan for)."""
+
+    __slots__ = ()
+
+    def __missing__(self, key: Any) -> int:
+        return 0
+
+    def decrement(self, key: Any) -> None:
+        """Count one less of ``key``; the entry goes at zero (never below)."""
+        n = dict.get(self, key, 0) - 1
+        if n > 0:
+            dict.__setitem__(self, key, n)
+        else:
+            self.pop(key, None)
+
+
+class PlacedMap(dict):
+    """``plugin.placed`` (call key -> (worker, what) it was pinned to) that also keeps
+    ``by_worker``: worker -> {key: what} of the calls pinned there, so a lost worker's calls
+    (and its open-call counters) are found in O(its calls), not by scanning every placed call.
+
+    Every write goes through the mapping's methods, so any code that re-places a call (the
+    plugin's ``_place``/``_unplace``, a migration) keeps the index in step."""
+
+    __slots__ = ("by_worker",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_worker: dict[str, dict[Any, str]] = {}
+
+    def _unindex(self, key: Any, where: tuple[str, str]) -> None:
+        keys = self.by_worker.get(where[0])
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self.by_worker[where[0]]
+
+    def __setitem__(self, key: Any, value: tuple[str, str]) -> None:
+        old = dict.get(self, key)
+        dict.__setitem__(self, key, value)
+        if old is not None and old[0] != value[0]:
+            self._unindex(key, old)
+        self.by_worker.setdefault(value[0], {})[key] = value[1]
+
+    def __delitem__(self, key: Any) -> None:
+        old = dict.__getitem__(self, key)
+        dict.__delitem__(self, key)
+        self._unindex(key, old)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        """``dict.pop``, keeping ``by_worker`` in step."""
+        had = key in self
+        value = dict.pop(self, key, *default)
+        if had:
+            self._unindex(key, value)
+        return value
+
+    def popitem(self) -> tuple:
+        """``dict.popitem``, keeping ``by_worker`` in step."""
+        key, value = dict.popitem(self)
+        self._unindex(key, value)
+        return key, value
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        """``dict.setdefault``, keeping ``by_worker`` in step."""
+        if key not in self:
+            self[key] = default
+        return dict.__getitem__(self, key)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """``dict.update``, keeping ``by_worker`` in step."""
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+    def clear(self) -> None:
+        """``dict.clear``, keeping ``by_worker`` in step."""
+        dict.clear(self)
+        self.by_worker.clear()
 
 
 def session_view(rec: Any) -> SessionView:
@@ -230,9 +341,13 @@ def _worker_view(plugin: Any, address: str, nthreads: int, processing: int, runn
 class ViewIndex:
     """The control loop's view, kept up to date by the scheduler plugin's hooks.
 
-    Event methods (``on_*``) run on the scheduler's critical path and are O(1). ``build``
-    runs once per control tick: O(workers + sessions touched since the last tick +
-    ``max_calls``), independent of the number of live futures."""
+    Event methods (``on_*``, ``forget``) run on the scheduler's critical path and are O(1).
+    ``build`` runs once per control tick. Its Python work is O(workers + sessions touched
+    since the last tick + ``max_calls``), independent of the number of live futures. It also
+    copies the live-session views, the LLM bindings and ``kv_tokens`` into the view (flat
+    ``dict`` copies, done in C, no Python per entry). That O(live sessions) copy is
+    deliberate: the policies read the view on another thread while these hooks keep
+    mutating the index, so the view must not share a dict with it."""
 
     def __init__(self, plugin: Any):
         self.plugin = plugin
@@ -242,10 +357,14 @@ class ViewIndex:
         # stays put (re-checked against the task's current priority); an entry is new after
         # every transition or move, so a changed call never keeps a stale view.
         self.on_worker: dict[str, dict[str, list]] = {}
-        # worker -> keys seen executing or seceded there: later ticks skip them (a started
-        # task stays started until its next transition, which removes it)
-        self.started: dict[str, dict[str, None]] = {}
-        self.where: dict[str, str] = {}  # key -> worker it is processing on
+        # worker -> {key: component} of calls seen executing or seceded there: later ticks skip
+        # them (a started task stays started until its next transition, which removes it). The
+        # component is kept so the entry can be dropped, and ``per_replica`` corrected, without
+        # the call's record (``forget``: the state may have evicted it).
+        self.started: dict[str, dict[str, str]] = {}
+        # key -> worker it is processing on; its entry is in ``on_worker[worker]`` or
+        # ``started[worker]`` (both carry the component): O(1) to drop without the record
+        self.where: dict[str, str] = {}
         # held back by the scheduler: key -> [CallRecord, TaskState or None, CallView or None]
         self.sched_queued: OrderedDict[str, list] = OrderedDict()
         self.per_replica: Counter[tuple[str, str]] = Counter()  # (component, worker) -> processing calls
@@ -281,23 +400,44 @@ class ViewIndex:
             self._leave(key, rec.component)
             self._enter(rec, target, entry[1] if entry else None)
 
-    def on_worker_removed(self, address: str) -> None:
-        """A worker left: its calls transition elsewhere (those events re-add them); the
-        session bindings it held are gone, and with them their KV token entries (O(entries),
-        once per lost worker)."""
+    def on_worker_removed(self, address: str, dropped_llm: Iterable[tuple[str, str]] = ()) -> None:
+        """A worker left (or stopped running): its calls transition elsewhere (those events
+        re-add them). ``dropped_llm``: the (session, model) LLM bindings the plugin dropped with
+        it; their KV token entries go too. O(the worker's entries + ``dropped_llm``)."""
         self.ring.pop(address, None)
         self.idle_since.pop(address, None)
         self._idle_views.pop(address, None)
         for key, entry in list(self.on_worker.get(address, {}).items()):
             self._leave(key, entry[0].component)
-        for key in list(self.started.get(address, ())):
-            rec = self.plugin.state.calls.get(key)
-            self._leave(key, rec.component if rec is not None else None)
+        for key, component in list(self.started.get(address, {}).items()):
+            self._leave(key, component)
         self.on_worker.pop(address, None)
         self.started.pop(address, None)
         affinity = _affinity(self.plugin)
-        for k in [k for k in self.kv_tokens if k not in affinity]:
-            del self.kv_tokens[k]
+        for sid, model in dropped_llm:
+            if (sid, model) in affinity:
+                continue  # bound again meanwhile: its entry belongs to the new binding
+            if self.kv_tokens.pop((sid, model), None) is not None:
+                ms = tuple(m for m in self._token_models.get(sid, ()) if m != model)
+                if ms:
+                    self._token_models[sid] = ms
+                else:
+                    self._token_models.pop(sid, None)
+
+    def forget(self, key: str) -> None:
+        """Drop whatever the index holds for ``key`` without its call record (O(1)).
+
+        For calls the workflow state no longer records (it evicts session-less calls past
+        ``max_loose_calls`` even while they run, and drops expired sessions' calls): the
+        plugin's ``transition`` hook calls this when such a call leaves ``processing``, so
+        their ``where``/``started``/``per_replica`` entries do not outlive them."""
+        w = self.where.get(key)
+        if w is None:
+            self.sched_queued.pop(key, None)
+            return
+        entry = self.on_worker.get(w, {}).get(key)
+        component = entry[0].component if entry is not None else self.started.get(w, {}).get(key)
+        self._leave(key, component)
 
     def _enter(self, rec: Any, worker: str, ts: Any) -> None:
         q = self.on_worker.get(worker)
@@ -467,7 +607,7 @@ class ViewIndex:
                 st = self.started.get(address)
                 if st is None:
                     st = self.started[address] = {}
-                st[key] = None
+                st[key] = rec.component
                 continue
             if len(out) >= budget:
                 if budget:

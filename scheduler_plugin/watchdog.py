@@ -7,17 +7,31 @@ policies while a replacement rebuilds its view. Here:
 - **The loop** runs as an asyncio task on the scheduler's event loop (one pass every
   ``agents.control.interval``). A *watchdog* (a periodic callback every
   ``agents.control.watchdog-interval``) restarts it when the task died (an exception escaped
-  a pass) or made no progress for ``agents.control.stall-timeout``. On restart the loop forgets
-  what it derived (:meth:`ControlLoop.rebuild`) and asks the workers what they host, so its
-  next view is rebuilt from scheduler and worker state. Detection plus restart stays under 1 s
-  with the defaults (100 ms + 750 ms).
+  a pass) or made no progress for ``agents.control.stall-timeout``. "No progress" is measured
+  per phase, against a deadline the loop sets as it enters each phase: the view is built
+  (synchronously) before the clock starts, the wait for the policies' threads may take
+  ``policy-timeout`` + ``stall-timeout``, the sleep between passes ``interval`` +
+  ``stall-timeout``, anything else ``stall-timeout``. So a long interval or a slow view build
+  is never mistaken for a stall, while a pass stuck on an await is restarted within
+  ``stall-timeout`` plus one watchdog period (under 1 s with the defaults, 100 ms + 750 ms).
+  ``policy-timeout`` is kept below ``stall-timeout`` (clamped, with a warning), so no phase
+  waits by design longer than the stall timeout. On restart the loop forgets what it derived
+  (:meth:`ControlLoop.rebuild`) and asks the workers what they host, so its next view is
+  rebuilt from scheduler and worker state.
+- **Crash loops back off**: a loop that dies again before completing a pass is restarted after
+  ``BACKOFF_BASE`` seconds, doubling each time up to ``BACKOFF_MAX``; the workers are asked
+  once per such streak (not on every restart). A completed pass ends the streak. The
+  ``loop-died`` incident then carries ``retry_in`` and ``stats()`` ``restart_in``.
 - **Policies** run in threads, never on the event loop: a policy that sleeps or waits on I/O
   cannot block heartbeats, transitions or client traffic. Views are frozen and policies are
   pure functions of them, so running them in a thread is safe; their actions are validated
   and applied back on the event loop (the enforcer). A policy still running after
   ``agents.control.policy-timeout`` is skipped for the pass and quarantined (not called again)
-  until its thread returns; its late result is dropped. A CPU-bound endless loop in a policy
-  still takes its share of the GIL: that slows the scheduler, it does not stop it.
+  until its thread returns; its late result is dropped. A policy never runs in two threads at
+  once: passes are serialised (the loop and ``run_once``), and a thread left behind by a
+  cancelled pass (restart, stop) keeps its policy out of later passes until it returns. A
+  CPU-bound endless loop in a policy still takes its share of the GIL: that slows the
+  scheduler, it does not stop it.
 - **Serving never depends on the loop**: placement, priorities at creation and the routes the
   enforcer installed stay as they were while the loop is down (the last decisions stand).
 - **Incidents** (``policy-error``, ``policy-timeout``, ``policy-recovered``, ``loop-died``,
@@ -30,9 +44,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import dask_agents.config as agents_config
 from scheduler_plugin import dask_compat
@@ -46,8 +61,10 @@ TOPIC = "agents-control"
 WATCHDOG = "dask-agents-control-watchdog"
 
 
-def _run_policy(policy: Any, view: Any, max_actions: int) -> tuple[list, float]:
-    """In a policy thread: the policy's actions (bounded) and how long it took."""
+def _run_policy(policy: Callable, view: Any, max_actions: int) -> tuple[list, float]:
+    """Call one policy: its actions (at most ``max_actions``) and how long it took.
+
+    Runs in a policy thread for the loop's passes, inline for :meth:`Watchdog.run_inline`."""
     t0 = time.perf_counter()
     actions = []
     for a in policy(view):
@@ -58,49 +75,102 @@ def _run_policy(policy: Any, view: Any, max_actions: int) -> tuple[list, float]:
 
 
 def _consume(fut: asyncio.Future) -> None:
+    # the outcome is read from the thread's own future; this only marks the wrapper's
+    # exception as retrieved, so asyncio does not log it a second time
     if not fut.cancelled():
         fut.exception()
 
 
 class Watchdog:
-    """Runs and supervises one :class:`~scheduler_plugin.control.ControlLoop`."""
+    """Runs and supervises one :class:`~scheduler_plugin.control.ControlLoop`; also the one
+    implementation of a pass (threaded for the loop and ``run_once``, inline for ``tick``)."""
+
+    BACKOFF_BASE = 0.25  # seconds before the 2nd restart of a loop that keeps dying, doubling
+    BACKOFF_MAX = 30.0
 
     def __init__(self, control: "ControlLoop", history: int = 200):
         self.control = control
         self.policy_timeout = agents_config.seconds("control.policy-timeout")
         self.check_interval = agents_config.seconds("control.watchdog-interval")
         self.stall_timeout = agents_config.seconds("control.stall-timeout")
+        self._validate()
         self.task: asyncio.Task | None = None
-        self.beat = time.monotonic()  # last progress of the loop task
+        # the loop task must make its next progress by this monotonic time (per phase, see _expect)
+        self.deadline = math.inf
+        self.phase = "idle"
+        self.phase_since = time.monotonic()
         self.restarts = 0
         self.incidents: deque[dict] = deque(maxlen=history)
-        self.hung: dict[str, concurrent.futures.Future] = {}  # policy -> its thread, past the deadline
+        # policy -> the thread of the pass now waiting on it (collected by that pass)
+        self.inflight: dict[str, concurrent.futures.Future] = {}
+        # policy -> a thread no pass will collect: past its deadline, or left by a cancelled pass;
+        # the policy is not called again until it returns
+        self.hung: dict[str, concurrent.futures.Future] = {}
+        self._abandoned: dict[str, float] = {}  # hung by a cancelled pass -> when it was submitted
+        self._lock = asyncio.Lock()  # one pass at a time: the loop's, run_once's
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_size = 0
+        self._refresh: asyncio.Task | None = None
+        self._crashes = 0  # loop-died restarts since the loop last completed a pass
+        self._restart_at: float | None = None  # when a dead loop is restarted (backoff)
+        self._last_check = time.monotonic()
         self.enabled = False
+        self.closed = False
 
     @property
     def scheduler(self) -> Any:
         """The scheduler the loop runs in."""
         return self.control.plugin.scheduler
 
+    def _validate(self) -> None:
+        """Check the timeouts; clamp ``policy_timeout`` below ``stall_timeout``.
+
+        The wait on the policies is the one phase of a pass that is long by design; keeping it
+        under the stall timeout keeps ``stall-timeout`` the bound on how long any phase of the
+        loop goes without progress (and how long ``run_once`` may wait for a running pass)."""
+        if not self.stall_timeout > 0 or not self.check_interval > 0:
+            raise ValueError("agents.control.stall-timeout and agents.control.watchdog-interval must be "
+                             f"positive (got {self.stall_timeout}s and {self.check_interval}s)")
+        if self.policy_timeout >= self.stall_timeout:
+            clamped = self.stall_timeout * 2 / 3
+            logger.warning("dask-agents: agents.control.policy-timeout (%.3gs) must be below "
+                           "agents.control.stall-timeout (%.3gs); using %.3gs", self.policy_timeout,
+                           self.stall_timeout, clamped)
+            self.policy_timeout = clamped
+
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the loop task and the watchdog (on the scheduler's event loop)."""
+        """Start the loop task and the watchdog (on the scheduler's event loop).
+
+        A no-op for a loop task that is alive: starting again must not cancel a pass."""
+        if self.closed:
+            raise RuntimeError("dask-agents: the control loop was closed; it cannot be started again")
+        self._validate()
         self.enabled = True
-        self._spawn()
+        self._last_check = time.monotonic()
+        if self.task is None or self.task.done():
+            self._crashes, self._restart_at = 0, None
+            self._spawn()
         dask_compat.add_periodic(self.scheduler, WATCHDOG, self.check, self.check_interval)
 
     def stop(self) -> None:
-        """Stop the loop and the watchdog; decisions already applied stand."""
+        """Stop the loop and the watchdog; decisions already applied stand. Policy threads of a
+        pass cut short run on and keep their policies out of later passes until they return."""
         self.enabled = False
+        self._restart_at = None
         dask_compat.remove_periodic(self.scheduler, WATCHDOG)
         if self.task is not None:
             self.task.cancel()
             self.task = None
+        self.deadline, self.phase = math.inf, "idle"
 
     def close(self) -> None:
-        """Stop and release the policy threads (a hung one is abandoned, not joined)."""
+        """Stop for good and release the policy threads (a hung one is abandoned, not joined)."""
         self.stop()
+        self.closed = True
+        if self._refresh is not None:
+            self._refresh.cancel()
+            self._refresh = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -108,51 +178,85 @@ class Watchdog:
     def _spawn(self) -> None:
         if self.task is not None and not self.task.done():
             self.task.cancel()
-        self.beat = time.monotonic()
+        self.deadline, self.phase, self.phase_since = math.inf, "starting", time.monotonic()
         self.task = asyncio.get_running_loop().create_task(self._run(), name="dask-agents-control-loop")
 
     async def _run(self) -> None:
         while True:
-            self.beat = time.monotonic()
-            await self.run_pass()
-            self.beat = time.monotonic()
+            self._expect(self.stall_timeout, "pass")
+            if not self._lock.locked():  # else run_once is in a pass right now: this one would repeat it
+                await self.run_pass()
+                self._crashes = 0  # a completed pass ends a crash streak
+            self._expect(self.control.interval + self.stall_timeout, "sleep")
             await asyncio.sleep(self.control.interval)
+
+    def _expect(self, budget: float, phase: str) -> None:
+        """The loop enters ``phase``: it must make progress within ``budget`` seconds.
+
+        Only the loop task moves its deadline; a ``run_once`` pass must not (it would shorten
+        the deadline of a loop that is asleep)."""
+        if self.task is not None and asyncio.current_task() is self.task:
+            now = time.monotonic()
+            self.deadline, self.phase, self.phase_since = now + budget, phase, now
 
     # -- supervision -------------------------------------------------------------------------------
     def check(self) -> None:
-        """Restart the loop if its task died or stalled (a periodic callback)."""
+        """Restart the loop if its task died (with backoff) or stalled (a periodic callback)."""
         if not self.enabled:
             return
+        now = time.monotonic()
+        # A late check means the event loop itself was blocked (a long synchronous step, a
+        # collection): the loop task could not make progress either, so do not count it
+        # (only a missed period, not the usual jitter of a periodic callback).
+        late = now - self._last_check - self.check_interval
+        self._last_check = now
+        if late > self.check_interval:
+            self.deadline += late
         task = self.task
-        if task is None:
-            self._restart("loop-died", "no loop task")
-            return
-        if task.done():
-            exc = None if task.cancelled() else task.exception()
-            why = "cancelled" if exc is None else f"{type(exc).__name__}: {exc}"
-            if exc is not None:
-                logger.error("dask-agents: the control loop died", exc_info=exc)
-            self._restart("loop-died", why)
-        elif time.monotonic() - self.beat > self.stall_timeout:
-            self._restart("loop-stalled", f"no progress for {time.monotonic() - self.beat:.2f}s")
+        if task is None or task.done():
+            if self._restart_at is None:  # just found dead: report it once, schedule the restart
+                exc = None if task is None or task.cancelled() else task.exception()
+                why = "no loop task" if task is None else "cancelled" if exc is None else f"{type(exc).__name__}: {exc}"
+                if exc is not None:
+                    logger.error("dask-agents: the control loop died", exc_info=exc)
+                delay = self.backoff()
+                self.incident("loop-died", error=why, **({"retry_in": delay} if delay else {}))
+                self._restart_at = now + delay
+            if now >= self._restart_at:
+                self._restart(died=True)
+        elif now > self.deadline:
+            self.incident("loop-stalled", error=f"no progress for {now - self.phase_since:.2f}s ({self.phase})")
+            self._restart(died=False)
 
-    def _restart(self, kind: str, why: str) -> None:
+    def backoff(self) -> float:
+        """Seconds before restarting a loop that just died: none after a loop that completed a
+        pass since its last restart, then ``BACKOFF_BASE`` doubling up to ``BACKOFF_MAX``."""
+        if self._crashes == 0:
+            return 0.0
+        return min(self.BACKOFF_BASE * 2 ** (self._crashes - 1), self.BACKOFF_MAX)
+
+    def _restart(self, died: bool) -> None:
         t0 = time.monotonic()
-        self.incident(kind, error=why)
+        self._restart_at = None
+        if died:
+            self._crashes += 1
         self.restarts += 1
         self.control.rebuild()
         self._spawn()
         self.incident("loop-restarted", restarts=self.restarts, seconds=time.monotonic() - t0)
         # the hosted models as the workers see them now (a swap may have finished while the loop
-        # was down); in the background, bounded, so the restart itself is immediate
-        asyncio.get_running_loop().create_task(self._refresh_workers())
+        # was down); in the background, bounded, so the restart itself is immediate. Once per
+        # crash streak: a loop that keeps dying must not turn into an RPC storm on the workers.
+        if self._crashes <= 1 and (self._refresh is None or self._refresh.done()):
+            self._refresh = asyncio.get_running_loop().create_task(self._refresh_workers())
 
     async def _refresh_workers(self, timeout: float = 2.0) -> None:
         plugin = self.control.plugin
 
         async def one(addr: str) -> None:
             try:
-                info = await asyncio.wait_for(self.scheduler.rpc(addr).agents_worker_info(), timeout)
+                info = await asyncio.wait_for(
+                    dask_compat.call_worker(self.scheduler, addr, "agents_worker_info"), timeout)
             except Exception as e:  # gone or slow: the next hello or removal updates it
                 logger.debug("dask-agents: worker info of %s unavailable: %s", addr, e)
                 return
@@ -172,38 +276,111 @@ class Watchdog:
     # -- one pass ---------------------------------------------------------------------------------
     async def run_pass(self) -> dict:
         """One pass: view on the event loop, policies in threads (bounded wait), enforcement on
-        the event loop. Returns the same summary as :meth:`ControlLoop.tick`."""
+        the event loop. Passes are serialised (the loop's and ``run_once``'s). Returns the
+        summary described in :meth:`_finish`."""
+        if self.closed:
+            raise RuntimeError("dask-agents: the control loop was closed")
+        async with self._lock:
+            return await self._threaded_pass()
+
+    async def _threaded_pass(self) -> dict:
+        ctl = self.control
+        t0 = time.perf_counter()
+        view, eligible, skipped = self._prepare()
+        on_loop = time.perf_counter() - t0
+        pool = self._get_pool()
+        submitted = time.monotonic()
+        mine: dict[str, concurrent.futures.Future] = {}
+        for name, policy in eligible.items():
+            mine[name] = self.inflight[name] = pool.submit(_run_policy, policy, view, ctl.max_actions)
+        # the view is built (however long that took): from now on the clock is the policies'
+        self._expect(self.policy_timeout + self.stall_timeout, "policies")
+        try:
+            if mine:
+                waits = [asyncio.wrap_future(f) for f in mine.values()]
+                for w in waits:
+                    w.add_done_callback(_consume)
+                await asyncio.wait(waits, timeout=self.policy_timeout)
+        except BaseException:
+            # cancelled (a restart, stop()): the threads run on. Park the unfinished ones as hung,
+            # so no later pass calls the same policy while this thread still runs it.
+            for name, fut in mine.items():
+                if self.inflight.get(name) is fut:
+                    del self.inflight[name]
+                if not fut.done():
+                    self.hung[name] = fut
+                    self._abandoned[name] = submitted
+            raise
+        for name, fut in mine.items():
+            if self.inflight.get(name) is fut:
+                del self.inflight[name]
+        self._expect(self.stall_timeout, "enforce")
+        return self._finish(view, mine, skipped, on_loop, in_thread=True)
+
+    def run_inline(self) -> dict:
+        """The same pass with every policy called on the calling thread (``ControlLoop.tick``:
+        tests, benchmarks, tools). Quarantined policies and those a threaded pass is running
+        are skipped, as in a threaded pass."""
+        ctl = self.control
+        t0 = time.perf_counter()
+        view, eligible, skipped = self._prepare()
+        outcomes: dict[str, concurrent.futures.Future] = {}
+        for name, policy in eligible.items():
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                fut.set_result(_run_policy(policy, view, ctl.max_actions))
+            except Exception as e:  # reported by _finish, as for a policy thread
+                fut.set_exception(e)
+            outcomes[name] = fut
+        # all of it ran on this thread: the caller's loop was blocked for the whole pass
+        return self._finish(view, outcomes, skipped, time.perf_counter() - t0, in_thread=False)
+
+    def _prepare(self) -> tuple[Any, dict[str, Callable], list[str]]:
+        """Start of a pass: drains, the view, returned threads; the policies to call now."""
         ctl = self.control
         t0 = time.perf_counter()
         ctl.enforcer.drainer.progress()
         view = ctl.build_view()
-        on_loop = time.perf_counter() - t0
         view_seconds = getattr(ctl, "view_seconds", None)
         if view_seconds is not None:
-            view_seconds.append(on_loop)
+            view_seconds.append(time.perf_counter() - t0)
+        now = time.monotonic()
         for name, fut in list(self.hung.items()):
-            if fut.done():  # its thread came back: call it again from the next pass
+            submitted = self._abandoned.get(name)
+            if fut.done():  # its thread came back: call it again from this pass (its result is stale)
                 del self.hung[name]
-                self.incident("policy-recovered", policy=name)
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=len(ctl.policies) + 2, thread_name_prefix="dask-agents-policy")
-        running = {name: self._pool.submit(_run_policy, policy, view, ctl.max_actions)
-                   for name, policy in ctl.policies.items() if name not in self.hung}
-        if running:
-            waits = [asyncio.wrap_future(f) for f in running.values()]
-            for w in waits:  # the outcome is read from the thread's future below, not from these
-                w.add_done_callback(_consume)
-            await asyncio.wait(waits, timeout=self.policy_timeout)
-        self.beat = time.monotonic()
+                if self._abandoned.pop(name, None) is None:
+                    self.incident("policy-recovered", policy=name)
+            elif submitted is not None and now - submitted > self.policy_timeout:
+                # left by a cancelled pass and now past its deadline too: a real timeout
+                del self._abandoned[name]
+                self._timed_out(name)
+        eligible = {name: p for name, p in ctl.policies.items() if name not in self.hung and name not in self.inflight}
+        return view, eligible, sorted(set(ctl.policies) - set(eligible))
+
+    def _timed_out(self, name: str) -> None:
+        ctl = self.control
+        ctl.policy_errors += 1
+        ctl.errors[name] = f"timed out after {self.policy_timeout}s (quarantined until it returns)"
+        self.incident("policy-timeout", policy=name, error=ctl.errors[name])
+
+    def _finish(self, view: Any, outcomes: dict[str, concurrent.futures.Future], skipped: list[str],
+                on_loop: float, in_thread: bool) -> dict:
+        """End of a pass: report errors and timeouts, apply the actions, record the timings.
+
+        The summary: ``tick``, ``seconds`` (= ``on_loop_seconds``: the time the pass held the
+        event loop, which is what delays the scheduler; also recorded in ``tick_seconds``),
+        ``policy_seconds`` (the policies' own run time, in their threads for the running loop;
+        recorded in ``policy_seconds``), ``view_seconds``, ``applied`` (policy -> actions that
+        took effect), ``skipped`` (quarantined or still running), ``calls_in_view``,
+        ``truncated``."""
+        ctl = self.control
         applied: dict[str, int] = {}
         in_policies = 0.0
-        for name, fut in running.items():
+        for name, fut in outcomes.items():
             if not fut.done():
                 self.hung[name] = fut
-                ctl.policy_errors += 1
-                ctl.errors[name] = f"timed out after {self.policy_timeout}s (quarantined until it returns)"
-                self.incident("policy-timeout", policy=name, error=ctl.errors[name])
+                self._timed_out(name)
                 continue
             exc = fut.exception()
             if exc is not None:  # keep serving: log, report, let earlier decisions stand
@@ -216,16 +393,35 @@ class Watchdog:
             in_policies += seconds
             t1 = time.perf_counter()
             applied[name] = ctl.enforcer.apply(actions, name)
-            on_loop += time.perf_counter() - t1
-        dt = on_loop + in_policies  # the pass's work, not the time spent waiting between threads
+            if in_thread:  # inline, on_loop already covers the whole pass
+                on_loop += time.perf_counter() - t1
         ctl.ticks += 1
-        ctl.tick_seconds.append(dt)
-        return {"tick": ctl.ticks, "seconds": dt, "applied": applied, "calls_in_view": len(view.calls),
-                "truncated": view.truncated, "view_seconds": view_seconds[-1] if view_seconds else None,
-                "on_loop_seconds": on_loop}
+        ctl.tick_seconds.append(on_loop)
+        policy_seconds = getattr(ctl, "policy_seconds", None)
+        if policy_seconds is not None:
+            policy_seconds.append(in_policies)
+        view_seconds = getattr(ctl, "view_seconds", None)
+        return {"tick": ctl.ticks, "seconds": on_loop, "on_loop_seconds": on_loop, "policy_seconds": in_policies,
+                "view_seconds": view_seconds[-1] if view_seconds else None, "applied": applied,
+                "skipped": skipped, "calls_in_view": len(view.calls), "truncated": view.truncated}
+
+    def _get_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self.closed:
+            raise RuntimeError("dask-agents: the control loop was closed")
+        # A policy never has two threads, so one per policy (+ slack) always suffices, hung ones
+        # included; grow the pool if policies were added (the old threads finish on their own).
+        size = len(self.control.policies) + 2
+        if self._pool is None or size > self._pool_size:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=size,
+                                                               thread_name_prefix="dask-agents-policy")
+            self._pool_size = size
+        return self._pool
 
     def stats(self) -> dict:
         """What ``da.control(client).stats()`` shows of the loop's health."""
         alive = self.task is not None and not self.task.done()
+        restart_in = None if self._restart_at is None else max(0.0, self._restart_at - time.monotonic())
         return {"loop_alive": alive, "restarts": self.restarts, "hung_policies": sorted(self.hung),
-                "incidents": list(self.incidents)[-20:]}
+                "restart_in": restart_in, "incidents": list(self.incidents)[-20:]}

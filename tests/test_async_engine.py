@@ -69,3 +69,56 @@ def test_a_daemonic_worker_gets_a_clear_error():
     msg = q.get(timeout=120)
     p.join(30)
     assert "distributed.worker.daemon: false" in msg and "engine: vllm-async" in msg
+
+
+class _FakeAsyncLLM:
+    """Stands in for AsyncLLM: ``mode`` "hang" never finishes a request, "die" kills the core."""
+
+    def __init__(self, mode: str):
+        self.mode, self.errored, self.shut = mode, False, False
+
+    async def generate(self, prompt, sampling, request_id, priority=0):
+        import asyncio
+
+        if self.mode == "die":
+            self.errored = True
+            raise RuntimeError("engine core died")
+        await asyncio.sleep(3600)
+        yield None
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def _fake_host(monkeypatch, mode: str) -> tuple[AsyncEngineHost, _FakeAsyncLLM]:
+    from vllm.v1.engine import async_llm
+
+    fake = _FakeAsyncLLM(mode)
+    monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", classmethod(lambda cls, args: fake))
+    host = AsyncEngineHost("fake", ModelSettings(engine="vllm-async", **TINY))
+    host.start()
+    host.wait_loaded(60)
+    return host, fake
+
+
+def test_closing_with_requests_in_flight_fails_them_clearly(monkeypatch):
+    host, fake = _fake_host(monkeypatch, "hang")
+    params = host.sampling_params(4, 0.0, None)
+    futs = [host.submit(f"r{i}", [5, 6, 7], params, "s") for i in range(3)]
+    host.close()
+    for f in futs:  # none is left waiting
+        with pytest.raises(da.EngineStoppedError, match="is closed"):
+            f.result(10)
+    assert fake.shut
+    with pytest.raises(da.EngineStoppedError, match="is closed"):
+        host.submit("late", [5], params, "s").result(1)
+
+
+def test_a_dead_core_marks_the_host_crashed_for_a_restart(monkeypatch):
+    host, fake = _fake_host(monkeypatch, "die")
+    fut = host.submit("r0", [5, 6, 7], host.sampling_params(4, 0.0, None), "s")
+    with pytest.raises(da.EngineStoppedError) as info:
+        fut.result(10)
+    assert info.value.crashed and "engine core died" in str(info.value)
+    assert host.crashed is not None and host.crashed.__traceback__ is None
+    host.close()

@@ -301,3 +301,69 @@ async def test_worker_registered(c: Client, s: Scheduler, a: Worker):
     assert wc.registered(w)
     await w.close()
     assert not wc.registered(w)
+
+
+def hold(i):
+    return EV.wait(30) and i
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_fail_task_errs_a_task_the_scheduler_holds_back(c: Client, s: Scheduler, a: Worker):
+    from dask_agents.errors import InstanceLostError
+
+    EV.clear()
+    ev = EV
+    futs = c.map(hold, range(8), pure=False)  # root-ish, more than the worker's slot: the rest is queued
+    await async_wait_for(lambda: len(s.queued) >= 2)
+    ts = next(iter(s.queued))
+    key = sc.task_key(ts)
+    assert sc.state(ts) == "queued" and sc.is_queued_on_scheduler(s, ts)
+    err = InstanceLostError("lost (session s1)", session="s1", component="C", worker="tcp://127.0.0.1:1")
+    assert sc.fail_task(s, key, err, "test-fail-queued")
+    assert sc.task_state_on(s, key) == "erred" and not sc.is_queued_on_scheduler(s, ts)
+    ev.set()
+    failed = next(f for f in futs if f.key == key)
+    try:
+        await failed
+    except InstanceLostError as e:
+        assert e.session == "s1" and "lost" in str(e)
+    else:
+        raise AssertionError("the failed queued task did not raise")
+    # the others run as usual
+    assert sorted(await c.gather([f for f in futs if f is not failed])) == [
+        i for i, f in enumerate(futs) if f is not failed]
+
+
+# -- the control loop's incremental view (scheduler_plugin/view_index.py) -----------------------
+
+def test_started_on_worker_reads_executing_and_seceded_tasks():
+    from benchmarks import control_scale as cs  # its emulated TaskState/WorkerState
+
+    ws = cs.EWorker("tcp://w:1", 2)
+    a, b, c = (cs.ETask(k, set(), i) for i, k in enumerate("abc"))
+    ws.processing |= {a, b, c}
+    ws.executing[a] = 0.0
+    ws.long_running.add(b)
+    assert sc.started_on_worker(ws, a) and sc.started_on_worker(ws, b)
+    assert not sc.started_on_worker(ws, c)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_started_on_worker_on_a_real_scheduler(c: Client, s: Scheduler, a: Worker):
+    EV.clear()
+    ev = EV
+    run = c.submit(wait_ev, pure=False)
+    waiting = c.submit(wait_ev, pure=False)
+    ws = s.workers[a.address]
+    # the scheduler learns what executes from the worker's heartbeat
+    await async_wait_for(lambda: len(ws.processing) == 2 and len(ws.executing) == 1, timeout=20)
+    started = [ts for ts in ws.processing if sc.started_on_worker(ws, ts)]
+    assert len(started) == 1 and sc.task_key(started[0]) in (run.key, waiting.key)
+    ev.set()
+    await c.gather([run, waiting])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_call_worker_reaches_a_worker_handler(c: Client, s: Scheduler, a: Worker):
+    info = await sc.call_worker(s, a.address, "identity")  # what the watchdog's worker refresh uses
+    assert info["type"] == "Worker" and info["id"] == a.id

@@ -354,3 +354,13 @@ def test_emulated_engine_crash_is_retried_and_a_stop_is_a_clear_error():
                     assert s.id in msg and "llm.slow.generate" in msg and "closed" in msg and not info.value.crashed
                     # a later call starts the engine again
                     assert da.llm("slow").generate(prompt, max_tokens=4).value(30).output_tokens == 4
+                    # an engine that keeps crashing is not reloaded forever (budget: 1 restart here)
+                    import worker_plugin.engine as engine_module
+
+                    old_max, engine_module.RESTARTS_MAX = engine_module.RESTARTS_MAX, 1
+                    try:
+                        client.run(_break_engine, "crash")
+                        with pytest.raises(da.EngineStoppedError, match="not restarting"):
+                            da.llm("emu").generate(prompt, max_tokens=8).value(30)
+                    finally:
+                        engine_module.RESTARTS_MAX = old_max

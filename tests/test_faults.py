@@ -468,3 +468,110 @@ async def test_routed_call_pinned_to_a_lost_worker_runs_elsewhere(c: Client, s: 
     df = await da.telemetry(c)
     assert set(df[df["key"] == routed.key]["worker"]) == {a.address}
     assert set(df[df["key"] == routed.key]["state"]) == {"finished"}
+
+
+# -- recovery never strands a call (emulated scheduler: benchmarks/control_scale.py) -----------
+from benchmarks import control_scale as cs  # noqa: E402
+from dask_agents.calls import ANNOTATION  # noqa: E402
+from scheduler_plugin import dask_compat  # noqa: E402
+
+
+def _submit(em: cs.Emulation, key: str, ann: dict) -> cs.ETask:
+    """One call through the plugin's ``update_graph``, then ``waiting`` (its inputs not ready)."""
+    ts = cs.ETask(key, set(), em.order)
+    em.order += 1
+    em.s.tasks[key] = ts
+    em.plugin.update_graph(em.s, client="c", keys={key}, tasks=[key], annotations={ANNOTATION: {key: ann}},
+                           priority={}, stimulus_id="test")
+    em.transition(ts, "waiting")
+    return ts
+
+
+def _lose(em: cs.Emulation, gone: str) -> None:
+    """``gone`` leaves as Dask handles it: its tasks are released to run again, then the hook."""
+    ws = em.s.workers.pop(gone)
+    em.s.running.discard(ws)
+    for ts in list(ws.processing):
+        em.transition(ts, "waiting")
+    em.plugin.remove_worker(em.s, gone, stimulus_id="test-lost")
+
+
+def test_recovery_goes_on_past_a_call_whose_recovery_raises(monkeypatch, caplog):
+    em = cs.Emulation(4, seed=5, nthreads=2)
+    em.fill(400)
+    p, gone = em.plugin, "tcp://w0:1"  # the engine worker
+    stateful = []
+    for i in range(2):  # stateful calls whose instance lives on the lost worker
+        ts = _submit(em, f"Notebook-{i}", {"call": f"Notebook-{i}", "component": "Notebook", "method": "add",
+                                            "kind": "agent", "session": "s0", "stateful": True})
+        p._unplace(ts.key)
+        dask_compat.restrict_to_worker(ts, gone)
+        p.placed[ts.key] = (gone, "Notebook")
+        stateful.append(ts.key)
+    llm = sorted(k for k, (w, what) in p.placed.items() if w == gone and what.startswith("llm:")
+                 and em.s.tasks[k].state in ("waiting", "processing"))
+    assert len(llm) >= 3
+    bad_llm, bad_stateful = llm[0], stateful[0]
+    place = p._place
+
+    def flaky_place(ts, *args, **kwargs):
+        if ts.key == bad_llm:
+            raise RuntimeError("boom in _place")
+        return place(ts, *args, **kwargs)
+
+    lost_error = p.recovery._lost_error
+
+    def flaky_lost_error(key, *args):
+        if key == bad_stateful:
+            raise ValueError("boom in _lost_error")
+        return lost_error(key, *args)
+
+    failed: dict = {}
+
+    def fail_task(scheduler, key, exc, stimulus_id):  # the emulated scheduler has no transition engine
+        failed[key] = exc
+        scheduler.tasks[key].state = "erred"
+        return True
+
+    monkeypatch.setattr(p, "_place", flaky_place)
+    monkeypatch.setattr(p.recovery, "_lost_error", flaky_lost_error)
+    monkeypatch.setattr(dask_compat, "fail_task", fail_task)
+    with caplog.at_level(logging.ERROR, logger="scheduler_plugin.recovery"):
+        _lose(em, gone)
+    assert "boom in _place" in caplog.text and "boom in _lost_error" in caplog.text
+    # the call whose re-placement raised is unpinned (Dask places it); the others re-placed
+    assert not em.s.tasks[bad_llm].worker_restrictions and bad_llm not in p.placed
+    for k in llm[1:]:
+        pins = em.s.tasks[k].worker_restrictions
+        assert pins and gone not in pins and dask_compat.has_worker(em.s, next(iter(pins))), k
+    # both stateful calls fail with an error naming their session; never left pinned
+    assert set(failed) == set(stateful)
+    assert all(isinstance(e, da.InstanceLostError) and e.session == "s0" for e in failed.values())
+    assert "boom in _lost_error" in str(failed[bad_stateful]) and "Notebook.add (session s0)" in str(failed[bad_stateful])
+    assert "stateful instance was lost" in str(failed[stateful[1]])
+    c = p.recovery.counts
+    assert c["failed"] == 2 and c["rerouted"] >= len(llm) and not p.recovery.stranded
+
+
+def test_recovery_reads_annotations_through_the_sanitizer():
+    em = cs.Emulation(2, seed=1, nthreads=1)
+    p, gone = em.plugin, "tcp://w0:1"  # the only host of the model
+    # a recorded LLM call whose raw annotation was overwritten with garbage: the record decides
+    llm = _submit(em, "llm.coder-z", {"call": "llm.coder-z", "component": "llm.coder", "kind": "llm",
+                                      "llm_model": "coder"})
+    assert llm.worker_restrictions == {gone}
+    llm.annotations = {ANNOTATION: "garbage"}
+    # unrecorded tasks pinned by a user, annotated by any client (dask.annotate(agents=...))
+    user = []
+    for key, raw in (("x-1", "x"), ("y-1", {"stateful": "yes", "kind": 7}), ("w-1", ["a"])):
+        ts = cs.ETask(key, set(), 0)
+        ts.annotations = {ANNOTATION: raw}
+        ts.worker_restrictions = {gone}
+        ts.state = "no-worker"
+        em.s.tasks[key] = ts
+        p.recovery.stranded.add(key)
+        user.append(ts)
+    _lose(em, gone)
+    assert llm.worker_restrictions == {"tcp://w1:1"}  # re-placed on the live worker
+    assert all(ts.worker_restrictions == {gone} for ts in user)  # the user's pins: Dask's behaviour
+    assert p.recovery.counts["rerouted"] == 1 and p.recovery.counts["failed"] == 0

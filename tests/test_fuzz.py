@@ -33,6 +33,7 @@ from typing import Any
 from unittest import mock
 
 import dask
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -184,7 +185,37 @@ CONFIG_KEYS = sorted(set(_leaves(agents_config.DEFAULTS["agents"])) | {
 })
 TIME_KEYS = [k for k in CONFIG_KEYS if k.rsplit(".", 1)[-1] in {
     "session-retention", "batched-send-interval", "housekeeping-interval", "interval", "report-interval",
-    "update-interval", "window", "engine-stats-interval", "tick", "ttl-max", "prefetch-margin"}]
+    "update-interval", "window", "engine-stats-interval", "tick", "ttl-max", "prefetch-margin",
+    "policy-timeout", "watchdog-interval", "stall-timeout"}]
+
+
+POSITIVE_TIME_KEYS = [k for k in TIME_KEYS if k.rsplit(".", 1)[-1] not in {"session-retention", "prefetch-margin"}]
+BYTE_KEYS = [k for k in CONFIG_KEYS if k.endswith(".capacity") or k.endswith("-bytes")]
+BANDWIDTH_KEYS = [k for k in CONFIG_KEYS if k.endswith(".bandwidth")]
+
+
+def _raw_schema_validator() -> Any:
+    """A plain jsonschema validator of ``agents-schema.yaml`` as written (no formats, no
+    finite-number rule): an oracle independent of ``dask_agents.config``'s own checks."""
+    import jsonschema
+    import yaml
+
+    with open(agents_config.SCHEMA_PATH) as f:
+        raw = yaml.safe_load(f)
+    return jsonschema.validators.validator_for(raw)(raw)
+
+
+RAW_SCHEMA = _raw_schema_validator()
+
+
+def _finite_everywhere(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite_everywhere(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_finite_everywhere(v) for v in value)
+    return True
 
 
 @FUZZ
@@ -193,10 +224,25 @@ TIME_KEYS = [k for k in CONFIG_KEYS if k.rsplit(".", 1)[-1] in {
 @example(key="dashboard.window", value="1e400 days")
 @example(key="control.enabled", value="false")  # an env var's text is not a boolean
 @example(key="kv.tiers.host.bandwidth", value=0)
+@example(key="kv.tiers.host.bandwidth", value=0.5)  # whole bytes per second: 0
 @example(key="llm.models.fuzz.kv-host-bytes", value="lots")
+@example(key="llm.models.fuzz.max-model-len", value=2048.0)  # an integer to the schema and to pydantic
+@example(key="control.policy-timeout", value=0)  # would quarantine every policy
+@example(key="control.stall-timeout", value="0s")  # the watchdog would restart the loop forever
+@example(key="kv.ttl-max", value=0)
+@example(key="kv.theta-low", value=float("nan"))  # passes minimum/maximum comparisons
 def test_fuzzed_config_values_are_valid_or_a_config_error_naming_the_key(key, value):
     """``validate()`` (run by ``da.install`` and the preload) accepts a value only if the code
-    that reads it can use it, and otherwise raises ConfigError naming ``agents.<key>``."""
+    that reads it can use it, and otherwise raises ConfigError naming ``agents.<key>``.
+
+    An accepted value is checked independently of the validator: the plain schema (jsonschema,
+    no formats), Dask's own parsers for durations and byte sizes, and the readers themselves
+    (``ModelSettings`` for model entries, ``Tiers.from_config`` for the KV tiers)."""
+    from dask.utils import parse_bytes, parse_timedelta
+
+    from kv.blocks import Tiers
+    from worker_plugin.engine import ModelSettings
+
     if key.startswith("llm.models.fuzz."):
         entry = {"model": "emulated-x", key.rsplit(".", 1)[1]: value}
         update = {"agents.llm.models": {**agents_config.get("llm.models"), "fuzz": entry}}
@@ -210,30 +256,51 @@ def test_fuzzed_config_values_are_valid_or_a_config_error_naming_the_key(key, va
             assert len(str(e)) < 1000
             return
         assert key != "worker.modles", "unknown keys are errors"
+        RAW_SCHEMA.validate({"agents": dask.config.get("agents")})
+        assert _finite_everywhere(value)
         if key in TIME_KEYS:
-            s = agents_config.seconds(key)
-            assert math.isfinite(s) and s >= 0
+            s = float(parse_timedelta(value, default="s"))
+            assert math.isfinite(s) and (s > 0 if key in POSITIVE_TIME_KEYS else s >= 0), (key, value)
+            assert agents_config.seconds(key) == s
+        if key in BYTE_KEYS:
+            assert isinstance(value, (str, int, float)) and not isinstance(value, bool)
+            assert (parse_bytes(value) if isinstance(value, str) else value) >= 0
+            assert isinstance(value, str) or value == int(value)  # whole bytes
+        if key in BANDWIDTH_KEYS or key.startswith("kv.tiers."):
+            tiers = Tiers.from_config()
+            assert all(t.bandwidth > 0 and t.capacity >= 0 for t in tiers)
+        if key.startswith("llm.models."):
+            name = key.split(".")[2]
+            # the worker's reader agrees with the schema
+            settings = ModelSettings(**agents_config.get("llm.models")[name])
+            if key.endswith("-bytes"):
+                from worker_plugin.engine import _bytes
+
+                assert _bytes(getattr(settings, key.rsplit(".", 1)[1].replace("-", "_"))) >= 0
         default = agents_config._default(key)
         if isinstance(default, bool):
             assert isinstance(value, bool)
-        elif isinstance(default, int) and key not in TIME_KEYS and not isinstance(value, str):
-            assert isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        elif isinstance(default, (int, float)) and not isinstance(value, str):
+            # counts, rates, weights, shares: numbers (an integer may be written 2048.0), never negative
+            assert not isinstance(value, bool) and isinstance(value, (int, float)) and value >= 0
 
 
 @FEW
 @given(key=st.sampled_from(TIME_KEYS), value=junk)
 @example(key="control.interval", value="")
 @example(key="scheduler.session-retention", value="-5s")
+@example(key="control.stall-timeout", value=0)
 def test_seconds_names_the_key_of_a_bad_duration(key, value):
     """Code that reads a duration directly (the plugins' periodic callbacks) gets a finite
-    number of seconds or a ConfigError naming the key, never a KeyError from dask's parser."""
+    number of seconds (> 0 for periods and timeouts) or a ConfigError naming the key, never a
+    KeyError from dask's parser."""
     with dask.config.set({f"agents.{key}": value}):
         try:
             s = agents_config.seconds(key)
         except ConfigError as e:
             assert f"agents.{key}" in str(e)
             return
-    assert math.isfinite(s) and s >= 0
+    assert math.isfinite(s) and (s > 0 if key in POSITIVE_TIME_KEYS else s >= 0)
 
 
 @FEW
@@ -389,21 +456,28 @@ def test_fuzzed_component_sources_give_a_stub_module_or_a_value_error(lines, jun
 @FUZZ
 @given(prompt=st.one_of(junk, st.lists(st.integers(-5, 10**6), max_size=4)), max_tokens=junk,
        temperature=junk, seed=junk)
+@example(prompt=[np.int64(3)], max_tokens=np.int64(4), temperature=np.float32(0.5), seed=np.int64(7))
+@example(prompt="hi", max_tokens=None, temperature=10**400, seed=None)  # too large for a float
 def test_fuzzed_generate_arguments(prompt, max_tokens, temperature, seed):
-    """``da.llm(m).generate`` checks its arguments before submitting: accepted ones are what
-    the engines take; rejected ones raise TypeError/ValueError naming the model and argument."""
+    """``da.llm(m).generate`` checks its arguments before submitting: accepted ones come back
+    as the plain types the engines take (numpy ints become ``int``); rejected ones raise
+    TypeError/ValueError naming the model and argument."""
     try:
-        check_generate_args("fuzz-model", prompt, max_tokens, temperature, seed)
+        out = check_generate_args("fuzz-model", prompt, max_tokens, temperature, seed)
     except (TypeError, ValueError) as e:
         msg = str(e)
         assert msg.startswith("da.llm('fuzz-model').generate:"), msg
         assert _named(msg, "prompt", "token ids", "max_tokens", "temperature", "seed"), msg
         return
-    assert (isinstance(prompt, str) and prompt) or (
-        isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt))
-    assert max_tokens is None or (type(max_tokens) is int and max_tokens >= 1)
-    assert type(temperature) in (int, float) and math.isfinite(temperature) and temperature >= 0
-    assert seed is None or type(seed) is int
+    prompt_out, max_tokens_out, temperature_out, seed_out = out
+    assert (isinstance(prompt_out, str) and prompt_out == prompt) or (
+        isinstance(prompt_out, list) and prompt_out == list(prompt)
+        and all(type(t) is int and t >= 0 for t in prompt_out))
+    assert max_tokens_out is None if max_tokens is None else (
+        type(max_tokens_out) is int and max_tokens_out == max_tokens >= 1)
+    assert type(temperature_out) is float and math.isfinite(temperature_out) and temperature_out >= 0
+    assert temperature_out == float(temperature)
+    assert seed_out is None if seed is None else (type(seed_out) is int and seed_out == seed)
 
 
 def test_stub_of_an_unknown_method_names_the_component():
@@ -912,7 +986,10 @@ async def test_raw_junk_from_a_client_never_costs_a_worker(c: Client, s: Schedul
         with dask.annotate(agents=_junk_annotation(rng)):
             futs.append(c.submit(inc, i, key=f"fuzz-raw-{i}", pure=False))
     assert await asyncio.wait_for(c.gather(futs), 30) == [i + 1 for i in range(40)]
-    await asyncio.sleep(0.5)  # the worker's timing reports of these calls reach the scheduler
+    # the worker's timing reports of these calls reach the scheduler (none left to send)
+    wplugin = a.plugins[NAME]
+    await async_wait_for(lambda: not wplugin._reports and not any(
+        isinstance(k, str) and k.startswith("fuzz-raw-") for k in wplugin._started), timeout=30)
     assert a.status.name == "running" and a.address in s.workers
 
 

@@ -75,3 +75,25 @@ def test_late_transitions_of_an_ended_session_leave_nothing_behind():
     h.on_transition(Rec("llm.coder-w", "llm"), "processing", "w2")
     assert [m[1] for m in sent] == ["running"]
     assert not h.holders and not h.llm_open and not h._last and not h._processing
+
+
+def test_forget_ends_a_call_whose_record_was_dropped():
+    h, sent = hints()
+    a, b = Rec("llm.coder-a", "llm"), Rec("llm.coder-b", "llm")
+    h.on_transition(a, "processing", "w1")
+    h.on_transition(b, "processing", "w1")
+    h.forget("llm.coder-a")  # its end arrives after the workflow state dropped its record
+    assert h.llm_open["s1"] == 1 and h._processing["s1"] == {"llm.coder-b"}
+    assert [m[1] for m in sent] == ["running", "running"]  # b still runs: no pause yet
+    h.forget("llm.coder-b")
+    assert sent[-1][1] == "paused" and not h.llm_open and not h._processing and not h._session_of
+    h.forget("llm.coder-b")  # twice, or any other task: nothing
+    h.forget("plain-task-1")
+    assert len(sent) == 3
+
+
+def test_session_end_drops_the_key_index_too():
+    h, _ = hints()
+    h.on_transition(Rec("llm.coder-a", "llm"), "processing", "w1")
+    h.on_session_end("s1")
+    assert not h._session_of

@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks import control_scale as cs
-from scheduler_plugin import dask_compat
+from dask_agents.calls import ANNOTATION
 from scheduler_plugin.actions import Migrate, SetPriority
 from scheduler_plugin.policies.balance import LateBindingBalance
 from scheduler_plugin.view import CallView, ClusterView, ComponentView, WorkerView
-from scheduler_plugin.view_index import BindingMap, scan_view
+from scheduler_plugin.view_index import BindingMap, PlacedMap, Tally, scan_view
 
 BIG = 10**9
 FIELDS = ("workers", "calls", "sessions", "components", "kv_affinity", "kv_tokens", "models")
@@ -139,28 +138,91 @@ def test_the_window_rotates_over_every_waiting_call():
     assert seen >= full and len(full) > 40
 
 
+def _lose_worker(em: cs.Emulation, gone: str) -> None:
+    """``gone`` leaves as Dask handles it: its processing tasks are released to run again
+    (``waiting``), then the plugin's ``remove_worker`` hook runs."""
+    s = em.s
+    ws = s.workers.pop(gone)
+    s.running.discard(ws)
+    for ts in list(ws.processing):
+        em.transition(ts, "waiting")
+    em.plugin.remove_worker(s, gone, stimulus_id="test-remove")
+
+
 def test_a_removed_worker_leaves_nothing_behind():
     em = cs.Emulation(4, seed=5, nthreads=2)
     em.fill(400)
-    p, s = em.plugin, em.s
-    for key in [k for k in em.open if p.state.calls[k].kind == "llm"][:20]:  # sessions' KV sizes
-        p._on_reports(worker="tcp://w0:1", reports=[{"key": key, "started": 1.0, "finished": 2.0,
-                                                      "metrics": {"prompt_tokens": 300, "output_tokens": 9}}])
-    _assert_equal(*_views(em))
+    p = em.plugin
     gone = "tcp://w0:1"  # the engine worker: it holds the LLM sessions' KV
-    assert p.view_index.kv_tokens
-    ws = s.workers.pop(gone)
-    s.running.discard(ws)
-    for ts in list(ws.processing):  # Dask reschedules its tasks
-        em.transition(ts, "waiting")
-    for k in [k for k, w in p.bindings.items() if w == gone]:  # as the plugin's remove_worker does
-        del p.bindings[k]
-        if k[1].startswith("llm:"):
-            p.state.forget_kv(k[0], k[1][4:])
-    p.view_index.on_worker_removed(gone)
+    for key in [k for k in em.open if p.state.calls[k].kind == "llm"][:20]:  # sessions' KV sizes
+        p._on_reports(worker=gone, reports=[{"key": key, "started": 1.0, "finished": 2.0,
+                                             "metrics": {"prompt_tokens": 300, "output_tokens": 9}}])
+    _assert_equal(*_views(em))
+    vi = p.view_index
+    assert vi.kv_tokens and gone in vi.where.values() and gone in p.placed_by_worker
+    bound_there = {sid for (sid, _what), w in p.bindings.items() if w == gone}
+    assert bound_there
+    _lose_worker(em, gone)
+    # straight after the hook, before any tick repairs anything
+    assert gone not in vi.where.values() and gone not in vi.started and gone not in vi.on_worker
+    assert all(w != gone for (_c, w) in vi.per_replica) and gone not in vi.idle_since and gone not in vi.ring
+    assert not any(sid in bound_there for sid, _m in vi.kv_tokens)
+    assert gone not in p.bindings.values() and not p.bindings.keys_on(gone)
+    assert gone not in p.placed_by_worker and all(w != gone for w, _ in p.placed.values())
+    assert all(w != gone for w, _ in p.open_placed) and gone not in p.bound
+    # the LLM calls that waited on it were placed again on live workers
+    assert p.recovery.counts["rerouted"] > 0 and p.recovery.counts["workers_lost"] == 1
+    for ts in em.s.tasks.values():
+        if ts.state in ("waiting", "no-worker", "queued", "released", "processing"):  # finished ones keep theirs
+            assert gone not in (ts.worker_restrictions or ()), ts.key
     inc, ref = _views(em)
     _assert_equal(inc, ref)
-    assert gone not in p.view_index.on_worker and gone not in p.view_index.ring and not p.view_index.kv_tokens
+
+
+def _loose_calls(em: cs.Emulation, n: int, component: str = "echo") -> list[cs.ETask]:
+    """``n`` session-less calls (plain submits of a tool), through ``update_graph``."""
+    anns, tasks = {}, []
+    for _ in range(n):
+        ts = cs.ETask(f"{component}-loose-{em.order}", set(), em.order)
+        em.order += 1
+        em.s.tasks[ts.key] = ts
+        tasks.append(ts)
+        anns[ts.key] = {"call": ts.key, "component": component, "kind": "tool", "session": None}
+    em.plugin.update_graph(em.s, client="c", keys={t.key for t in tasks}, tasks=[t.key for t in tasks],
+                           annotations={ANNOTATION: anns}, priority={}, stimulus_id="test")
+    return tasks
+
+
+def test_calls_evicted_from_the_state_leave_the_index_when_they_end():
+    em = cs.Emulation(3, seed=2, nthreads=2)
+    p = em.plugin
+    p.state.max_loose_calls = 10
+    first = _loose_calls(em, 10)
+    for i, ts in enumerate(first):
+        em.transition(ts, "waiting")
+        em.transition(ts, "processing")
+        if i % 2:
+            ts.processing_on.executing[ts] = 0.0  # started: a tick moves it to ``started``
+    p.view_index.build(time.time(), BIG, ())
+    vi = p.view_index
+    assert any(vi.started.values()) and vi.replica_load("echo") and all(t.key in vi.where for t in first)
+    second = _loose_calls(em, 10)  # past max_loose_calls: the first ten records are evicted, running
+    assert not any(t.key in p.state.calls for t in first)
+    for ts in first:
+        em.transition(ts, "memory")
+    keys = {t.key for t in first}
+    assert not keys & set(vi.where) and not any(keys & set(st) for st in vi.started.values())
+    assert not any(keys & set(q) for q in vi.on_worker.values()) and not vi.replica_load("echo")
+    for ts in second:  # the index goes on as usual for the calls still recorded
+        em.transition(ts, "waiting")
+        em.transition(ts, "queued")
+    assert set(vi.sched_queued) == {t.key for t in second}
+    p.state.max_loose_calls = 0
+    _loose_calls(em, 1)  # evicts the queued ones too
+    for ts in second:
+        em.transition(ts, "forgotten")
+    assert not vi.sched_queued
+    _assert_equal(*_views(em))
 
 
 def test_binding_map_keeps_the_llm_affinity_in_step():
@@ -173,6 +235,62 @@ def test_binding_map_keeps_the_llm_affinity_in_step():
     assert b.llm == {("s3", "chat"): "D"} and dict(b) == {("s1", "Dev"): "B", ("s3", "llm:chat"): "D"}
     b.clear()
     assert b.llm == {} and not b
+
+
+def test_binding_map_indexes_bindings_by_worker():
+    b = BindingMap({("s1", "llm:coder"): "A", ("s1", "Dev"): "A", ("s2", "Dev"): "B"})
+    assert sorted(b.keys_on("A")) == [("s1", "Dev"), ("s1", "llm:coder")] and b.keys_on("Z") == []
+    b[("s1", "Dev")] = "B"  # rebound: leaves A's index
+    assert b.keys_on("A") == [("s1", "llm:coder")] and sorted(b.keys_on("B")) == [("s1", "Dev"), ("s2", "Dev")]
+    del b[("s1", "llm:coder")]
+    b.pop(("s2", "Dev"))
+    assert "A" not in b.by_worker and b.keys_on("B") == [("s1", "Dev")]
+    assert b.popitem() == (("s1", "Dev"), "B") and b.by_worker == {} and b.llm == {}
+
+
+def test_placed_map_and_tally_keep_their_indexes():
+    pm = PlacedMap()
+    pm["k1"] = ("A", "llm:coder")
+    pm.update({"k2": ("A", "Dev"), "k3": ("B", "Dev")})
+    assert pm.by_worker == {"A": {"k1": "llm:coder", "k2": "Dev"}, "B": {"k3": "Dev"}}
+    pm["k1"] = ("B", "llm:coder")
+    assert pm.by_worker == {"A": {"k2": "Dev"}, "B": {"k3": "Dev", "k1": "llm:coder"}}
+    del pm["k2"]
+    assert pm.pop("k3") == ("B", "Dev") and pm.pop("nope", None) is None
+    assert pm.by_worker == {"B": {"k1": "llm:coder"}}
+    pm.clear()
+    assert pm.by_worker == {} and not pm
+    t = Tally()
+    assert t[("A", "Dev")] == 0 and not t  # a read inserts nothing
+    t[("A", "Dev")] += 1
+    t.decrement(("A", "Dev"))
+    t.decrement(("B", "Dev"))  # never below zero, never a zero entry
+    assert t == {}
+
+
+def test_moving_or_rebinding_a_placed_call_keeps_the_bookkeeping():
+    em = cs.Emulation(4, seed=7, nthreads=2)
+    em.fill(150)
+    p = em.plugin
+    key, (source, what) = next((k, v) for k, v in p.placed.items() if v[1].startswith("llm:"))
+    target = next(w for w in em.s.workers if w != source)
+    before = p.open_placed[(source, what)]
+    assert p._move_placed(key, target) == (source, what)
+    assert p.placed[key] == (target, what) and p.placed_by_worker[target][key] == what
+    assert key not in p.placed_by_worker.get(source, {}) and p.open_placed[(source, what)] == before - 1
+    assert p._move_placed("not-placed", target) is None
+    # a session rebound to another engine (its old one is no longer a candidate): the new
+    # engine never held its KV, so the context to recompute there is not the old engine's
+    sid = next(sid for (sid, w), _ in p.bindings.items() if w == what and p.state.sessions[sid].state != "completed")
+    p.state.sessions[sid].context_tokens[what[4:]] = 500
+    old = p.bindings[(sid, what)]
+    new_engine = next(w for w in em.s.workers if w != old)
+    ts = cs.ETask(f"{cs.LLM}-{sid}-extra", set(), em.order)
+    em.s.tasks[ts.key] = ts
+    p.state.touched.discard(sid)
+    p._place(ts, sid, what, [new_engine])
+    assert p.bindings[(sid, what)] == new_engine and what[4:] not in p.state.sessions[sid].context_tokens
+    assert sid in p.state.touched  # the view's kv_tokens entry is redone at the next tick
 
 
 # -- balance: sorted thief pools choose exactly what the scan chose ---------------------------
@@ -212,46 +330,6 @@ def test_balance_pools_match_the_linear_scan(data):
     view = ClusterView.freeze(100.0, {w.address: w for w in workers}, {c.key: c for c in calls}, {}, comps, affinity)
     opts = {"alpha": rng.choice([0.0, 0.2]), "beta": rng.choice([0.0, 0.02]), "max_moves": rng.choice([3, 64])}
     assert list(LateBindingBalance(**opts)(view)) == list(ScanBalance(**opts)(view))
-
-
-# -- the Dask internal the index added --------------------------------------------------------
-
-def test_started_on_worker_reads_executing_and_seceded_tasks():
-    ws = cs.EWorker("tcp://w:1", 2)
-    a, b, c = (cs.ETask(k, set(), i) for i, k in enumerate("abc"))
-    ws.processing |= {a, b, c}
-    ws.executing[a] = 0.0
-    ws.long_running.add(b)
-    assert dask_compat.started_on_worker(ws, a) and dask_compat.started_on_worker(ws, b)
-    assert not dask_compat.started_on_worker(ws, c)
-
-
-GATE = threading.Event()
-
-
-def _wait(i: int) -> int:
-    GATE.wait(30)
-    return i
-
-
-def test_started_on_worker_on_a_real_scheduler():
-    from distributed import Client, LocalCluster
-
-    from tests.conftest import wait_for
-
-    gate = GATE
-    gate.clear()
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:
-        run = client.submit(_wait, 1, pure=False)
-        waiting = client.submit(_wait, 2, pure=False)
-        s = cluster.scheduler
-        ws = next(iter(s.workers.values()))
-        wait_for(lambda: len(ws.processing) == 2 and len(ws.executing) == 1, timeout=20)
-        started = [ts for ts in ws.processing if dask_compat.started_on_worker(ws, ts)]
-        assert len(started) == 1
-        gate.set()
-        client.gather([run, waiting])
 
 
 # -- the benchmark itself, tiny -----------------------------------------------------------------

@@ -109,3 +109,35 @@ def test_cli_prints_and_writes_json(tmp_path):
     assert math.isfinite(doc["whatif"]["predicted"]["mean_s"])
     bad = CliRunner().invoke(main, ["whatif", str(path), "--replicas", "gpt=1"])
     assert bad.exit_code != 0 and "never called" in bad.output
+
+
+def test_a_child_never_starts_before_its_creator():
+    """The creator started after an earlier call finished; in the replay that call finishes
+    sooner, yet the child still waits for its creator to run."""
+    frame = pd.DataFrame([
+        row("q", "s1", "llm.coder", "llm", 0.0, 0.0, 2.5, model="coder", prompt=300, cached=0, out=100),
+        row("p", "s1", "Dev", "agent", 2.0, 2.0, 4.0),
+        row("c", "s1", "run_tests", "tool", 3.0, 3.0, 3.5, creator="p"),
+    ])
+    pred = w.predict(w.scripts_from_frame(frame), {"coder": w.EngineFit(0.001, 0, 0, 0, 1.0)}, {"coder": 1})
+    # q takes 0.1 s now; p still starts at 2.0 (2.0 after the session start), c 1.0 after p,
+    # p ends its 0.5 s tail after c
+    assert pred.session_latency == [pytest.approx(4.0)]
+
+
+def test_gpus_are_split_exactly_by_recorded_work():
+    rows = []
+    for i, (model, dur) in enumerate([("a", 6.0), ("b", 1.0), ("c", 1.0)]):
+        rows.append(row(f"k{i}", f"s{i}", f"llm.{model}", "llm", 0.0, 0.0, dur, model=model, prompt=10, cached=0, out=5))
+    scripts = w.scripts_from_frame(pd.DataFrame(rows))
+    assert w.parse_replicas([], 3, scripts) == {"a": 1, "b": 1, "c": 1}
+    got = w.parse_replicas([], 8, scripts)
+    assert sum(got.values()) == 8 and got["a"] > got["b"] >= 1
+    assert w.parse_replicas(["a=2"], 4, scripts) == {"a": 2, "b": 1, "c": 1}
+
+
+def test_concurrency_is_the_mean_number_in_service():
+    calls = [w.Call("a", "llm", "llm", None, 0.0, 0.0, 4.0), w.Call("b", "llm", "llm", None, 1.0, 1.0, 3.0),
+             w.Call("c", "llm", "llm", None, 5.0, 5.0, 6.0)]
+    # a: 2 s alone, 2 s with b -> 1.5; b: always with a -> 2; c: alone -> 1
+    assert w._concurrency(calls) == [pytest.approx(1.5), pytest.approx(2.0), pytest.approx(1.0)]

@@ -48,6 +48,10 @@ class AsyncEngineHost:
         self._engine: Any = None
         self._loop = asyncio.new_event_loop()
         self._tasks: dict[str, asyncio.Task] = {}
+        # every future handed out and not yet settled: whatever the loop never got to (a submit
+        # racing close) is failed when the loop ends, so no caller waits forever
+        self._pending: dict[str, Future] = {}
+        self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"dask-agents-async-engine-{name}", daemon=True)
 
@@ -107,7 +111,12 @@ class AsyncEngineHost:
                     engine.shutdown()
                 except Exception:
                     logger.exception("engine %s: shutdown failed", self.name)
-            self._loop.close()
+            with self._lock:
+                self._closed = True
+                self._loop.close()
+                pending, self._pending = self._pending, {}
+            for fut in pending.values():
+                _resolve(fut, exc=self._stopped_error())
 
     def sampling_params(self, max_tokens: int, temperature: float, seed: int | None,
                         priority: tuple = ()) -> Any:
@@ -121,15 +130,21 @@ class AsyncEngineHost:
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Start a request; the returned future resolves to vLLM's final RequestOutput."""
         fut: Future = Future()
-        if self._closed or self.crashed is not None or self._engine is None:
-            fut.set_exception(self._stopped_error())
-            return fut
         sampling, priority = params
 
         def begin() -> None:
             self._tasks[request_id] = self._loop.create_task(self._generate(request_id, token_ids, sampling,
                                                                             priority, fut))
-        self._loop.call_soon_threadsafe(begin)
+        with self._lock:
+            if self._closed or self.crashed is not None or self._engine is None:
+                fut.set_exception(self._stopped_error())
+                return fut
+            self._pending[request_id] = fut
+            try:
+                self._loop.call_soon_threadsafe(begin)
+            except RuntimeError:  # the loop has just closed
+                self._pending.pop(request_id, None)
+                fut.set_exception(self._stopped_error())
         return fut
 
     async def _generate(self, request_id: str, token_ids: list[int], sampling: Any, priority: int,
@@ -147,11 +162,12 @@ class AsyncEngineHost:
         except asyncio.CancelledError:  # aborted by its caller, or the host is closing
             _resolve(fut, exc=self._stopped_error() if self._closed else RuntimeError(f"request {request_id} aborted"))
         except Exception as e:
-            if self._engine.errored:  # the engine core died: every call fails alike; restart it
-                self.crashed = e
+            if getattr(self._engine, "errored", True):  # the core died (or is gone): restart it
+                self.crashed = RuntimeError(f"{type(e).__name__}: {e}")  # no traceback: frames hold memory
             _resolve(fut, exc=self._stopped_error() if self.crashed is not None else e)
         finally:
             self._tasks.pop(request_id, None)
+            self._pending.pop(request_id, None)
 
     def _stopped_error(self) -> BaseException:
         from dask_agents.errors import EngineStoppedError

@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 # vLLM initialises process-global state (parallel groups) while building an engine: two
 # engines built at once in one process (in-process workers, or two models) race on it.
 _LOAD_LOCK = threading.Lock()
+# A crashed engine is restarted at most this often per model: one that dies on every load or
+# step then fails its calls with a clear error instead of reloading forever.
+RESTARTS_MAX = 3
+RESTART_WINDOW_S = 300.0
 BUILTIN = {"tiny-llama": os.path.join(os.path.dirname(__file__), "models", "tiny-llama")}
 
 
@@ -221,8 +225,8 @@ class EngineHost:
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Queue a request; the returned future resolves to vLLM's final RequestOutput."""
         fut: Future = Future()
-        if self._closed:
-            fut.set_exception(RuntimeError(f"engine {self.name!r} is closed"))
+        if self._closed:  # crashed (the caller retries on a restart) or closed
+            fut.set_exception(self._stopped_error())
             return fut
         self._inbox.put(_Request(request_id, token_ids, params, session, fut))
         self._fail_if_gone()
@@ -273,7 +277,7 @@ class EngineHost:
         engine's KV is safe); the future holds its result or exception."""
         fut: Future = Future()
         if self._closed:
-            fut.set_exception(RuntimeError(f"engine {self.name!r} is closed"))
+            fut.set_exception(self._stopped_error())
         elif self.load_error is not None:
             fut.set_exception(RuntimeError(f"engine {self.name!r} failed to load: {self.load_error}"))
         else:
@@ -419,9 +423,12 @@ class EngineHost:
             self._serve()
         except BaseException as e:  # the engine died: fail what waits (callers retry on a restart)
             logger.exception("engine %s: stepping thread failed", self.name)
-            self.crashed = e
+            # Kept without its traceback: its frames hold the engine (model runner, KV tensors),
+            # which must be freed before a restarted engine allocates its own.
+            self.crashed = RuntimeError(f"{type(e).__name__}: {e}")
             self._closed = True
-            self._engine = None  # its memory goes now, not when the restarted engine loads
+            self._engine = self.kv = self.kv_manager = None
+            del e
         self._drain(self._stopped_error())
 
     def _serve(self) -> None:
@@ -552,6 +559,7 @@ class Engines:
         self.hosted = list(hosted)
         self.on_new_model: Any = None  # set by the plugin: announce a lazily started model
         self.restarts: dict[str, int] = {}  # model -> engines restarted after a crash
+        self._restart_times: dict[str, list[float]] = {}  # model -> monotonic times of recent restarts
 
     def start(self, name: str) -> EngineHost:
         """The engine for ``name``, starting it if needed, and restarting it if it crashed."""
@@ -561,11 +569,7 @@ class Engines:
         with self._lock:
             host = self._hosts.get(name)
             if host is not None and getattr(host, "crashed", None) is not None:
-                logger.warning("engine %s on %s crashed (%r): restarting it", name, self.worker_address, host.crashed)
-                self.restarts[name] = self.restarts.get(name, 0) + 1
-                host = make_host(name, host.settings)
-                host.start()
-                self._hosts[name] = host
+                host = self._restart(name, host)
             elif host is None:
                 models = registry()
                 if name not in models:
@@ -582,6 +586,31 @@ class Engines:
                     self.hosted.append(name)
                     if self.on_new_model is not None:
                         self.on_new_model(name)
+        return host
+
+    def _restart(self, name: str, old: Any) -> Any:
+        """A fresh engine for ``name`` after ``old`` crashed (under ``self._lock``); refuses with
+        EngineStoppedError after ``RESTARTS_MAX`` restarts within ``RESTART_WINDOW_S``: an engine
+        that dies on every load or step must fail its calls, not reload forever."""
+        import gc
+
+        from dask_agents.errors import EngineStoppedError
+
+        now = time.monotonic()
+        recent = [t for t in self._restart_times.get(name, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= RESTARTS_MAX:
+            raise EngineStoppedError(
+                f"engine {name!r} on worker {self.worker_address} crashed again ({old.crashed}) after "
+                f"{len(recent)} restarts within {RESTART_WINDOW_S:.0f} s: not restarting it", crashed=False)
+        logger.warning("engine %s on %s crashed (%s): restarting it", name, self.worker_address, old.crashed)
+        old.close()  # its thread (or AsyncLLM's core process) and memory go before the new one loads
+        gc.collect()
+        self._restart_times[name] = recent + [now]
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        settings = registry().get(name, old.settings)  # a corrected configuration is picked up
+        host = make_host(name, settings)
+        host.start()
+        self._hosts[name] = host
         return host
 
     def _prepare(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None,
@@ -646,7 +675,8 @@ class Engines:
         from worker_plugin.dask_compat import secede_if_in_task
 
         host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
-        for attempt in self._attempts():
+        attempts = self._attempts()
+        for attempt in range(attempts):
             if not host.loaded.is_set():
                 secede_if_in_task()
             host.wait_loaded()
@@ -655,15 +685,16 @@ class Engines:
             try:
                 return self._result(header, model, host, ids, fut.result())
             except Exception as e:
-                host = self._retry_or_raise(e, attempt, header, model)
-        raise AssertionError("unreachable")
+                host = self._retry_or_raise(e, attempt, attempts, header, model)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _attempts(self) -> range:
+    def _attempts(self) -> int:
+        """Attempts per call: one, plus ``agents.llm.engine-restarts`` retries on restarted engines."""
         import dask_agents.config as agents_config
 
-        return range(1 + max(0, int(agents_config.get("llm.engine-restarts", 1))))
+        return 1 + max(0, int(agents_config.get("llm.engine-restarts", 1)))
 
-    def _retry_or_raise(self, exc: Exception, attempt: int, header: tuple, model: str) -> Any:
+    def _retry_or_raise(self, exc: Exception, attempt: int, attempts: int, header: tuple, model: str) -> Any:
         """After a failed wait: the restarted engine to retry on when the engine crashed and
         retries are left; otherwise raise an error that names the call."""
         from dask_agents.errors import EngineStoppedError, where
@@ -671,12 +702,16 @@ class Engines:
         if not isinstance(exc, EngineStoppedError):
             raise exc
         component, method, sid, key = header[:4]
-        if exc.crashed and attempt + 1 < len(self._attempts()):
+        cause: BaseException = exc
+        if exc.crashed and attempt + 1 < attempts:
             logger.warning("%s: %s; retrying call %s on a restarted engine", where(component, method, sid), exc, key)
-            return self.start(model)
+            try:
+                return self.start(model)
+            except EngineStoppedError as refused:  # restarted too often: give up on this call
+                cause = refused
         raise EngineStoppedError(
             f"{where(component, method, sid)}: call {key} lost its engine on worker {self.worker_address} "
-            f"after {attempt + 1} attempt(s): {exc}", crashed=exc.crashed) from exc
+            f"after {attempt + 1} attempt(s): {cause}", crashed=exc.crashed) from exc
 
     async def agenerate(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None = None,
                         temperature: float = 0.0, seed: int | None = None) -> Any:
@@ -689,7 +724,8 @@ class Engines:
 
         host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
         secede_async_task(header[3])
-        for attempt in self._attempts():
+        attempts = self._attempts()
+        for attempt in range(attempts):
             if not host.loaded.is_set():
                 await asyncio.to_thread(host.wait_loaded)
             host.wait_loaded()
@@ -701,10 +737,10 @@ class Engines:
                     host.abort(header[3])
                 raise
             except Exception as e:
-                host = self._retry_or_raise(e, attempt, header, model)
+                host = self._retry_or_raise(e, attempt, attempts, header, model)
                 continue
             return self._result(header, model, host, ids, out)
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def stop(self, name: str) -> bool:
         """Close the engine for ``name`` and stop hosting it; True if it was hosted."""
