@@ -427,6 +427,8 @@ def test_example_main(local_slurm, monkeypatch, capsys):
     try:
         hpc.main(["--engine-jobs", "1", "--agent-jobs", "1", "--config", config_dir, "--host", "127.0.0.1",
                   "--dashboard-address", ":0", "--timeout", "90"])
+    except Exception as e:  # say why a job did not come up: its own log
+        pytest.fail(f"{type(e).__name__}: {e}\n{_logs(jobs)}")
     finally:
         dask.config.config.clear()
         dask.config.config.update(saved)
