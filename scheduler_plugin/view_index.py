@@ -46,7 +46,55 @@ _HELD = "queued"
 _ABSENT = object()
 
 
-class BindingMap(dict):
+class _IndexedDict(dict):
+    """A dict whose subclasses keep side indexes: every removal goes through ``_drop`` (and
+    ``clear`` through ``_clear_indexes``), so the dict methods below keep them in step."""
+
+    __slots__ = ()
+
+    def _drop(self, key: Any, value: Any) -> None:
+        raise NotImplementedError
+
+    def _clear_indexes(self) -> None:
+        raise NotImplementedError
+
+    def __delitem__(self, key: Any) -> None:
+        value = dict.__getitem__(self, key)
+        dict.__delitem__(self, key)
+        self._drop(key, value)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        """``dict.pop``, keeping the side indexes in step."""
+        had = key in self
+        value = dict.pop(self, key, *default)
+        if had:
+            self._drop(key, value)
+        return value
+
+    def popitem(self) -> tuple:
+        """``dict.popitem``, keeping the side indexes in step."""
+        key, value = dict.popitem(self)
+        self._drop(key, value)
+        return key, value
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        """``dict.setdefault``, keeping the side indexes in step."""
+        if key not in self:
+            self[key] = default
+        return dict.__getitem__(self, key)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """``dict.update``, keeping the side indexes in step."""
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+    def clear(self) -> None:
+        """``dict.clear``, keeping the side indexes in step."""
+        dict.clear(self)
+        self._clear_indexes()
+
+
+class BindingMap(_IndexedDict):
     """``plugin.bindings`` ((session, component or ``llm:model``) -> worker) that also keeps
     two side indexes: ``llm``, the LLM part as (session, model) -> worker (the view's
     ``kv_affinity``), and ``by_worker``, worker -> its binding keys (what a lost worker takes
@@ -76,6 +124,16 @@ class BindingMap(dict):
             if not keys:
                 del self.by_worker[worker]
 
+    def _drop(self, key: Any, worker: Any) -> None:
+        self._unindex(key, worker)
+        k = self._llm_key(key)
+        if k is not None:
+            self.llm.pop(k, None)
+
+    def _clear_indexes(self) -> None:
+        self.llm.clear()
+        self.by_worker.clear()
+
     def keys_on(self, worker: str) -> list[tuple]:
         """The binding keys pointing at ``worker`` (O(those), a copy: safe to delete while iterating)."""
         return list(self.by_worker.get(worker, ()))
@@ -89,51 +147,6 @@ class BindingMap(dict):
         k = self._llm_key(key)
         if k is not None:
             self.llm[k] = value
-
-    def __delitem__(self, key: Any) -> None:
-        old = dict.__getitem__(self, key)
-        dict.__delitem__(self, key)
-        self._unindex(key, old)
-        k = self._llm_key(key)
-        if k is not None:
-            self.llm.pop(k, None)
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        """``dict.pop``, keeping the side indexes in step."""
-        had = key in self
-        value = dict.pop(self, key, *default)
-        if had:
-            self._unindex(key, value)
-            k = self._llm_key(key)
-            if k is not None:
-                self.llm.pop(k, None)
-        return value
-
-    def popitem(self) -> tuple:
-        """``dict.popitem``, keeping the side indexes in step."""
-        key, value = dict.popitem(self)
-        self._unindex(key, value)
-        k = self._llm_key(key)
-        if k is not None:
-            self.llm.pop(k, None)
-        return key, value
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        """``dict.setdefault``, keeping the side indexes in step."""
-        if key not in self:
-            self[key] = default
-        return dict.__getitem__(self, key)
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        """``dict.update``, keeping the side indexes in step."""
-        for k, v in dict(*args, **kwargs).items():
-            self[k] = v
-
-    def clear(self) -> None:
-        """``dict.clear``, keeping the side indexes in step."""
-        dict.clear(self)
-        self.llm.clear()
-        self.by_worker.clear()
 
 
 class Tally(dict):
@@ -157,7 +170,7 @@ class Tally(dict):
             self.pop(key, None)
 
 
-class PlacedMap(dict):
+class PlacedMap(_IndexedDict):
     """``plugin.placed`` (call key -> (worker, what) it was pinned to) that also keeps
     ``by_worker``: worker -> {key: what} of the calls pinned there, so a lost worker's calls
     (and its open-call counters) are found in O(its calls), not by scanning every placed call.
@@ -171,54 +184,22 @@ class PlacedMap(dict):
         super().__init__()
         self.by_worker: dict[str, dict[Any, str]] = {}
 
-    def _unindex(self, key: Any, where: tuple[str, str]) -> None:
+    def _drop(self, key: Any, where: tuple[str, str]) -> None:
         keys = self.by_worker.get(where[0])
         if keys is not None:
             keys.pop(key, None)
             if not keys:
                 del self.by_worker[where[0]]
 
+    def _clear_indexes(self) -> None:
+        self.by_worker.clear()
+
     def __setitem__(self, key: Any, value: tuple[str, str]) -> None:
         old = dict.get(self, key)
         dict.__setitem__(self, key, value)
         if old is not None and old[0] != value[0]:
-            self._unindex(key, old)
+            self._drop(key, old)
         self.by_worker.setdefault(value[0], {})[key] = value[1]
-
-    def __delitem__(self, key: Any) -> None:
-        old = dict.__getitem__(self, key)
-        dict.__delitem__(self, key)
-        self._unindex(key, old)
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        """``dict.pop``, keeping ``by_worker`` in step."""
-        had = key in self
-        value = dict.pop(self, key, *default)
-        if had:
-            self._unindex(key, value)
-        return value
-
-    def popitem(self) -> tuple:
-        """``dict.popitem``, keeping ``by_worker`` in step."""
-        key, value = dict.popitem(self)
-        self._unindex(key, value)
-        return key, value
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        """``dict.setdefault``, keeping ``by_worker`` in step."""
-        if key not in self:
-            self[key] = default
-        return dict.__getitem__(self, key)
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        """``dict.update``, keeping ``by_worker`` in step."""
-        for k, v in dict(*args, **kwargs).items():
-            self[k] = v
-
-    def clear(self) -> None:
-        """``dict.clear``, keeping ``by_worker`` in step."""
-        dict.clear(self)
-        self.by_worker.clear()
 
 
 def session_view(rec: Any) -> SessionView:
