@@ -51,7 +51,9 @@ def run(workers: int, rate: float, n: int, seed: int) -> tuple[Any, dict]:
         while True:  # the workers' exact timings arrive in batches
             df = da.telemetry(backend.client)
             df = df[df["created"] >= t0]
-            if len(df) and df["finished"].notna().all() and df.loc[df["kind"] == "llm", "output_tokens"].notna().all():
+            # the workers' reports (exact start times, tokens) trail the scheduler's transitions
+            if (len(df) and df[["started", "finished"]].notna().all(axis=None)
+                    and df.loc[df["kind"] == "llm", "output_tokens"].notna().all()):
                 break
             if time.time() > deadline:
                 raise RuntimeError("telemetry did not complete within 30 s")

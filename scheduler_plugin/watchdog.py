@@ -45,6 +45,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
+import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
@@ -59,6 +60,25 @@ logger = logging.getLogger(__name__)
 
 TOPIC = "agents-control"
 WATCHDOG = "dask-agents-control-watchdog"
+
+
+def _in_daemon_thread(fn: Any, *args: Any) -> concurrent.futures.Future:
+    """Run ``fn(*args)`` in a new daemon thread; its future holds the outcome. Not a pool: a
+    pool's threads are joined at interpreter exit, so one policy hanging forever would keep
+    the scheduler process from exiting. (A policy never has two threads at once: the
+    watchdog skips one still in flight, so threads stay few.)"""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="dask-agents-policy", daemon=True).start()
+    return fut
 
 
 def _run_policy(policy: Callable, view: Any, max_actions: int) -> tuple[list, float]:
@@ -108,8 +128,6 @@ class Watchdog:
         self.hung: dict[str, concurrent.futures.Future] = {}
         self._abandoned: dict[str, float] = {}  # hung by a cancelled pass -> when it was submitted
         self._lock = asyncio.Lock()  # one pass at a time: the loop's, run_once's
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pool_size = 0
         self._refresh: asyncio.Task | None = None
         self._crashes = 0  # loop-died restarts since the loop last completed a pass
         self._restart_at: float | None = None  # when a dead loop is restarted (backoff)
@@ -171,9 +189,6 @@ class Watchdog:
         if self._refresh is not None:
             self._refresh.cancel()
             self._refresh = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
 
     def _spawn(self) -> None:
         if self.task is not None and not self.task.done():
@@ -288,11 +303,12 @@ class Watchdog:
         t0 = time.perf_counter()
         view, eligible, skipped = self._prepare()
         on_loop = time.perf_counter() - t0
-        pool = self._get_pool()
+        if self.closed:
+            raise RuntimeError("dask-agents: the control loop was closed")
         submitted = time.monotonic()
         mine: dict[str, concurrent.futures.Future] = {}
         for name, policy in eligible.items():
-            mine[name] = self.inflight[name] = pool.submit(_run_policy, policy, view, ctl.max_actions)
+            mine[name] = self.inflight[name] = _in_daemon_thread(_run_policy, policy, view, ctl.max_actions)
         # the view is built (however long that took): from now on the clock is the policies'
         self._expect(self.policy_timeout + self.stall_timeout, "policies")
         try:
@@ -404,20 +420,6 @@ class Watchdog:
         return {"tick": ctl.ticks, "seconds": on_loop, "on_loop_seconds": on_loop, "policy_seconds": in_policies,
                 "view_seconds": view_seconds[-1] if view_seconds else None, "applied": applied,
                 "skipped": skipped, "calls_in_view": len(view.calls), "truncated": view.truncated}
-
-    def _get_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self.closed:
-            raise RuntimeError("dask-agents: the control loop was closed")
-        # A policy never has two threads, so one per policy (+ slack) always suffices, hung ones
-        # included; grow the pool if policies were added (the old threads finish on their own).
-        size = len(self.control.policies) + 2
-        if self._pool is None or size > self._pool_size:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=size,
-                                                               thread_name_prefix="dask-agents-policy")
-            self._pool_size = size
-        return self._pool
 
     def stats(self) -> dict:
         """What ``da.control(client).stats()`` shows of the loop's health."""

@@ -198,9 +198,11 @@ def test_close_cancels_a_worker_refresh_and_run_once_after_close_fails():
         ctl.close()
         await asyncio.sleep(0.05)
         assert refresh.cancelled()
+        policy_threads = sum(t.name == "dask-agents-policy" for t in threading.enumerate())
         with pytest.raises(RuntimeError, match="closed"):
             await wd.run_pass()
-        assert wd._pool is None  # no new threads for a closed loop
+        # no new threads for a closed loop
+        assert sum(t.name == "dask-agents-policy" for t in threading.enumerate()) <= policy_threads
         with pytest.raises(RuntimeError, match="closed"):
             ctl.start()
 
@@ -300,3 +302,17 @@ def test_a_policy_timeout_not_below_the_stall_timeout_is_clamped(caplog):
         ctl = make_loop({}, policy_timeout="2s", stall_timeout="750ms")
     assert ctl.watchdog.policy_timeout < ctl.watchdog.stall_timeout
     assert "policy-timeout" in caplog.text and "stall-timeout" in caplog.text
+
+
+def test_a_hung_policy_never_keeps_the_scheduler_process_alive():
+    """Policies run in daemon threads: one that never returns cannot block interpreter exit
+    (a thread pool's workers are joined at exit)."""
+    from scheduler_plugin.watchdog import _in_daemon_thread
+
+    gate = threading.Event()
+    fut = _in_daemon_thread(gate.wait)
+    runner = [t for t in threading.enumerate() if t.name == "dask-agents-policy" and t.is_alive()]
+    assert runner and all(t.daemon for t in runner)
+    gate.set()
+    assert fut.result(5) is True
+    assert _in_daemon_thread(lambda: 1 / 0).exception(5).__class__ is ZeroDivisionError
