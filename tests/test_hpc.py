@@ -74,8 +74,14 @@ def group_alive(pgid):
 
 
 if sys.argv[1] == "sbatch":
-    n = len([f for f in os.listdir(JOBS) if f.endswith(".sh")])
-    script = os.path.join(JOBS, f"job-{{n}}.sh")
+    n = 0
+    while True:  # reserve a name atomically: jobs are submitted concurrently (and bash reads its
+        script = os.path.join(JOBS, f"job-{{n}}.sh")  # script as it runs: an overwrite would mix two)
+        try:
+            os.close(os.open(script, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            break
+        except FileExistsError:
+            n += 1
     shutil.copy(sys.argv[-1], script)  # sbatch keeps its own copy; jobqueue deletes the file
     env = dict(os.environ)  # SLURM's default --export=ALL ...
     env["PYTHONPATH"] = os.pathsep.join([REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
