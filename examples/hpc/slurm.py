@@ -144,6 +144,20 @@ def make_cluster(*, engine: dict[str, Any] | None = None, host: str | None = Non
     return SLURMCluster(scheduler_options=options, security=security, **kwargs)
 
 
+def _shared_job_kwargs(cluster: Any) -> dict:
+    """What the cluster decided for all of its jobs (TLS files, interface, protocol), so an
+    added job of another kind joins the same way. dask-jobqueue keeps it in the private
+    ``JobQueueCluster._job_kwargs`` (0.9.0, pinned in setup.cfg; ``tests/test_hpc.py`` runs a
+    TLS deployment through it): if a release renames it, this fails loudly, not silently."""
+    import dask_jobqueue
+
+    kwargs = getattr(cluster, "_job_kwargs", None)
+    if not isinstance(kwargs, dict):
+        raise RuntimeError(f"dask-jobqueue {getattr(dask_jobqueue, '__version__', '?')} has no "
+                           "JobQueueCluster._job_kwargs: this example supports dask-jobqueue 0.9")
+    return {k: kwargs[k] for k in ("config_name", "interface", "protocol", "security") if k in kwargs}
+
+
 def add_agent_workers(cluster: Any, n: int, options: dict[str, Any] | None = None) -> list[str]:
     """Add ``n`` agent jobs to ``cluster`` and submit them; returns their worker names.
 
@@ -154,9 +168,7 @@ def add_agent_workers(cluster: Any, n: int, options: dict[str, Any] | None = Non
     + k)``. Do not shrink the cluster with ``cluster.scale(n)`` yourself: Dask drops the
     newest entries, whatever their kind; use ``cluster.scale_down(names)``.
     """
-    # what the cluster decided for all of its jobs (TLS files, interface, protocol)
-    shared = {k: cluster._job_kwargs[k] for k in ("config_name", "interface", "protocol", "security")
-              if k in cluster._job_kwargs}
+    shared = _shared_job_kwargs(cluster)
     opts = {**(options if options is not None else agent_job_options()), **shared}
     names: list[str] = []
     i = 0
