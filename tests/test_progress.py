@@ -49,7 +49,8 @@ async def test_progress_waits_for_sessions_and_futures(c: Client, s: Scheduler, 
     plain = [c.submit(inc, i, pure=False) for i in range(2)]
     out = io.StringIO()
     task = asyncio.ensure_future(da.progress([fast, slow], plain, pending, file=out, interval=0.05))
-    await asyncio.sleep(0.5)
+    # everything but the gated calls is done, and those run (held by the gate)
+    await async_wait_for(lambda: all(f.done() for f in plain) and len(a.state.executing) == 3)
     assert not task.done()  # the slow session has open calls
     assert out.getvalue() == ""  # not a terminal: only the final frame is printed
     GATE.set()
