@@ -67,6 +67,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from benchmarks.processes import start_scheduler  # noqa: E402
+
 import psutil  # noqa: E402
 from distributed import Client  # noqa: E402
 
@@ -89,19 +91,7 @@ def start_cluster(tmp: str, nthreads: int, log: Any) -> tuple[subprocess.Popen, 
     """A scheduler and two worker processes with the dask-agents preload; (procs, address, port)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([_ROOT, os.environ.get("PYTHONPATH", "")]),
            "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
-    sched_file = os.path.join(tmp, "scheduler.json")
-    sched = subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
-         "--dashboard-address", "127.0.0.1:0", "--scheduler-file", sched_file, "--preload", "dask_agents.preload"],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 60
-    while not os.path.exists(sched_file) or os.path.getsize(sched_file) == 0:
-        if time.time() > deadline or sched.poll() is not None:
-            raise RuntimeError("the scheduler did not start (see the log)")
-        time.sleep(0.2)
-    time.sleep(0.2)
-    with open(sched_file) as f:
-        info = json.load(f)
+    sched, info = start_scheduler(tmp, env, log, dashboard=True)
     address, port = info["address"], info["services"]["dashboard"]
     workers = subprocess.Popen(
         [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nworkers", "2", "--nthreads", str(nthreads),

@@ -71,6 +71,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from benchmarks.processes import start_scheduler  # noqa: E402
+
 import psutil  # noqa: E402
 from distributed import Client  # noqa: E402
 
@@ -219,19 +221,8 @@ def start_cluster(tmp: str, args: argparse.Namespace, log: Any) -> tuple[list[su
            "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
     if args.dask_log_length is not None:  # Dask's own debug logs (message logs of its comms, events)
         env["DASK_DISTRIBUTED__ADMIN__LOW_LEVEL_LOG_LENGTH"] = str(args.dask_log_length)
-    sched_file = os.path.join(tmp, "scheduler.json")
-    sched = subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
-         "--no-dashboard", "--scheduler-file", sched_file, "--preload", "dask_agents.preload"],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 60
-    while not os.path.exists(sched_file) or os.path.getsize(sched_file) == 0:
-        if time.time() > deadline or sched.poll() is not None:
-            raise RuntimeError("the scheduler did not start (see the log)")
-        time.sleep(0.2)
-    time.sleep(0.2)
-    with open(sched_file) as f:
-        address = json.load(f)["address"]
+    sched, info = start_scheduler(tmp, env, log, dashboard=False)
+    address = info["address"]
     workers = subprocess.Popen(
         [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nworkers", "2", "--nthreads",
          str(args.nthreads), "--preload", "dask_agents.preload", "--no-dashboard", "--memory-limit", "0"],
@@ -443,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{d if d is None else round(d, 2)!s:>21s}")
     print(f"structures back to baseline: {summary['structures_back_to_baseline']}"
           + (f" (above: {summary['leaked_structures']})" if summary["leaked_structures"] else ""))
-    print(f"Python objects (baseline -> peak -> final): "
+    print("Python objects (baseline -> peak -> final): "
           + ", ".join(f"{n} {v['baseline']} -> {v['peak']} -> {v['final']}" for n, v in summary["gc_objects"].items()))
     print(f"object types that grew most (baseline -> final): {summary['gc_type_growth']}")
     print(f"largest structures at peak: {summary['peak_structures']}")
