@@ -28,6 +28,7 @@ from dask_agents.errors import (
     EngineStoppedError,
     HintError,
     InstanceLostError,
+    SessionClosedError,
     NoClientError,
     NotAComponentError,
     NotInstalledError,
@@ -48,7 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgentFuture", "AgentsError", "ClusterLink", "attach_cluster", "BatchingHint", "CallFailedError", "CallMeta", "CallTimeoutError",
-    "ComponentHints", "ConfigError", "ComponentSpec", "Control", "control", "EngineStoppedError", "FunctionStub", "HintError", "InstanceLostError", "LLM", "LLMResult",
+    "ComponentHints", "ConfigError", "ComponentSpec", "Control", "control", "EngineStoppedError", "FunctionStub", "HintError", "InstanceLostError", "SessionClosedError", "LLM", "LLMResult",
     "NoClientError", "NotAComponentError", "NotInstalledError", "PromptTooLongError", "Session",
     "SessionGraph", "Stub", "ToolHints", "UnknownModelError", "WorkflowGraph", "agent", "current_call", "current_session", "install",
     "installed", "llm", "progress", "session", "session_graph", "spec_of", "stub", "telemetry", "tool",

@@ -42,22 +42,40 @@ def _call(client: Client, op: str, then: Callable[[Any], Any] = lambda x: x, **k
     return client.sync(go)
 
 
-def end_session(client: Client, session: str) -> Any:
+def end_session(client: Client, session: str, cancel: bool = False) -> Any:
     """Tell the scheduler the driver is done with ``session`` (no-op when not installed).
 
-    With an asynchronous client this returns a coroutine."""
+    ``cancel``: the driver gave up on it (left its block with an exception): the session's
+    open calls are failed or cancelled. The message goes on the client's own stream, after
+    the calls it submitted before, so the scheduler cannot see the end before them. With an
+    asynchronous client this returns a coroutine."""
+    from dask_agents.install import _has_plugin
+
+    msg = {"op": SESSION_END_OP, "session": session, "cancel": bool(cancel)}
+
+    async def verify() -> bool:
+        if _ident(client) not in _verified:
+            if not await client.run_on_scheduler(_has_plugin):
+                return False  # an unknown stream op would cost the client its connection
+            _verified.add(_ident(client))
+        return True
+
+    def send() -> None:
+        if client.status in ("running", "connecting", "newly-created"):
+            client._send_to_scheduler(msg)  # noqa: SLF001 (Dask's client stream: ordered with submits)
+
     if client.asynchronous:
         async def go() -> None:
-            try:
-                await _call(client, "agents_session_end", session=session)
-            except NotInstalledError:
-                pass
+            if await verify():
+                send()
 
         return go()
-    try:
-        _call(client, "agents_session_end", session=session)
-    except NotInstalledError:
-        pass
+    if _ident(client) in _verified or client.sync(verify):
+        send()
+
+
+SESSION_END_OP = "agents-session-end"
+"""The client-stream op of :func:`end_session` (``scheduler_plugin.plugin.SESSION_END_OP``)."""
 
 
 def session_graph(client: Client, session: Any) -> SessionGraph:

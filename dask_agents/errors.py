@@ -85,12 +85,13 @@ class EngineStoppedError(AgentsError, RuntimeError):
 
 
 class InstanceLostError(CallFailedError):
-    """A stateful call's instance was lost with its worker (the worker died or left).
+    """A stateful call's instance is gone: its worker died, left or was retired, or the
+    instance was released when its session completed.
 
-    The call did not complete and will not be re-run on a fresh instance (the session's
-    state is gone, so a silent re-run could give a different answer). The message names the
-    session, component, method, worker and cause; a later call of the same session and
-    component starts a fresh instance on another worker."""
+    The call is not run on a fresh instance (the session's state is gone, so a silent run
+    could give a different answer), and neither is any later call of the same session and
+    component: start a new session. The message names the session, component, method,
+    worker and cause."""
 
     def __init__(self, message: str, original: BaseException | None = None, *, session: str | None = None,
                  component: str | None = None, worker: str | None = None):
@@ -105,3 +106,54 @@ class InstanceLostError(CallFailedError):
 
 def _instance_lost(message: str, session: str | None, component: str | None, worker: str | None) -> InstanceLostError:
     return InstanceLostError(message, session=session, component=component, worker=worker)
+
+
+class SessionClosedError(CallFailedError):
+    """A call's session was closed by the scheduler while the call was open: its driver
+    disconnected and did not reconnect within ``agents.scheduler.session-grace``, or the
+    driver left its ``da.session`` block with an exception. The message names the call,
+    session and cause."""
+
+    def __init__(self, message: str, original: BaseException | None = None, *, session: str | None = None):
+        super().__init__(message, original)
+        self.session = session
+
+    def __reduce__(self):
+        return (_session_closed, (self.args[0], self.session))
+
+
+def _session_closed(message: str, session: str | None) -> SessionClosedError:
+    return SessionClosedError(message, session=session)
+
+
+class InvalidRequestError(AgentsError, ValueError):
+    """An LLM call's inputs cannot be served by its model: a token id outside the vocabulary, a
+    prompt text that cannot be encoded, a sampling parameter of the wrong type or out of range.
+    Checked before the request reaches the engine (where it could crash a step and fail every
+    call in flight); the message names the call, its session and the bad value."""
+
+
+class EngineStepError(EngineStoppedError):
+    """An engine step failed in the step that first scheduled this call: the call is the likely
+    cause, so it fails (named, with the step's error) instead of being retried on a restarted
+    engine, where it would crash it again. The other calls in flight are retried as for any
+    crash. ``crashed`` is True (the engine did die), but this error is never retried."""
+
+    def __init__(self, message: str, crashed: bool = True):
+        super().__init__(message, crashed)
+
+
+class ResultNotSerializableError(CallFailedError):
+    """A call finished, but its result cannot leave the worker that computed it: it does not
+    pickle (a lock, an open file or socket, a generator...). The message names the call
+    (component, method, session, key) and the result's type. Return plain data instead, or
+    keep such objects inside a stateful component's instance."""
+
+
+from distributed.client import ClosedClientError as _DaskClosedClientError  # noqa: E402
+
+
+class ClientClosedError(NoClientError, _DaskClosedClientError):
+    """A stub or LLM call was made with a Dask client that is closing or closed
+    (``client.close()``, or the session's client went away). The message names the call.
+    Also a ``distributed.client.ClosedClientError``, which Dask raised here before."""

@@ -1,9 +1,12 @@
 """Sessions: one user request's calls, grouped.
 
-``with da.session(client) as s:`` makes every stub call *and* every plain ``client.submit``
-inside the block carry ``s.id`` (a context variable plus ``dask.annotate``). Leaving the block
-tells the scheduler the driver is done; the session completes once its last call finishes,
-and stateful instances are released then.
+``with da.session(client) as s:`` makes every stub and LLM call inside the block carry ``s.id``
+(a context variable); plain Dask work there (``client.submit``, collections) is left alone.
+The session is owned by ``client``: if it disconnects, the session waits
+``agents.scheduler.session-grace`` for it to reconnect. Leaving the block tells the scheduler
+the driver is done (with an exception: the session's open calls are given up); the session
+completes once its last call finishes, and its stateful instances are released
+``agents.scheduler.instance-linger`` later.
 """
 
 from __future__ import annotations
@@ -13,11 +16,9 @@ import uuid
 from contextlib import ExitStack
 from typing import Any
 
-import dask
 from distributed import Client
 
 from dask_agents import context
-from dask_agents.calls import ANNOTATION
 from dask_agents.errors import short_repr
 
 
@@ -58,16 +59,16 @@ class Session:
         if self._stack is not None:
             raise RuntimeError(f"session {self.id} is already active")
         self._stack = ExitStack()
+        # Only stub and LLM calls carry the session (calls.submit_call reads this context):
+        # plain Dask work inside the block is not annotated and runs as Dask would run it.
         self._token = context.current_session.set(
             context.SessionContext(self.id, self.tenant, self.client)
         )
-        ann = {"session": self.id, "tenant": self.tenant, "creator": context.creator()}
-        self._stack.enter_context(dask.annotate(**{ANNOTATION: ann}))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._leave()
-        ended = self.end()
+        ended = self.end(cancel=exc[0] is not None)
         if ended is not None:  # asynchronous client: do not leave the coroutine unawaited
             import asyncio
 
@@ -78,7 +79,7 @@ class Session:
 
     async def __aexit__(self, *exc: Any) -> None:
         self._leave()
-        ended = self.end()
+        ended = self.end(cancel=exc[0] is not None)
         if ended is not None:
             await ended
 
@@ -88,13 +89,16 @@ class Session:
             stack.close()
         context.current_session.reset(self._token)
 
-    def end(self) -> Any:
+    def end(self, cancel: bool = False) -> Any:
         """Tell the scheduler that the driver made its last call in this session.
 
+        ``cancel=True`` (what leaving the block with an exception does): the driver gave up on
+        the session, so its open calls can no longer matter; the ones not started fail with
+        :class:`~dask_agents.errors.SessionClosedError`, the running ones are cancelled.
         Returns a coroutine with an asynchronous client."""
         from dask_agents import client_api
 
-        return client_api.end_session(self.client, self.id)
+        return client_api.end_session(self.client, self.id, cancel=cancel)
 
     def graph(self):
         """This session's call graph as the scheduler sees it (:class:`SessionGraph`)."""

@@ -194,20 +194,29 @@ def stealing(scheduler: Scheduler) -> Any:
     return ext
 
 
-async def stop_builtin_balancing(scheduler: Scheduler) -> bool:
-    """Stop Dask's own stealing loop (ours replaces it); returns True if it was running."""
+def keep_from_builtin_stealing(scheduler: Scheduler, skip: Callable[[Any], bool]) -> Callable[[], None] | None:
+    """Let Dask's own work stealing go on balancing every task except those ``skip(ts)`` says
+    are ours: they never enter its stealable sets (``WorkStealing.put_key_in_stealable``, the
+    one place a task becomes stealable), so only the control plane moves them. Returns a
+    function that undoes it, or None when the scheduler has no stealing extension."""
     ext = scheduler.extensions.get("stealing")
-    if ext is None or "stealing" not in scheduler.periodic_callbacks:
-        return False
-    await ext.stop()
-    return True
+    if ext is None:
+        return None
+    original = ext.put_key_in_stealable
 
+    def put_key_in_stealable(ts: Any) -> None:
+        if not skip(ts):
+            original(ts)
 
-async def start_builtin_balancing(scheduler: Scheduler) -> None:
-    """Give Dask its stealing loop back."""
-    ext = scheduler.extensions.get("stealing")
-    if ext is not None:
-        await ext.start()
+    ext.put_key_in_stealable = put_key_in_stealable
+    for ts in [ts for level in ext.stealable.values() for tasks in level for ts in tasks if skip(ts)]:
+        ext.remove_key_from_stealable(ts)  # ours that were already stealable
+
+    def undo() -> None:
+        if ext.put_key_in_stealable is put_key_in_stealable:
+            del ext.put_key_in_stealable  # the class's method again
+
+    return undo
 
 
 def move_task(scheduler: Scheduler, ts: Any, victim: str, thief: str) -> str:
@@ -344,6 +353,20 @@ def fail_task(scheduler: Scheduler, key: Any, exc: BaseException, stimulus_id: s
     return True
 
 
+def cancel_tasks(scheduler: Scheduler, keys: Iterable[Any], reason: str) -> int:
+    """Cancel ``keys`` for every client that wants them, as ``client.cancel(force=True)``
+    would (their dependents too); futures raise ``CancelledError`` with ``reason``. A task
+    still running on a worker is released there (its thread runs on to its end; Dask drops
+    its result). Tasks no client wants (only needed by dependents) go with those dependents.
+    Returns how many keys were asked to cancel."""
+    wanted = [k for k in keys if (ts := scheduler.tasks.get(k)) is not None and ts.who_wants]
+    if not wanted:
+        return 0
+    # any registered client may ask (stimulus_cancel looks it up): Dask's own one always exists
+    scheduler.stimulus_cancel(wanted, "fire-and-forget", force=True, reason=reason, msg=reason)
+    return len(wanted)
+
+
 def is_wanted(scheduler: Scheduler, key: Any) -> bool:
     """True if a client or a waiting dependent still needs the task: when Dask releases it
     (its worker was lost) it will run again rather than be forgotten."""
@@ -354,3 +377,180 @@ def is_wanted(scheduler: Scheduler, key: Any) -> bool:
 async def call_worker(scheduler: Scheduler, address: str, op: str, **kwargs: Any) -> Any:
     """Call the RPC handler ``op`` of the worker at ``address`` (the scheduler's connection pool)."""
     return await getattr(scheduler.rpc(address), op)(**kwargs)
+
+
+# -- trust at the plugin's endpoints (scheduler_plugin/validate.py) ----------------------------
+
+def _stream_origin(code: Any) -> dict | None:
+    """The ``extra`` of the ``Server.handle_stream`` loop two frames up (the one that called
+    the handler wrapper): ``{"worker": address}`` on a worker's stream, ``{"client": id}`` on
+    a client's. None when the wrapper was not called by that loop."""
+    import sys
+
+    frame = sys._getframe(2)  # 0: here, 1: the wrapper, 2: its caller
+    if frame.f_code is not code:
+        return None
+    extra = frame.f_locals.get("extra")
+    return dict(extra) if isinstance(extra, dict) else None
+
+
+def add_worker_stream_handler(scheduler: Scheduler, op: str, handler: Callable,
+                              on_refused: Callable[[str, dict], None] | None = None) -> None:
+    """Register a stream op that only *worker* streams may use.
+
+    Dask keeps one ``stream_handlers`` table for worker and client streams (its
+    ``worker_handlers``/``client_handlers`` are merged in ``Scheduler.__init__`` and not kept),
+    and calls a handler with ``**merge(extra, msg)``: the message's own fields win over the
+    stream's identity (``extra``), so a message can claim any ``worker``. The wrapper reads
+    ``extra`` from the ``handle_stream`` frame that called it instead, calls
+    ``handler(worker=<the stream's worker>, **other fields)`` for worker streams, and drops the
+    message (``on_refused(op, origin)``) for anything else. Called from elsewhere (never by
+    Dask 2026.8), it falls back to the merged fields: a client stream always carries a
+    ``client`` field there (a message can change its value, not remove it)."""
+    code = type(scheduler).handle_stream.__code__
+
+    def worker_only(**msg: Any) -> Any:
+        origin = _stream_origin(code)
+        if origin is None:
+            origin = {k: msg[k] for k in ("worker", "client") if k in msg}
+        msg.pop("worker", None)
+        msg.pop("client", None)
+        worker = origin.get("worker")
+        if "client" in origin or not isinstance(worker, str):
+            if on_refused is not None:
+                on_refused(op, origin)
+            return None
+        return handler(worker=worker, **msg)
+
+    worker_only.__name__ = f"worker_only_{getattr(handler, '__name__', 'handler')}"
+    scheduler.stream_handlers[op] = worker_only
+
+
+def task_holders(ts: Any) -> set[str]:
+    """Addresses of the workers holding the task's result (empty when none)."""
+    return {ws.address for ws in (ts.who_has or ())}
+
+
+def task_erred_on(ts: Any) -> set[str]:
+    """Addresses of the workers the task erred on (empty when none)."""
+    return set(ts.erred_on or ())
+
+
+def comm_peer(comm: Any) -> str | None:
+    """The peer address of an RPC's comm (an ephemeral address for outgoing connections:
+    not the caller's listening address)."""
+    return getattr(comm, "peer_address", None)
+
+
+def worker_stream_peer(scheduler: Scheduler, address: str) -> str | None:
+    """The peer address of the scheduler's stream comm with the worker at ``address``: where
+    that worker's own outgoing connections come from (None if it has no stream)."""
+    bs = scheduler.stream_comms.get(address)
+    comm = getattr(bs, "comm", None)
+    return getattr(comm, "peer_address", None)
+
+
+def address_host(address: Any) -> str | None:
+    """The host part of a Dask address (``tcp://10.0.0.1:1234`` -> ``10.0.0.1``); None when
+    it is not one."""
+    from distributed.comm.addressing import get_address_host
+
+    if not isinstance(address, str):
+        return None
+    try:
+        return get_address_host(address)
+    except Exception:  # ValueError for junk; inproc raises for other processes' addresses
+        return None
+
+
+# -- the enforcement layer: answers to move requests, what a move's target must offer ----------
+
+STEAL_ANSWERS = frozenset({"confirm", "already-computing", "reschedule", "already-aborted", "stale-response"})
+"""What ``WorkStealing.move_task_confirm`` logs on the ``stealing`` topic when a victim answers."""
+
+
+def watch_steal_answers(scheduler: Scheduler, name: str, callback: Callable[[str, str], None]) -> None:
+    """Call ``callback(stimulus_id, answer)`` for every answer to a move request (:func:`move_task`).
+
+    Dask's ``WorkStealing.move_task_confirm`` acts on the victim's answer, then logs it on the
+    ``stealing`` event topic as a tuple ``(answer, ..., stimulus_id)``: ``confirm`` (the victim
+    gave the task up: it now processes on the thief), ``already-computing`` (refused: it had
+    started), ``reschedule`` (logged just before Dask places the task anew, e.g. the thief
+    left), ``already-aborted`` (the task left the victim before the answer), ``stale-response``
+    (an answer to a superseded request). A scheduler plugin's ``log_event`` hook sees each event
+    as it is logged, so ``callback`` runs inside the confirmation. The plugin is registered
+    under ``name``, replacing one of that name."""
+    from distributed import SchedulerPlugin
+
+    class StealAnswers(SchedulerPlugin):
+        def log_event(self, topic: str, msg: Any) -> None:
+            if (topic == "stealing" and isinstance(msg, (tuple, list)) and len(msg) > 1
+                    and msg[0] in STEAL_ANSWERS and isinstance(msg[-1], str)):
+                callback(msg[-1], msg[0])
+
+    scheduler.plugins.pop(name, None)  # replace without add_plugin's overwrite warning
+    scheduler.add_plugin(StealAnswers(), name=name)
+
+
+def unwatch_steal_answers(scheduler: Scheduler, name: str) -> None:
+    """Undo :func:`watch_steal_answers`."""
+    if name in scheduler.plugins:
+        scheduler.remove_plugin(name=name)
+
+
+def move_in_flight(scheduler: Scheduler, ts: Any) -> str | None:
+    """The stimulus id of the move request of ``ts`` awaiting the victim's answer (None: none).
+    A move engine without requests in flight (the benchmarks' stand-in applies moves at once)
+    has none."""
+    ext = scheduler.extensions.get("stealing")
+    info = (getattr(ext, "in_flight", None) or {}).get(ts) if ext is not None else None
+    return info["stimulus_id"] if info else None
+
+
+def task_started(ts: Any) -> bool:
+    """True if ``ts`` executes (or has seceded) on the worker it is processing on, as far as the
+    scheduler knows (a heartbeat late: the worker may have started it since)."""
+    ws = ts.processing_on
+    return ws is not None and started_on_worker(ws, ts)
+
+
+def has_host_restrictions(ts: Any) -> bool:
+    """Restricted to hosts (``workers=`` naming hosts, not worker addresses)."""
+    return bool(ts.host_restrictions)
+
+
+def worker_has_resources(scheduler: Scheduler, ts: Any, address: str) -> bool:
+    """True if the worker at ``address`` supplies every resource ``ts`` needs (``resources=``)."""
+    need = ts.resource_restrictions
+    if not need:
+        return True
+    ws = scheduler.workers.get(address)
+    return ws is not None and all(ws.resources.get(r, 0) >= n for r, n in need.items())
+
+
+def worker_status(scheduler: Scheduler, address: str) -> str | None:
+    """The worker's status (``running``, ``paused``, ``closing_gracefully``...); None if unknown."""
+    ws = scheduler.workers.get(address)
+    return None if ws is None else ws.status.name
+
+
+def move_resource_accounting(scheduler: Scheduler, ts: Any, victim: str, thief: str) -> None:
+    """After a confirmed move: carry the resources ``ts`` holds in the scheduler's books from
+    ``victim`` to ``thief``. Dask's steal confirmation moves the task but not what it acquired:
+    the victim would keep it acquired, and the thief's count would go negative when the task
+    ends there."""
+    if not ts.resource_restrictions:
+        return
+    ws = scheduler.workers.get(victim)
+    if ws is not None:
+        scheduler.release_resources(ts, ws)
+    ws = scheduler.workers.get(thief)
+    if ws is not None:
+        scheduler.acquire_resources(ts, ws)
+
+
+def undo_move_pin(ts: Any, victim: str, thief: str) -> None:
+    """After a refused move: a task :func:`move_task` re-pinned to ``thief`` is pinned to
+    ``victim`` again (where it stays, or is placed again)."""
+    if ts.worker_restrictions == {thief}:
+        ts.worker_restrictions = {victim}

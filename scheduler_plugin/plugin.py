@@ -23,7 +23,7 @@ from typing import Any
 from distributed import Scheduler, SchedulerPlugin
 
 import dask_agents.config as agents_config
-from dask_agents.calls import ANNOTATION, sanitize_annotation
+from dask_agents.calls import ANNOTATION, MAX_LABEL, sanitize_annotation
 from scheduler_plugin import dask_compat, metrics
 from scheduler_plugin.actions import Kill, Provision
 from scheduler_plugin.control import ControlLoop
@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 NAME = "dask-agents"
 REPORT_OP = "agents-report"
+SESSION_END_OP = "agents-session-end"  # client -> scheduler, on the client's stream (ordered with its submits)
+LOST = "inproc://dask-agents-lost-instance"
+"""Where a stateful call whose instance is gone is pinned: no worker has this address, so the
+call cannot run anywhere (never on a fresh instance); recovery fails it with InstanceLostError."""
 
 
 class AgentsSchedulerPlugin(SchedulerPlugin):
@@ -44,6 +48,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
 
     name = NAME
     idempotent = True
+    LOST = LOST
 
     def __init__(self) -> None:
         self.scheduler: Scheduler | None = None
@@ -67,12 +72,15 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         # (a worker busy with agent tasks may have an idle engine). A read of a missing pair
         # gives 0 without inserting it and an entry goes at zero: a lost worker's are few.
         self.open_placed: Tally = Tally()
-        self.client_sessions: dict[str, set[str]] = defaultdict(set)
+        self.client_sessions: dict[str, set[str]] = defaultdict(set)  # owner client -> its sessions
+        self.orphans: dict[str, float] = {}  # session -> when its grace ends (its owner disconnected)
+        self._lingering: dict[str, Any] = {}  # completed session -> timer releasing its instances
+        self._cancelling: set[str] = set()  # calls to cancel soon (their creator ended: nobody can use them)
         self.arrivals = itertools.count()
         self.control: ControlLoop | None = None
         self.view_index = ViewIndex(self)  # the control loop's view, updated by the hooks below
         self.prioritizing = False
-        self._stopped_stealing = False
+        self._unkeep_stealing: Any = None  # undoes keeping our calls out of Dask's stealing
         # scale requests for the client-side cluster link (dask_agents.scaling)
         self.link_seen: float | None = None
         self.link_interval = 0.5
@@ -98,6 +106,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         dask_compat.add_stream_handler(scheduler, REPORT_OP, self._on_reports)
+        dask_compat.add_stream_handler(scheduler, SESSION_END_OP, self._on_session_end_msg)
         for name, handler in {
             "agents_worker_hello": self._hello,
             "agents_session_end": self._session_end,
@@ -121,7 +130,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.control = ControlLoop(self)
         self.prioritizing = any(isinstance(p, prioritize.Prioritize) for p in self.control.policies.values())
         if agents_config.get("control.replace-stealing"):
-            self._stopped_stealing = await dask_compat.stop_builtin_balancing(scheduler)
+            # Dask's stealing keeps balancing plain tasks; agent calls are the balance policy's
+            # alone (Dask's would move them without knowing sessions, KV or instances)
+            self._unkeep_stealing = dask_compat.keep_from_builtin_stealing(scheduler, self._is_call_task)
         if agents_config.get("control.enabled"):
             self.control.start()
         metrics.register(self)
@@ -139,8 +150,13 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             dask_compat.remove_periodic(self.scheduler, "dask-agents-housekeeping")
             if self.control is not None:
                 self.control.close()
-            if self._stopped_stealing:
-                await dask_compat.start_builtin_balancing(self.scheduler)
+            if self._unkeep_stealing is not None:
+                self._unkeep_stealing()
+                self._unkeep_stealing = None
+
+    def _is_call_task(self, ts: Any) -> bool:
+        """Whether ``ts`` is a component, tool or LLM call we recorded (O(1))."""
+        return dask_compat.task_key(ts) in self.state.calls
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         dask_compat.set_worker_stream_interval(scheduler, [worker], agents_config.seconds("scheduler.batched-send-interval"))
@@ -157,11 +173,16 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         for key in [k for k, (_w, src, dst) in self.migrating.items() if worker in (src, dst)]:
             del self.migrating[key]
         dropped_llm: list[tuple[str, str]] = []
+        cause = self.recovery.cause(worker, kwargs.get("stimulus_id"))
         for k in self.bindings.keys_on(worker):
             del self.bindings[k]
             if k[1].startswith("llm:"):
                 self.state.forget_kv(k[0], k[1][4:])  # its KV died with the engine
                 dropped_llm.append((k[0], k[1][4:]))
+            else:  # a stateful instance: its state went with the worker, for every later call too
+                s = self.state.sessions.get(k[0])
+                if s is not None:
+                    s.lost[k[1]] = cause
         self.bound.pop(worker, None)
         # the open-call counters of the worker: one per kind of call placed there (the calls
         # themselves stay in ``placed`` until recovery re-places them or they end)
@@ -174,9 +195,24 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.recovery.on_worker_removed(worker, kwargs.get("stimulus_id"))
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
-        now = time.time()
-        for sid in self.client_sessions.pop(client, ()):
-            self._close(sid, now)
+        """The owner of some sessions disconnected: they wait ``session-grace`` for it to come
+        back (a reconnecting ``Client`` keeps its id) before they are closed. Clients that own
+        nothing (workers' own clients, which only submit nested calls) change nothing."""
+        sids = self.client_sessions.get(client)
+        if not sids:
+            self.client_sessions.pop(client, None)
+            return
+        deadline = time.time() + agents_config.seconds("scheduler.session-grace")
+        for sid in sids:
+            s = self.state.sessions.get(sid)
+            if s is not None and s.state != "completed":
+                self.orphans[sid] = deadline
+        logger.info("dask-agents: client %s disconnected; its %d open sessions wait %s for it to reconnect",
+                    client, len(sids), agents_config.get("scheduler.session-grace"))
+
+    def add_client(self, scheduler: Scheduler, client: str) -> None:
+        for sid in self.client_sessions.get(client, ()):
+            self.orphans.pop(sid, None)  # reconnected within the grace: everything is kept
 
     # -- fast path ------------------------------------------------------------------------
     def update_graph(self, scheduler: Scheduler, *, client: str, keys: Any, tasks: Any,
@@ -189,12 +225,16 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             # any client can annotate (dask.annotate(agents=...)): read it typed, or not at all,
             # so no value from outside can break a later handler (and cost a worker its stream)
             ann = sanitize_annotation(raw)
+            if ann is None or ann.get("call") != key or not ann.get("component"):
+                continue  # not a component, tool or LLM call: plain Dask work, left as Dask runs it
             ts = dask_compat.task(scheduler, key)
-            if ts is None or ann is None:
+            if ts is None:
                 continue
             rec = self.state.add_call(key, ann, dask_compat.dependency_keys(ts), now)
             if rec is None:
                 continue
+            if rec.creator in self.state.calls:
+                self.state.calls[rec.creator].children.append(key)
             # Priority at creation: session progress first (when prioritizing), then arrival.
             # Arrival gives FIFO among equals: Dask gives graphs submitted within its
             # fifo_timeout (100 ms) the same priority, and workers run equal priorities LIFO.
@@ -205,14 +245,65 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             else:
                 dask_compat.set_priority(ts, prioritize.fifo(user, next(self.arrivals)))
             if rec.session is not None:
-                self.client_sessions[client].add(rec.session)
+                self._session_call(rec, client)
             if ann.get("stateful"):
-                self._place(ts, rec.session, rec.component, None, None, rec.component)
+                self._place_stateful(ts, rec)
             elif rec.kind == "llm":
                 model = ann.get("llm_model")
                 self._place(ts, rec.session, f"llm:{model}", None, model, rec.component)
             elif self.control is not None and rec.component in self.control.enforcer.routes:
                 self._place(ts, None, rec.component, self._candidates(None, rec.component))
+
+    def _session_call(self, rec: Any, client: str) -> None:
+        """A call of ``rec.session`` arrived from ``client``. The first call made from outside
+        the session (by its driver, not by one of its own calls) makes that client the owner.
+        A call into a completed session whose instances are still kept (``instance-linger``)
+        keeps them."""
+        sid = rec.session
+        s = self.state.sessions[sid]
+        if s.owner is None and rec.creator not in s.calls:
+            s.owner = client
+            self.client_sessions[client].add(sid)
+        timer = self._lingering.pop(sid, None)
+        if timer is not None:
+            self.scheduler.loop.remove_timeout(timer)
+
+    def _place_stateful(self, ts: Any, rec: Any) -> None:
+        """Pin a stateful call to its session's instance. Once an instance exists its calls go
+        there and nowhere else, whatever routes or readiness say (elsewhere would be a fresh
+        instance); if it is gone, the call fails (:meth:`_strand_lost`)."""
+        sid, component = rec.session, rec.component
+        if sid is None:  # outside any session: one instance per worker, anywhere
+            self._place(ts, None, component, None, None, component)
+            return
+        s = self.state.sessions[sid]
+        bound = self.bindings.get((sid, component))
+        if bound is not None and component not in s.lost and not dask_compat.has_worker(self.scheduler, bound):
+            s.lost[component] = self.recovery.cause(bound)  # gone without remove_worker having run yet
+        if component in s.lost:
+            self._strand_lost(ts)
+        elif bound is not None:
+            dask_compat.restrict_to_worker(ts, bound)
+            self.placed[ts.key] = (bound, component)
+            self.open_placed[(bound, component)] += 1
+        else:
+            self._place(ts, sid, component, None, None, component)
+
+    def _bind_where_it_runs(self, rec: Any, worker: str) -> None:
+        """A stateful call of a session that had no binding (no worker was known when it was
+        placed) started on ``worker``: its instance is there now, so later calls follow it."""
+        key = (rec.session, rec.component)
+        self.session_bindings[rec.session].append(key)
+        self.bindings[key] = worker
+        self.bound[worker] += 1
+        self.assigned[worker] += 1
+        self.session_workers[rec.session].add(worker)
+
+    def _strand_lost(self, ts: Any) -> None:
+        """``ts`` is a call of a stateful instance that is gone: pin it where it cannot run and
+        let recovery fail it with InstanceLostError (with the session's recorded cause)."""
+        dask_compat.restrict_to_worker(ts, LOST)
+        self.recovery.strand(dask_compat.task_key(ts))
 
     def _candidates(self, model: str | None, component: str) -> list[str]:
         pool = self.model_workers.get(model) if model is not None else None
@@ -319,6 +410,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             worker = dask_compat.processing_on(ts) if ts is not None else None
             if worker is not None and rec.kind == "llm" and rec.session is not None:
                 self.session_workers[rec.session].add(worker)  # its KV is there: dropped at session end
+            elif (worker is not None and rec.stateful and rec.session is not None
+                  and (rec.session, rec.component) not in self.bindings):
+                self._bind_where_it_runs(rec, worker)
         self.kv_hints.on_transition(rec, finish, worker)
         self.view_index.on_transition(rec, finish, worker, ts)
         if finish == "released" and dask_compat.is_wanted(self.scheduler, key):
@@ -326,6 +420,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if not self.state.on_transition(key, finish, time.time(), worker):
             return
         self._unplace(key)
+        if rec.children and rec.state in ("erred", "cancelled"):
+            self._cancel_children(rec)
         if rec.session is not None:
             s = self.state.sessions.get(rec.session)
             if s is not None and s.state == "completed":
@@ -367,6 +463,25 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 if self.bound.get(target, 0) > 0:
                     self.bound[target] -= 1
                 self.bound[source] += 1
+
+    def _cancel_children(self, rec: Any) -> None:
+        """``rec`` failed or was cancelled: the calls it created and that are still open can no
+        longer matter (only it held their futures), so they are cancelled (soon, outside the
+        transition); their own children follow when they end."""
+        open_children = [k for k in rec.children if (c := self.state.calls.get(k)) is not None
+                         and c.state not in ("finished", "erred", "cancelled")]
+        if not open_children:
+            return
+        if not self._cancelling:
+            self.scheduler.loop.add_callback(self._flush_cancels)
+        self._cancelling.update(open_children)
+
+    def _flush_cancels(self) -> None:
+        keys, self._cancelling = self._cancelling, set()
+        try:
+            dask_compat.cancel_tasks(self.scheduler, keys, "dask-agents: the call that created it failed or was cancelled")
+        except Exception:  # a Dask internal that changed: the calls run on to their end
+            logger.exception("dask-agents: cancelling %d orphaned nested calls failed", len(keys))
 
     # -- called by the enforcement layer ---------------------------------------------------
     def on_migrated(self, key: str, source: str, target: str) -> None:
@@ -437,16 +552,66 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.set_worker_models(worker, list(hosted))
 
     # -- sessions -------------------------------------------------------------------------
-    def _close(self, sid: str, now: float) -> None:
+    def _close(self, sid: str, now: float, reason: str | None = None, abort: bool = False) -> None:
+        """Close ``sid`` (the driver is done, or ``reason``: the scheduler closes it). With
+        ``abort``, its open calls fail with SessionClosedError (``reason``) or, running, are
+        cancelled: nobody is left to use their results."""
         s = self.state.close_session(sid, now)
+        self.orphans.pop(sid, None)
+        if reason is not None:
+            s.closed_reason = reason
+            logger.info("dask-agents: session %s closed: %s", sid, reason)
+        if abort and s.open_calls > 0:
+            self._abort(s, reason or "the session was closed")
         if s.state == "completed":
             self._on_session_completed(sid)
 
+    def _abort(self, s: Any, reason: str) -> None:
+        """Fail the session's open calls that have not started (SessionClosedError naming the
+        call, session and ``reason``) and cancel the ones that are running."""
+        from dask_agents.errors import SessionClosedError, where
+
+        stimulus = f"dask-agents-session-closed-{time.time()}"
+        running = []
+        for rec in [r for r in s.calls.values() if r.state not in ("finished", "erred", "cancelled")]:
+            exc = SessionClosedError(f"{where(rec.component, rec.method, s.id)}: the session was closed before the "
+                                     f"call ran: {reason} (call {rec.key})", session=s.id)
+            try:
+                if not dask_compat.fail_task(self.scheduler, rec.key, exc, stimulus):
+                    running.append(rec.key)
+            except Exception:  # never leave it open: cancel it instead
+                logger.exception("dask-agents: failing call %s of closed session %s failed", rec.key, s.id)
+                running.append(rec.key)
+        if running:
+            try:
+                dask_compat.cancel_tasks(self.scheduler, running, f"dask-agents: session {s.id} was closed: {reason}")
+            except Exception:
+                logger.exception("dask-agents: cancelling %d calls of closed session %s failed", len(running), s.id)
+
     def _on_session_completed(self, sid: str) -> None:
+        """``sid`` completed: its KV goes at once; its stateful instances (if any) after
+        ``instance-linger``, unless a late call reopens the session first."""
         self.kv_hints.on_session_end(sid)
         s = self.state.sessions.get(sid)
         if s is not None:
             self.aggregates.on_session_completed(s)
+        linger = agents_config.seconds("scheduler.instance-linger")
+        if linger > 0 and any(not w.startswith("llm:") for _s, w in self.session_bindings.get(sid, ())):
+            if sid not in self._lingering:
+                self._lingering[sid] = self.scheduler.loop.call_later(linger, self._release_session, sid)
+            return
+        self._release_session(sid)
+
+    def _release_session(self, sid: str) -> None:
+        """Drop ``sid``'s bindings and tell the workers holding its instances or KV."""
+        self._lingering.pop(sid, None)
+        s = self.state.sessions.get(sid)
+        if s is not None and s.state != "completed":
+            return  # reopened meanwhile
+        for key in self.session_bindings.get(sid, ()):
+            if s is not None and not key[1].startswith("llm:") and key in self.bindings:
+                s.lost.setdefault(key[1], f"its instance was released when the session completed at "
+                                          f"{time.strftime('%H:%M:%S', time.localtime(s.completed_at or time.time()))}")
         for key in self.session_bindings.pop(sid, ()):
             w = self.bindings.pop(key, None)
             if w is not None and self.bound.get(w, 0) > 0:
@@ -490,7 +655,27 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             logger.debug("dask-agents: end_session on %s failed: %s", addr, e)
 
     def housekeeping(self) -> None:
-        """Drop completed sessions past retention (bounded memory); fold tick times into metrics."""
+        """Drop completed sessions past retention (bounded memory); close the sessions whose
+        driver did not come back within the grace, and idle ones; fold tick times into metrics."""
+        now = time.time()
+        for sid in [sid for sid, t in self.orphans.items() if t <= now]:
+            s = self.state.sessions.get(sid)
+            owner = s.owner if s is not None else None
+            self.client_sessions.get(owner, set()).discard(sid)
+            if owner in self.client_sessions and not self.client_sessions[owner]:
+                del self.client_sessions[owner]
+            self._close(sid, now, f"its driver (client {owner}) disconnected and did not reconnect within "
+                                  f"{agents_config.get('scheduler.session-grace')}", abort=True)
+        idle = agents_config.seconds("scheduler.session-idle-timeout")
+        for sid in self.state.idle(now, idle):
+            s = self.state.sessions.get(sid)
+            if s is None:
+                self.state.activity.pop(sid, None)
+            elif s.open_calls > 0:  # calls still run: not idle
+                self.state.active(s, now)
+            else:
+                self._close(sid, now, f"no activity for {agents_config.get('scheduler.session-idle-timeout')} "
+                                      "(agents.scheduler.session-idle-timeout)")
         self.aggregates.fold_ticks(self.control)
         # per-call reports are only read over the dashboard's window: keep two
         self.aggregates.forget_before(time.time() - 2 * agents_config.seconds("dashboard.window"))
@@ -502,6 +687,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if dropped:  # a long-lived client's session index would otherwise grow without end
             for sids in self.client_sessions.values():
                 sids.difference_update(dropped)
+            for sid in dropped:
+                self.orphans.pop(sid, None)
 
     # -- RPC handlers (client API) ---------------------------------------------------------
     async def _hello(self, worker: str, models: list[str] | None = None, pid: int | None = None) -> dict:
@@ -558,9 +745,30 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         except ValueError:
             return {}
 
-    def _session_end(self, session: str) -> dict:
-        self._close(session, time.time())
+    def _session_end(self, session: str, cancel: bool = False, client: str | None = None) -> dict:
+        """The driver left its ``da.session`` block (``cancel``: with an exception, so its open
+        calls can no longer matter). An unknown session is not created: it made no call. Only
+        the owner's end counts (``client``, when known): another client that joined the session
+        leaving its own block ends nothing."""
+        if not isinstance(session, str) or len(session) > MAX_LABEL:
+            raise ValueError("agents_session_end: session must be a session id (a string of at most "
+                             f"{MAX_LABEL} characters)")
+        rec = self.state.sessions.get(session)
+        if rec is None:
+            return {"state": "unknown"}
+        if client is not None and rec.owner is not None and client != rec.owner:
+            return {"state": rec.state}
+        reason = "its driver left the da.session block with an exception" if cancel is True else None
+        self._close(session, time.time(), reason, abort=cancel is True)
         return {"state": self.state.sessions[session].state}
+
+    def _on_session_end_msg(self, session: Any = None, cancel: Any = False, client: Any = None, **kw: Any) -> None:
+        """The client-stream form of :meth:`_session_end`: it arrives after the client's earlier
+        submits (same stream), so a session cannot complete before its last calls are seen."""
+        try:
+            self._session_end(session, cancel, client if isinstance(client, str) else None)
+        except Exception as e:  # raising here would close the client's stream
+            logger.warning("dask-agents: session end ignored: %s", e)
 
     def _session_graph(self, session: str) -> dict | None:
         if session not in self.state.sessions:

@@ -60,6 +60,17 @@ class Recovery:
         """The scheduler the plugin runs in."""
         return self.plugin.scheduler
 
+    def cause(self, worker: str, stimulus_id: str | None = None) -> str:
+        """Why ``worker`` is gone, in words (for errors and the session's lost instances)."""
+        return self.gone.get(worker) or f"worker {worker} died or left the cluster ({stimulus_id or 'remove-worker'})"
+
+    def strand(self, key: Any) -> None:
+        """Recover ``key`` soon (a call the plugin pinned where it cannot run)."""
+        self.stranded.add(key)
+        if not self._scheduled:
+            self._scheduled = True
+            self.scheduler.loop.add_callback(self._recover_scheduled)
+
     # -- hooks -------------------------------------------------------------------------------
     def on_no_worker(self, key: Any) -> None:
         """A call became ``no-worker`` (from the transition hook): recover it soon if it is pinned
@@ -67,14 +78,11 @@ class Recovery:
         ts = dask_compat.task(self.scheduler, key)
         if ts is None or not self._pinned_to_dead(ts):
             return
-        self.stranded.add(key)
-        if not self._scheduled:
-            self._scheduled = True
-            self.scheduler.loop.add_callback(self._recover_scheduled)
+        self.strand(key)
 
     def on_worker_removed(self, worker: str, stimulus_id: str | None = None) -> None:
         """``worker`` is gone (Dask already released its tasks): recover every call placed on it."""
-        cause = f"worker {worker} died or left the cluster ({stimulus_id or 'remove-worker'})"
+        cause = self.cause(worker, stimulus_id)
         self.gone[worker] = cause
         while len(self.gone) > 1000:  # bounded: only recent causes matter
             self.gone.pop(next(iter(self.gone)))
@@ -234,16 +242,28 @@ class Recovery:
 
     def _lost_error(self, key: Any, ann: dict, pins: set) -> InstanceLostError:
         worker = next(iter(pins), None)
-        cause = self.gone.get(worker) or f"worker {worker} died or left the cluster"
         session, component = ann.get("session"), ann.get("component")
+        s = self.plugin.state.sessions.get(session) if session is not None else None
+        cause = (s.lost.get(component) if s is not None else None) or self.gone.get(worker) \
+            or f"worker {worker} died or left the cluster"
+        if worker == self.plugin.LOST:  # pinned nowhere by the plugin: name the worker it had
+            worker = _worker_in(cause)
         rec = self.plugin.state.calls.get(key)
         done = rec is not None and rec.state == "finished"
         what = ("its result was lost with the worker, and re-running it on a fresh instance could give "
-                "another answer" if done else "the call did not complete and is not re-run on a fresh instance")
+                "another answer" if done else "the call is not run on a fresh instance, which would silently "
+                "give another answer")
         msg = (f"{where(component, ann.get('method'), session)}: its stateful instance was lost: {cause}; "
-               f"{what} (call {key}). Later calls of this session start a fresh instance.")
+               f"{what} (call {key}). Later calls of this session and component fail the same way: "
+               "start a new session.")
         return InstanceLostError(msg, session=session, component=component, worker=worker)
 
     def stats(self) -> dict:
         """Counters and recent incidents."""
         return {**self.counts, "incidents": list(self.incidents)[-20:]}
+
+
+def _worker_in(cause: str) -> str | None:
+    """The worker address a cause text names (``worker ADDR ...``), else None."""
+    parts = cause.split()
+    return parts[parts.index("worker") + 1] if "worker" in parts[:-1] else None

@@ -52,6 +52,7 @@ class CallRecord:
     batch_max: int | None = None  # the component's batching hint
     tenant: str | None = None
     retry: bool = False  # a re-visit: see SessionRecord.retries
+    children: list[str] = field(default_factory=list)  # calls it created (cancelled if it fails)
 
     def meta(self) -> CallMeta:
         """As the shared pydantic model."""
@@ -105,6 +106,14 @@ class SessionRecord:
     # model -> tokens of the session's context there after its last call (prompt + output):
     # what an engine that does not hold the session's KV would recompute (balance prices it).
     context_tokens: dict[str, int] = field(default_factory=dict)
+    # The client that opened the session (its driver's ``da.session`` block): only its
+    # disconnect orphans the session. Workers' own clients (nested calls) never own one.
+    owner: str | None = None
+    last_active: float = 0.0  # last call created, finished or reported (idle timeout)
+    # stateful component -> why its instance is gone (worker lost, released at session end):
+    # later calls of that component in this session fail instead of running on a fresh one
+    lost: dict[str, str] = field(default_factory=dict)
+    closed_reason: str | None = None  # why the scheduler closed it (driver gone, idle), if it did
 
 
 @dataclass(slots=True)
@@ -149,15 +158,38 @@ class WorkflowState:
         # Sessions changed since the control loop's view index last looked (it drains this):
         # the view redoes only these, not every live session each tick.
         self.touched: set[str] = set()
+        # Open (not completed) sessions, least recently active first: the idle timeout pops
+        # from the front, so finding idle sessions is O(idle ones), not a scan.
+        self.activity: OrderedDict[str, None] = OrderedDict()
 
     # -- events -----------------------------------------------------------------------
     def session(self, sid: str, tenant: str | None, now: float) -> SessionRecord:
         """The record of ``sid``, created on first sight."""
         s = self.sessions.get(sid)
         if s is None:
-            s = self.sessions[sid] = SessionRecord(sid, tenant, now)
+            s = self.sessions[sid] = SessionRecord(sid, tenant, now, last_active=now)
             self.sessions_seen += 1
+            self.activity[sid] = None
         return s
+
+    def active(self, s: SessionRecord, now: float) -> None:
+        """``s`` did something now (a call created, finished or reported): O(1)."""
+        s.last_active = now
+        if s.state != "completed":
+            self.activity[s.id] = None
+            self.activity.move_to_end(s.id)
+
+    def idle(self, now: float, timeout: float, limit: int = 1000) -> list[str]:
+        """Open sessions with no activity for ``timeout`` seconds (at most ``limit``), oldest first."""
+        out: list[str] = []
+        for sid in self.activity:
+            s = self.sessions.get(sid)
+            if s is not None and now - s.last_active < timeout:
+                break
+            out.append(sid)
+            if len(out) >= limit:
+                break
+        return out
 
     def add_call(self, key: str, ann: dict, dependency_keys: Iterable[str], now: float) -> CallRecord | None:
         """Record a call from its ``agents`` annotation (plain submits carry only the session)."""
@@ -209,6 +241,7 @@ class WorkflowState:
                 s.state = "closing"
                 s.completed_at = None
                 self.completed.pop(sid, None)
+            self.active(s, now)
         return rec
 
     def on_transition(self, key: str, finish: str, now: float, worker: str | None = None) -> bool:
@@ -298,6 +331,7 @@ class WorkflowState:
         if s is None:
             return
         s.open_calls -= 1
+        self.active(s, now)
         if rec.state == "finished":
             s.progress += 1
             calls = s.calls
@@ -328,6 +362,7 @@ class WorkflowState:
             self.sessions_completed += 1
             self.completed[s.id] = now
             self.completed.move_to_end(s.id)
+            self.activity.pop(s.id, None)
 
     def expire(self, now: float, retention: float, max_retained: int) -> list[str]:
         """Drop completed sessions older than ``retention`` or beyond ``max_retained``."""
@@ -341,6 +376,7 @@ class WorkflowState:
             if s is not None:
                 for k in s.calls:
                     self.calls.pop(k, None)
+            self.activity.pop(sid, None)
             dropped.append(sid)
         return dropped
 

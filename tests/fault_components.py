@@ -44,3 +44,168 @@ def slow_double(x: int, marker_dir: str, hold: bool = False) -> tuple[int, int]:
     _mark(marker_dir, "slow")
     _hold(marker_dir, hold)
     return 2 * x, os.getpid()
+
+
+@da.tool(kind="code_exec")
+def relay_bump(marker_dir: str) -> tuple[int, int]:
+    """Bumps the session's Counter from wherever this tool runs: a nested call, made by this
+    worker's own client, into the caller's session."""
+    return da.stub(Counter).bump(marker_dir).value(timeout=60)
+
+
+# -- benchmarks/faults.py: an Open-SWE-shaped workflow whose answer depends on session state ------
+# Planner -> Developers (in parallel, each with a doc-search and a code-exec tool and an LLM call)
+# -> Tester, retrying the failing subtask. Every agent records its step in the session's stateful
+# ``Trajectory``; the request's answer is the trajectory's digest, so a call silently run on a
+# fresh instance (missing the earlier steps) shows as a wrong answer. Everything is deterministic
+# in the issue's seed: ``expected_answer`` computes the same answer locally, without Dask.
+import hashlib  # noqa: E402
+import random  # noqa: E402
+
+SWE_MAX_RETRIES = 2
+SWE_FAIL_PROBABILITY = 0.4
+
+
+def swe_digest(value: object) -> str:
+    """A short, process-independent digest of ``repr(value)``."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
+
+
+def swe_plan(issue_id: str, seed: int) -> list[str]:
+    """The planner's subtasks (2-4, from the seed)."""
+    n = random.Random(f"{seed}-plan").choice([2, 3, 3, 4])
+    return [f"{issue_id} step {k}" for k in range(n)]
+
+
+def swe_patch(subtask: str, attempt: int, feedback: str | None) -> str:
+    """A developer's patch for ``subtask`` (its ``attempt``-th, after ``feedback``)."""
+    return f"patch[{swe_digest((subtask, attempt, feedback))}]"
+
+
+def swe_verdict(seed: int, round: int, n: int) -> tuple[bool, int | None]:
+    """The tester's verdict in ``round`` on ``n`` patches: (passed, failing subtask)."""
+    rng = random.Random(f"{seed}-test-{round}")
+    if round < SWE_MAX_RETRIES and rng.random() < SWE_FAIL_PROBABILITY:
+        return False, rng.randrange(n)
+    return True, None
+
+
+def swe_feedback(k: int, round: int) -> str:
+    """What the driver tells the developer retrying subtask ``k`` after test ``round`` failed."""
+    return f"subtask {k} failed in round {round}"
+
+
+def swe_sleep(what: str, median: float, time_scale: float) -> None:
+    """An emulated tool/think latency: lognormal around ``median`` x ``time_scale``, seeded."""
+    time.sleep(median * time_scale * random.Random(what).lognormvariate(0, 0.4))
+
+
+@da.agent(stateful=True)
+class Trajectory:
+    """The session's memory: every agent records its step here (one instance per session).
+
+    ``record`` is idempotent for the same (step, value) (a stateless agent that Dask re-runs
+    after its worker died records its step again): the repeats are counted, not added."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, str] = {}
+        self.repeats = 0
+
+    def record(self, step: str, value: str) -> int:
+        old = self.steps.get(step)
+        if old is not None:
+            if old != value:
+                raise ValueError(f"step {step} recorded twice with different values: {old!r} then {value!r}")
+            self.repeats += 1
+        self.steps[step] = value
+        return len(self.steps)
+
+    def summary(self) -> dict:
+        return {"digest": swe_digest(sorted(self.steps.items())), "steps": len(self.steps),
+                "repeats": self.repeats, "pid": os.getpid()}
+
+
+@da.tool(kind="file_io")
+def swe_doc_search(query: str, time_scale: float = 1.0) -> str:
+    swe_sleep(query, 0.045, time_scale)
+    return f"docs[{swe_digest(query)}]"
+
+
+@da.tool(kind="code_exec")
+def swe_code_exec(code: str, time_scale: float = 1.0) -> str:
+    swe_sleep(code, 0.18, time_scale)
+    return f"ran[{swe_digest(code)}]"
+
+
+def _swe_think(model: str | None, prompt: str, time_scale: float) -> int:
+    """One LLM call (EMULATED engine ``model``), or an emulated think time without a model."""
+    if model is None:
+        swe_sleep(prompt, 0.1, time_scale)
+        return 8
+    return da.llm(model).generate(prompt, max_tokens=8).value().output_tokens
+
+
+@da.agent
+class SWEPlanner:
+    def plan(self, issue_id: str, seed: int, model: str | None = None, time_scale: float = 1.0) -> list[str]:
+        _swe_think(model, f"{issue_id}: plan the subtasks", time_scale)
+        subtasks = swe_plan(issue_id, seed)
+        da.stub(Trajectory).record("plan", swe_digest(subtasks)).value()
+        return subtasks
+
+
+@da.agent
+class SWEDeveloper:
+    def implement(self, subtasks: list[str], k: int, attempt: int = 0, feedback: str | None = None,
+                  model: str | None = None, time_scale: float = 1.0) -> str:
+        subtask = subtasks[k]
+        docs = da.stub(swe_doc_search)(subtask, time_scale).value()
+        tokens = _swe_think(model, f"{subtask}\n{docs}\n{feedback or ''}\nwrite the patch", time_scale)
+        ran = da.stub(swe_code_exec)(f"{subtask} attempt {attempt}", time_scale).value()
+        patch = swe_patch(subtask, attempt, feedback)
+        da.stub(Trajectory).record(f"dev{k}.a{attempt}", swe_digest((patch, docs, ran, tokens))).value()
+        return patch
+
+
+@da.agent
+class SWETester:
+    def test(self, seed: int, patches: list[str], round: int, model: str | None = None,
+             time_scale: float = 1.0) -> tuple[bool, int | None]:
+        _swe_think(model, f"review round {round}: {' '.join(patches)}", time_scale)
+        da.stub(swe_code_exec)(f"pytest {seed} round {round}", time_scale).value()
+        verdict = swe_verdict(seed, round, len(patches))
+        da.stub(Trajectory).record(f"test.r{round}", swe_digest((patches, verdict))).value()
+        return verdict
+
+
+def swe_combine(patches: list[str]) -> str:
+    """Plain Dask work inside the session (not a recorded call): the final patch set's digest."""
+    return swe_digest(patches)
+
+
+def swe_expected(issue_id: str, seed: int) -> dict:
+    """The answer a correct run gives, computed locally without Dask (the same code, no calls)."""
+    steps: dict[str, str] = {}
+    subtasks = swe_plan(issue_id, seed)
+    steps["plan"] = swe_digest(subtasks)
+
+    def implement(k: int, attempt: int, feedback: str | None) -> str:
+        subtask = subtasks[k]
+        docs = f"docs[{swe_digest(subtask)}]"
+        ran = f"ran[{swe_digest(f'{subtask} attempt {attempt}')}]"
+        patch = swe_patch(subtask, attempt, feedback)
+        steps[f"dev{k}.a{attempt}"] = swe_digest((patch, docs, ran, 8))
+        return patch
+
+    patches = [implement(k, 0, None) for k in range(len(subtasks))]
+    round = 0
+    while True:
+        verdict = swe_verdict(seed, round, len(patches))
+        steps[f"test.r{round}"] = swe_digest((patches, verdict))
+        if verdict[0]:
+            break
+        round += 1
+        k = verdict[1]
+        patches[k] = implement(k, round, swe_feedback(k, round - 1))
+    return {"trajectory": swe_digest(sorted(steps.items())), "steps": len(steps), "patches": swe_digest(patches),
+            "retries": round}

@@ -182,16 +182,20 @@ def inc(x: int) -> int:
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], timeout=60)
-async def test_plain_submit_is_tagged(c: Client, s: Scheduler, a: Worker) -> None:
+async def test_plain_submit_is_not_a_call(c: Client, s: Scheduler, a: Worker) -> None:
+    """Plain Dask work inside a session runs as Dask runs it: not recorded, not re-prioritized."""
     await install(c)
     async with da.session(c) as sess:
         fut = c.submit(inc, 1)
         assert await fut == 2
+        call = da.stub(doc_search)("q")
+        assert await call == "docs(q)"
     outside = c.submit(inc, 5)
     assert await outside == 6
     df = await da.telemetry(c, sess.id)
-    assert list(df["component"]) == ["inc"] and list(df["session"]) == [sess.id]
-    assert list(df["creator"]) == ["driver"]
+    assert list(df["component"]) == ["doc_search"] and list(df["creator"]) == ["driver"]
+    plugin = s.plugins[NAME]
+    assert fut.key not in plugin.state.calls and outside.key not in plugin.state.calls
 
 
 @da.agent

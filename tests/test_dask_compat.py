@@ -367,3 +367,27 @@ async def test_started_on_worker_on_a_real_scheduler(c: Client, s: Scheduler, a:
 async def test_call_worker_reaches_a_worker_handler(c: Client, s: Scheduler, a: Worker):
     info = await sc.call_worker(s, a.address, "identity")  # what the watchdog's worker refresh uses
     assert info["type"] == "Worker" and info["id"] == a.id
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_keep_from_builtin_stealing(c, s, a):
+    """Tasks ``skip`` picks never enter Dask's stealable sets; the others do; undo restores it."""
+    from distributed import Event
+
+    ev = Event()
+    ext = s.extensions["stealing"]
+    undo = sc.keep_from_builtin_stealing(s, lambda ts: str(ts.key).startswith("ours-"))
+
+    def hold(ev, x):
+        ev.wait(30)
+        return x
+
+    futs = [c.submit(hold, ev, i, key=f"{p}-{i}", workers=[a.address], allow_other_workers=True)
+            for p in ("ours", "theirs") for i in range(3)]
+    await async_wait_for(lambda: sum(1 for f in futs if f.key in s.tasks and s.tasks[f.key].state == "processing") == 6)
+    stealable = {ts.key for level in ext.stealable[a.address] for ts in level}
+    assert not any(k.startswith("ours-") for k in stealable) and any(k.startswith("theirs-") for k in stealable)
+    undo()
+    assert "put_key_in_stealable" not in vars(ext)
+    await ev.set()
+    await c.gather(futs)

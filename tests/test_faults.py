@@ -76,6 +76,45 @@ def process_cluster():
         c.close(timeout=30)
 
 
+# -- (0) a worker that only made nested calls into a session is killed --------------------------
+def test_killing_a_worker_never_closes_other_workers_sessions(tmp_path):
+    """Workers' own clients never own a session: before, the nested call's client going away
+    with its worker closed the session and reset its instance on a surviving worker."""
+    d = str(tmp_path)
+    with dask.config.set({"distributed.scheduler.allowed-failures": 3}):
+        cluster = LocalCluster(n_workers=3, threads_per_worker=4, processes=True, dashboard_address=":0",
+                               worker_dashboard_address=":0")
+    try:
+        with Client(cluster) as client:
+            da.install(client)
+            counter, relay = da.stub(fc.Counter), da.stub(fc.relay_bump)
+            sessions = [da.session(client) for _ in range(6)]
+            for sess in sessions:  # drivers inside their blocks throughout (entered, not left)
+                sess.__enter__()
+                assert counter.bump(d).value(timeout=60)[0] == 1
+                sess._leave()
+            homes = {sess.id: plugin_view(client)["bindings"][f"{sess.id}|Counter"] for sess in sessions}
+            workers = sorted(client.scheduler_info()["workers"])
+            # the victim: a worker holding no instance if there is one, else the one holding fewest
+            victim = min(workers, key=lambda w: list(homes.values()).count(w))
+            for sess in sessions:  # a nested call from the victim's own client into each session
+                sess.__enter__()
+                with dask.annotate(workers=[victim]):
+                    assert relay(d).value(timeout=60)[0] == 2
+                sess._leave()
+            kill(next(pid for pid, addr in pids(client).items() if addr == victim))
+            wait_for(lambda: victim not in plugin_view(client)["workers"], timeout=30)
+            for sess in sessions:
+                with sess:
+                    if homes[sess.id] == victim:  # its instance died with the worker: a clear error
+                        with pytest.raises(da.InstanceLostError):
+                            counter.bump(d).value(timeout=60)
+                    else:  # the instance on a surviving worker kept its state
+                        assert counter.bump(d).value(timeout=60)[0] == 3
+    finally:
+        cluster.close(timeout=30)
+
+
 # -- (1) an agent worker killed mid-workflow ---------------------------------------------------
 def test_agent_worker_killed_mid_workflow(process_cluster, tmp_path):
     cluster = process_cluster()
@@ -105,9 +144,9 @@ def test_agent_worker_killed_mid_workflow(process_cluster, tmp_path):
                 msg = str(ei.value)
                 assert s.id in msg and "Counter.bump" in msg and victim in msg and "lost" in msg
                 assert ei.value.session == s.id and ei.value.component == "Counter" and ei.value.worker == victim
-            # a later call of the session starts a fresh instance on a live worker
-            n, pid = counter.bump(d).value(timeout=30)
-            assert n == 1 and pid != bump_pid
+            # a later call of the session fails the same way: it never runs on a fresh instance
+            with pytest.raises(da.InstanceLostError, match="start a new session"):
+                counter.bump(d).value(timeout=30)
 
         # nothing ran twice where it would show: each stateful call started at most once, and
         # the ones that failed never started again on another worker
@@ -117,7 +156,7 @@ def test_agent_worker_killed_mid_workflow(process_cluster, tmp_path):
         view = plugin_view(client)
         assert victim not in view["bindings"].values() and victim not in view["placed"].values()
         rec = view["recovery"]
-        assert rec["workers_lost"] >= 1 and rec["failed"] == 3
+        assert rec["workers_lost"] >= 1 and rec["failed"] == 4  # the 3 stranded calls and the later one
         assert any(i.get("worker") == victim for i in rec["incidents"])
         events = [e for _, e in client.get_events("agents-faults")]
         assert any(e.get("worker") == victim and e.get("failed") == 3 for e in events)
@@ -446,8 +485,9 @@ async def test_waiting_stateful_call_fails_at_once_when_its_instance_is_lost(c: 
         assert not GATE.is_set()  # failed before its input could arrive
         GATE.set()
         assert await gate == "input"  # the stateless input was rerouted if it ran there
-        assert await nb.add("third") == 1  # a fresh instance, on the live worker
-        assert s.plugins[NAME].bindings[(sess.id, "Notebook")] == other.address
+        with pytest.raises(da.InstanceLostError):  # later calls too: never a fresh, empty instance
+            await nb.add("third")
+        assert other.plugins[NAME].instances.stateful_count() == 0
     assert home not in s.plugins[NAME].bindings.values()
 
 

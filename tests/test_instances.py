@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from tests.conftest import wait_for
+from dask_agents.errors import InstanceLostError
 from worker_plugin.instances import Instances
 
 
@@ -65,10 +66,20 @@ def test_ending_the_session_wakes_calls_queued_behind_a_call_that_never_came():
     inst, log = Instances(), []
     inst.ticket("c", "s2", "P", created=1.0)  # P never runs here
     inst.ticket("c", "s2", "Q", created=2.0)
-    go = threading.Event()
-    go.set()
-    tq = start_call(inst, "s2", "Q", log, go)
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            with inst.turn("c", "s2", "Q", Counter):
+                log.append(("enter", "Q"))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    tq = threading.Thread(target=body, daemon=True)
+    tq.start()
     wait_for(lambda: waiting(inst, "s2") == 1)
     inst.end_session("s2")
     tq.join(10)
-    assert not tq.is_alive() and log == [("enter", "Q"), ("exit", "Q")]
+    # woken, and failed: its instance went with the session (never a fresh, empty one)
+    assert not tq.is_alive() and log == []
+    assert len(errors) == 1 and isinstance(errors[0], InstanceLostError) and "s2" in str(errors[0])

@@ -11,7 +11,8 @@ change while calls wait) still waits for the earlier ones.
 from __future__ import annotations
 
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -30,12 +31,19 @@ class StatefulSlot:
 
 
 class Instances:
-    """The instances this worker hosts."""
+    """The instances this worker hosts.
 
-    def __init__(self) -> None:
+    Sessions ended here are remembered (the last ``remember`` of them): a stateful call of one
+    of them that still arrives raises :class:`~dask_agents.errors.InstanceLostError` instead of
+    running on a fresh, empty instance. (The scheduler already fails such calls; this is the
+    worker's own guard.)"""
+
+    def __init__(self, remember: int = 20_000) -> None:
         self._lock = threading.Lock()
         self._shared: dict[str, Any] = {}
         self._stateful: dict[tuple[str, str | None], StatefulSlot] = {}
+        self._ended: OrderedDict[str, float] = OrderedDict()  # session -> when it ended here
+        self._remember = remember
 
     def shared(self, component: str, cls: type) -> Any:
         """The worker's instance of a stateless class component (created on first use)."""
@@ -57,6 +65,8 @@ class Instances:
     def ticket(self, component: str, session: str | None, key: str, created: float | None = None) -> None:
         """Queue ``key`` for its stateful instance, in submission order (``created``: the
         client's submission time; None sorts after every stamped call). Idempotent."""
+        if session in self._ended:
+            return  # its turn() fails: no slot for an ended session
         slot = self._slot(component, session)
         with slot.cond:
             if key in slot.order:
@@ -91,8 +101,13 @@ class Instances:
             slot.cond.notify_all()
 
     @contextmanager
-    def turn(self, component: str, session: str | None, key: str, cls: type) -> Iterator[Any]:
-        """Wait for ``key``'s turn on the session's instance, then yield the instance."""
+    def turn(self, component: str, session: str | None, key: str, cls: type,
+             method: str | None = None) -> Iterator[Any]:
+        """Wait for ``key``'s turn on the session's instance, then yield the instance.
+
+        Raises InstanceLostError if the session ended here (its instance was released)."""
+        if session in self._ended:
+            self._lost(component, method, session, key)
         slot = self._slot(component, session)
         with slot.cond:
             if key not in slot.queue:
@@ -107,6 +122,8 @@ class Instances:
 
                 secede_if_in_task()  # waiting for our turn must not hold a worker thread
                 slot.cond.wait_for(ready)
+            if session in self._ended:  # ended while this call waited for its turn
+                self._lost(component, method, session, key)
             slot.active = key
             if slot.instance is None:
                 slot.instance = cls()
@@ -119,6 +136,11 @@ class Instances:
     def end_session(self, session: str) -> int:
         """Release the session's stateful instances (calling ``close()`` if they have one)."""
         with self._lock:
+            if session is not None:
+                self._ended[session] = time.time()
+                self._ended.move_to_end(session)
+                while len(self._ended) > self._remember:
+                    self._ended.popitem(last=False)
             gone = [k for k in self._stateful if k[1] == session]
             slots = [self._stateful.pop(k) for k in gone]
         for slot in slots:
@@ -133,6 +155,15 @@ class Instances:
                 except Exception:  # a failing close must not break the worker
                     pass
         return len(slots)
+
+    def _lost(self, component: str, method: str | None, session: str | None, key: str) -> None:
+        from dask_agents.errors import InstanceLostError, where
+
+        ended = time.strftime("%H:%M:%S", time.localtime(self._ended.get(session, 0.0)))
+        raise InstanceLostError(
+            f"{where(component, method, session)}: its stateful instance was released on this worker when the "
+            f"session ended at {ended}; the call is not run on a fresh instance (call {key}).",
+            session=session, component=component)
 
     def stateful_count(self) -> int:
         """How many stateful instances (sessions x components) live here."""
