@@ -287,7 +287,8 @@ BOUNDED = ("key_split_cache", "_lru", "_ref", "started", "stats", "recent", "tic
            "queue", "service", "tokens", "durations", "edges", "calls_per_component", "open_per_component",
            "completed_per_component", "open_by_state", "terminal_per_component", "_kv_actions", "assigned",
            "_ended", "dask.clients", "_shared", "kv_bytes_device", "gone", "_idle_since", "bound",
-           "open_placed", "applied", "rejected", "policies", "stream", "tick")
+           "open_placed", "applied", "rejected", "policies", "stream", "tick", "rejections", "rejected_reasons",
+           "requested", "refused", "failing")
 
 
 def _bounded(name: str) -> bool:

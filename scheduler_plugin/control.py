@@ -4,8 +4,10 @@ restart of a dead or stalled loop). ``tick`` is the same pass run inline, for te
 
 Each pass builds a read-only :class:`~scheduler_plugin.view.ClusterView` (bounded by
 ``agents.control.max-calls-per-tick``), runs every enabled policy, and hands their
-suggestions to the enforcement layer (the pattern of Dask's Active Memory Manager). A policy
-that raises is logged and reported; the others still run and earlier decisions stand.
+suggestions to the enforcement layer (the pattern of Dask's Active Memory Manager), which
+refuses whatever would break its invariants, whichever policy suggests it. A policy that raises
+is logged and reported, and backs off while it keeps raising; the others still run and earlier
+decisions stand.
 Two timings are recorded per pass: ``tick_seconds``, the time the pass held the scheduler's
 event loop (view, enforcement; for an inline ``tick`` also the policies), because that time
 delays every other scheduler operation; and ``policy_seconds``, the policies' own run time
@@ -93,8 +95,9 @@ class ControlLoop:
         self.running = False
 
     def close(self) -> None:
-        """Stop for good: also release the policy threads."""
+        """Stop for good: also release the policy threads and stop hearing Dask's answers to moves."""
         self.watchdog.close()
+        self.enforcer.close()
         self.running = False
 
     def rebuild(self) -> None:

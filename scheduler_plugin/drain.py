@@ -2,8 +2,9 @@
 
 1. stop routing: the worker leaves the source model's replicas, so no new call goes there
    (sessions bound to it re-bind to another replica on their next call);
-2. move its waiting source calls to the other replicas (steal protocol: only calls that have
-   not started move, so nothing runs twice);
+2. move its waiting source calls to the other replicas (the enforcer's moves: Dask's steal
+   protocol, so only calls that have not started move and nothing runs twice; a move counts
+   once Dask confirms it);
 3. wait, tick after tick, until the source calls it was running have finished;
 4. swap: the worker plugin closes the source engine and loads the target (an RPC);
 5. kick: the worker joins the target's replicas and calls start flowing to it.
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from scheduler_plugin import dask_compat
 from scheduler_plugin.actions import Reassign
@@ -38,8 +40,10 @@ class Drain:
 class Drainer:
     """Runs drains for the scheduler plugin."""
 
-    def __init__(self, plugin: Any, timeout: float = 120.0):
+    def __init__(self, plugin: Any, move: Callable[[Any, str, str], str | None], timeout: float = 120.0):
         self.plugin = plugin
+        # the enforcer's move: checked against its invariants, recorded once Dask confirms it
+        self.move = move
         self.timeout = timeout
         self.drains: dict[str, Drain] = {}
         self.completed = 0
@@ -79,11 +83,12 @@ class Drainer:
     def _move_waiting(self, d: Drain, others: list[str]) -> None:
         if not others:
             return
-        s = self.plugin.scheduler
+        # moves count on the thieves once confirmed: spread this round's requests meanwhile
+        asked: Counter[str] = Counter()
         for ts in self._source_calls(d)[0]:
-            thief = min(others, key=lambda w: self.plugin.open_placed[(w, f"llm:{d.source}")])
-            if str(dask_compat.move_task(s, ts, d.worker, thief)).startswith("steal-"):
-                self.plugin.on_migrated(ts.key, d.worker, thief)
+            thief = min(others, key=lambda w: self.plugin.open_placed[(w, f"llm:{d.source}")] + asked[w])
+            if self.move(ts, d.worker, thief) is None:
+                asked[thief] += 1
 
     def progress(self) -> None:
         """Advance every drain by what is possible now (called each control tick)."""

@@ -485,7 +485,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
 
     # -- called by the enforcement layer ---------------------------------------------------
     def on_migrated(self, key: str, source: str, target: str) -> None:
-        """A call moved to ``target``: record it. An LLM call that leaves the engine holding its
+        """A call moved to ``target`` (the enforcement layer calls this once Dask confirmed the
+        steal): record it. An LLM call that leaves the engine holding its
         session's KV takes the session with it (the balance policy priced the recompute): the
         session's later calls go where its prefix now lives; other bindings stay."""
         self.state.on_migrated(key, target)

@@ -371,9 +371,8 @@ class ViewIndex:
             self.sched_queued[key] = [rec, ts, None]
 
     def on_migrated(self, rec: Any, target: str) -> None:
-        """A call was asked to move to ``target`` (Dask moves it without a transition; if
-        the move is refused, the next tick that visits ``target`` finds it elsewhere and
-        corrects the index)."""
+        """A call moved to ``target``: Dask confirmed the steal (it moves a task without a
+        transition, so the index is told here)."""
         key = rec.key
         w = self.where.get(key)
         if w is not None and w != target:

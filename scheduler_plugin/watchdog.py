@@ -32,11 +32,20 @@ policies while a replacement rebuilds its view. Here:
   cancelled pass (restart, stop) keeps its policy out of later passes until it returns. A
   CPU-bound endless loop in a policy still takes its share of the GIL: that slows the
   scheduler, it does not stop it.
+- **Failing policies back off**: a policy that raises is skipped for the next pass, then 2,
+  4, ... passes while it keeps raising, up to ``POLICY_BACKOFF_MAX`` passes; a run that
+  returns ends the backoff (incident ``policy-recovered`` with the count). Its traceback is
+  logged once per streak, then at most every ``ERROR_LOG_INTERVAL`` seconds one line with the
+  count. So a broken policy costs neither a traceback per pass in the log nor the
+  ``agents-control`` topic: it reports at most one ``policy-error`` event per backoff period,
+  each with ``failures`` (the streak so far) and ``skip_passes`` (its next backoff).
 - **Serving never depends on the loop**: placement, priorities at creation and the routes the
   enforcer installed stay as they were while the loop is down (the last decisions stand).
-- **Incidents** (``policy-error``, ``policy-timeout``, ``policy-recovered``, ``loop-died``,
+- **Incidents** (``policy-error``, ``policy-timeout``, ``policy-recovered`` (a hung policy's
+  thread returned, or a raising policy ran again without raising), ``loop-died``,
   ``loop-stalled``, ``loop-restarted``) go to the log, to the ``agents-control`` event topic,
-  and to ``da.control(client).stats()`` (``incidents``, ``restarts``, ``hung_policies``).
+  and to ``da.control(client).stats()`` (``incidents``, ``restarts``, ``hung_policies``,
+  ``failing_policies``).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ import math
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import dask_agents.config as agents_config
@@ -94,6 +104,16 @@ def _run_policy(policy: Callable, view: Any, max_actions: int) -> tuple[list, fl
     return actions, time.perf_counter() - t0
 
 
+@dataclass
+class Failing:
+    """The backoff of a policy that raised on its last run."""
+
+    failures: int = 0  # runs in a row that raised
+    skip: int = 0  # passes still to skip before the next run
+    logged: float = 0.0  # monotonic time of its last log line
+    unlogged: int = 0  # failures since that line
+
+
 def _consume(fut: asyncio.Future) -> None:
     # the outcome is read from the thread's own future; this only marks the wrapper's
     # exception as retrieved, so asyncio does not log it a second time
@@ -107,6 +127,8 @@ class Watchdog:
 
     BACKOFF_BASE = 0.25  # seconds before the 2nd restart of a loop that keeps dying, doubling
     BACKOFF_MAX = 30.0
+    POLICY_BACKOFF_MAX = 64  # most passes a raising policy skips (6.4 s at the default interval)
+    ERROR_LOG_INTERVAL = 60.0  # seconds between the log lines of a policy that keeps raising
 
     def __init__(self, control: "ControlLoop", history: int = 200):
         self.control = control
@@ -127,6 +149,7 @@ class Watchdog:
         # the policy is not called again until it returns
         self.hung: dict[str, concurrent.futures.Future] = {}
         self._abandoned: dict[str, float] = {}  # hung by a cancelled pass -> when it was submitted
+        self.failing: dict[str, Failing] = {}  # policy -> its backoff, while it keeps raising
         self._lock = asyncio.Lock()  # one pass at a time: the loop's, run_once's
         self._refresh: asyncio.Task | None = None
         self._crashes = 0  # loop-died restarts since the loop last completed a pass
@@ -280,13 +303,15 @@ class Watchdog:
 
         await asyncio.gather(*(one(a) for a in list(plugin.ready_workers)))
 
-    def incident(self, kind: str, **details: Any) -> None:
-        """Record an incident: log, ``agents-control`` event, ``stats()["incidents"]``."""
+    def incident(self, kind: str, *, quiet: bool = False, **details: Any) -> None:
+        """Record an incident: log (unless ``quiet``: the caller logs it), ``agents-control``
+        event, ``stats()["incidents"]``."""
         record = {"action": kind, "time": time.time(), **details}
         self.incidents.append(record)
         dask_compat.add_event(self.scheduler, TOPIC, record)
-        log = logger.info if kind in ("loop-restarted", "policy-recovered") else logger.warning
-        log("dask-agents control loop: %s %s", kind, details)
+        if not quiet:
+            log = logger.info if kind in ("loop-restarted", "policy-recovered") else logger.warning
+            log("dask-agents control loop: %s %s", kind, details)
 
     # -- one pass ---------------------------------------------------------------------------------
     async def run_pass(self) -> dict:
@@ -355,6 +380,7 @@ class Watchdog:
         """Start of a pass: drains, the view, returned threads; the policies to call now."""
         ctl = self.control
         t0 = time.perf_counter()
+        ctl.enforcer.settle()
         ctl.enforcer.drainer.progress()
         view = ctl.build_view()
         view_seconds = getattr(ctl, "view_seconds", None)
@@ -371,7 +397,13 @@ class Watchdog:
                 # left by a cancelled pass and now past its deadline too: a real timeout
                 del self._abandoned[name]
                 self._timed_out(name)
-        eligible = {name: p for name, p in ctl.policies.items() if name not in self.hung and name not in self.inflight}
+        backing_off = set()
+        for name, f in self.failing.items():
+            if f.skip > 0:  # this pass is one of those it skips
+                f.skip -= 1
+                backing_off.add(name)
+        eligible = {name: p for name, p in ctl.policies.items()
+                    if name not in self.hung and name not in self.inflight and name not in backing_off}
         return view, eligible, sorted(set(ctl.policies) - set(eligible))
 
     def _timed_out(self, name: str) -> None:
@@ -379,6 +411,33 @@ class Watchdog:
         ctl.policy_errors += 1
         ctl.errors[name] = f"timed out after {self.policy_timeout}s (quarantined until it returns)"
         self.incident("policy-timeout", policy=name, error=ctl.errors[name])
+
+    def _policy_failed(self, name: str, exc: BaseException) -> None:
+        """``name`` raised: count and report it, and skip it for the next 1, 2, 4... passes
+        (up to ``POLICY_BACKOFF_MAX``) while it keeps raising. The traceback is logged for the
+        first failure of a streak, then one line with the count every ``ERROR_LOG_INTERVAL``."""
+        ctl = self.control
+        ctl.policy_errors += 1
+        ctl.errors[name] = f"{type(exc).__name__}: {exc}"
+        f = self.failing.setdefault(name, Failing())
+        f.failures += 1
+        f.skip = min(2 ** min(f.failures - 1, 30), self.POLICY_BACKOFF_MAX)
+        now = time.monotonic()
+        if f.failures == 1:
+            logger.error("dask-agents: policy %s raised (skipped for the next pass, then twice as many "
+                         "while it keeps raising, up to %d)", name, self.POLICY_BACKOFF_MAX, exc_info=exc)
+            f.logged, f.unlogged = now, 0
+        else:
+            f.unlogged += 1
+            if now - f.logged >= self.ERROR_LOG_INTERVAL:
+                logger.error("dask-agents: policy %s still raising: %d times in a row (%d since the last "
+                             "report), last %s; skipped for the next %d passes", name, f.failures, f.unlogged,
+                             ctl.errors[name], f.skip)
+                f.logged, f.unlogged = now, 0
+        # one event per run, so at most one per backoff period: a broken policy cannot push the
+        # real decisions out of the topic
+        self.incident("policy-error", quiet=True, policy=name, error=ctl.errors[name], failures=f.failures,
+                      skip_passes=f.skip)
 
     def _finish(self, view: Any, outcomes: dict[str, concurrent.futures.Future], skipped: list[str],
                 on_loop: float, in_thread: bool) -> dict:
@@ -388,7 +447,7 @@ class Watchdog:
         event loop, which is what delays the scheduler; also recorded in ``tick_seconds``),
         ``policy_seconds`` (the policies' own run time, in their threads for the running loop;
         recorded in ``policy_seconds``), ``view_seconds``, ``applied`` (policy -> actions that
-        took effect), ``skipped`` (quarantined or still running), ``calls_in_view``,
+        were accepted), ``skipped`` (quarantined, still running or backing off), ``calls_in_view``,
         ``truncated``."""
         ctl = self.control
         applied: dict[str, int] = {}
@@ -399,12 +458,12 @@ class Watchdog:
                 self._timed_out(name)
                 continue
             exc = fut.exception()
-            if exc is not None:  # keep serving: log, report, let earlier decisions stand
-                ctl.policy_errors += 1
-                ctl.errors[name] = f"{type(exc).__name__}: {exc}"
-                logger.error("dask-agents: policy %s raised", name, exc_info=exc)
-                self.incident("policy-error", policy=name, error=ctl.errors[name])
+            if exc is not None:  # keep serving: log, report, back off, let earlier decisions stand
+                self._policy_failed(name, exc)
                 continue
+            failing = self.failing.pop(name, None)
+            if failing is not None:
+                self.incident("policy-recovered", policy=name, failures=failing.failures)
             actions, seconds = fut.result()
             in_policies += seconds
             t1 = time.perf_counter()
@@ -425,5 +484,6 @@ class Watchdog:
         """What ``da.control(client).stats()`` shows of the loop's health."""
         alive = self.task is not None and not self.task.done()
         restart_in = None if self._restart_at is None else max(0.0, self._restart_at - time.monotonic())
+        failing = {n: {"failures": f.failures, "skip_passes": f.skip} for n, f in self.failing.items()}
         return {"loop_alive": alive, "restarts": self.restarts, "hung_policies": sorted(self.hung),
-                "restart_in": restart_in, "incidents": list(self.incidents)[-20:]}
+                "failing_policies": failing, "restart_in": restart_in, "incidents": list(self.incidents)[-20:]}
