@@ -36,8 +36,10 @@ class Control:
         return self._op("run_once")
 
     def stats(self) -> Any:
-        """Tick times (last, p50, p99, max), actions applied/rejected by kind, policy errors,
-        recent decisions."""
+        """Tick times (last, p50, p99, max); actions by kind: ``applied`` (moves only once Dask
+        confirmed them), ``requested`` and ``refused`` moves, ``rejected`` (with
+        ``rejected_reasons`` and recent ``rejections``); policy errors and the policies backing
+        off (``failing_policies``); recent decisions; ``faults``."""
         return self._op("stats")
 
 
