@@ -4,22 +4,34 @@ What is measured
 ----------------
 *Sequential* calls of a no-op: each call waits for its result before the next one is made,
 so the numbers are per-call latency and per-call CPU cost, not throughput under concurrency.
-Five variants:
+Six variants on three in-process clusters of the same shape
+(``LocalCluster(n_workers=1, threads_per_worker=4, processes=False)``):
 
 ``native``
     Calling the no-op Python function directly (the floor).
 ``plain_dask``
-    ``client.submit(noop, i, pure=False).result()`` on a fresh in-process
-    ``LocalCluster(n_workers=1, threads_per_worker=4, processes=False)`` *without*
-    dask-agents installed (Dask's default batching windows, no plugins).
+    ``client.submit(noop, i, pure=False).result()`` on a cluster *without* dask-agents, at
+    Dask's default batching windows (client -> scheduler 10 ms, scheduler -> worker 5 ms,
+    worker -> scheduler 2 ms).
+``plain_dask_tuned``
+    The same on a second cluster without dask-agents but with the batching windows that
+    ``da.install`` sets (``agents.client.batched-send-interval`` 2 ms,
+    ``agents.scheduler.batched-send-interval`` 2 ms, ``agents.worker.batched-send-interval``
+    1 ms), set through the same helpers the plugins use
+    (``scheduler_plugin.dask_compat.set_client_stream_interval`` /
+    ``set_worker_stream_interval``, ``worker_plugin.dask_compat.set_batched_send_interval``).
+    **The headline ratios are against this variant**: it differs from the installed cluster
+    only by the plugins, so the ratios measure the plugins, not the batching windows.
 ``plain_submit``
-    The same ``client.submit(...).result()`` on a second cluster of the same shape where
-    ``da.install(client)`` registered the scheduler/worker plugins and lowered the batching
-    windows, made inside ``with da.session(client):`` (so each task carries the session
-    annotation and is recorded by the scheduler plugin).
+    The same ``client.submit(...).result()`` on a third cluster where ``da.install(client)``
+    registered the scheduler/worker plugins (and lowered the windows), made inside
+    ``with da.session(client):``. Plain Dask work inside a session is not a call: it carries
+    no annotation and the scheduler plugin records nothing for it, so this measures an
+    untouched plain task on an installed cluster (the plugins' cost to plain Dask work: the
+    hooks' early returns, the control loop and reports in the background).
 ``stub_tool``
-    ``da.stub(noop_tool)(i).result()`` on that installed cluster, in a session, where
-    ``noop_tool`` is a ``@da.tool`` function.
+    ``da.stub(noop_tool)(i).result()`` on the installed cluster, in a session, where
+    ``noop_tool`` is a ``@da.tool`` function (a recorded call).
 ``stub_class``
     ``da.stub(NoopAgent).run(i).result()`` on the installed cluster, in a session, where
     ``NoopAgent`` is an ``@da.agent`` class (one shared instance hosted by the worker).
@@ -29,11 +41,11 @@ seconds per call, and the p50/p95 latency of single calls (pooled over all round
 
 How CPU is counted
 ------------------
-Both clusters use ``processes=False``: client, scheduler and worker are threads of this one
+All clusters use ``processes=False``: client, scheduler and worker are threads of this one
 process, so ``time.process_time()`` (CPU of all threads of the process, user + system)
-captures the CPU cost of a call on all three sides at once. Both clusters are alive during
+captures the CPU cost of a call on all three sides at once. All clusters are alive during
 the whole measurement, so each variant's CPU also includes the idle background of the
-*other* cluster (heartbeats, periodic callbacks). That background is measured once
+*other* clusters (heartbeats, periodic callbacks). That background is measured once
 (``idle_cpu_s_per_s`` in the configuration); ``cpu_s_per_call_idle_adjusted`` subtracts it
 over each block's wall time, which matters for slow variants such as ``plain_dask`` (10 ms
 client batching window), whose longer wall time per call is otherwise charged more of it.
@@ -41,11 +53,12 @@ The summary ratios use the unadjusted CPU.
 
 Noise control
 -------------
-Both clusters are created up front. After warm-up calls of every variant, the benchmark runs
+The clusters are created up front. After warm-up calls of every variant, the benchmark runs
 ``rounds`` rounds; each round runs ``calls`` sequential calls of every variant, in an order
 rotated from round to round, so machine noise (other processes, frequency scaling) hits all
-variants alike. Medians over rounds are reported; per-round paired CPU ratios are also in
-the JSON (``results.<variant>.cpu_ratio_vs_plain_submit_paired_median``).
+variants alike. Medians over rounds are reported, with the spread of the per-round values
+(min-max) and per-round *paired* CPU ratios (same round, less sensitive to slow drifts in
+machine load): ``results.<variant>.cpu_ratio_vs_<base>_paired_median`` (and ``_min``/``_max``).
 
 Reproduce
 ---------
@@ -54,16 +67,21 @@ Reproduce
     .venv/bin/python benchmarks/overhead.py --quick --json benchmarks/results/overhead.json
     .venv/bin/python benchmarks/overhead.py --json benchmarks/results/overhead-full.json
 
-(``make bench`` runs the quick form.) ``--quick`` takes well under a minute on a 2-core
-machine; the full run takes a few minutes.
+(``make bench`` runs the quick form.) ``--quick`` takes about a minute on a 2-core machine;
+the full run takes a few minutes.
 
 JSON output
 -----------
-``{"config": {...}, "results": {variant: {...}}, "summary": {...}}`` where ``summary`` holds
-``stub_calls_per_s``, ``stub_class_calls_per_s``, ``plain_submit_calls_per_s``,
-``plain_dask_calls_per_s``, ``native_calls_per_s``, ``stub_cpu_ratio_vs_submit`` (stub-tool
-CPU per call / plain-submit CPU per call, both with dask-agents installed) and
-``stub_cpu_ratio_vs_plain_dask`` (stub-tool CPU per call / plain-Dask CPU per call).
+``{"config": {...}, "results": {variant: {...}}, "summary": {...}}``. ``config`` records the
+batching windows each cluster actually ran with (``batched_send_intervals_s``, read back from
+the streams). ``summary`` holds the calls/s of every variant, the headline ratios against
+``plain_dask_tuned`` (``stub_cpu_ratio_vs_plain_dask_tuned``, ``stub_class_cpu_ratio_vs_plain_dask_tuned``,
+``plain_submit_cpu_ratio_vs_plain_dask_tuned``, the p50 latency ratios
+``*_latency_p50_ratio_vs_plain_dask_tuned``, and the paired medians ``*_paired``),
+``stub_cpu_ratio_vs_submit`` (stub-tool CPU per call / plain-submit CPU per call, both with
+dask-agents installed) and, labeled, the ratios against plain Dask at its default windows
+(``*_vs_plain_dask_default_intervals``; ``stub_cpu_ratio_vs_plain_dask`` is the same figure
+under its former name).
 """
 
 from __future__ import annotations
@@ -110,11 +128,15 @@ class NoopAgent:
         return i
 
 
-VARIANTS = ("native", "plain_dask", "plain_submit", "stub_tool", "stub_class")
+VARIANTS = ("native", "plain_dask", "plain_dask_tuned", "plain_submit", "stub_tool", "stub_class")
 DESCRIPTIONS = {
     "native": "noop(i) called directly in Python",
-    "plain_dask": "client.submit(noop, i, pure=False).result(), cluster WITHOUT dask-agents",
-    "plain_submit": "client.submit(noop, i, pure=False).result(), dask-agents installed, in da.session",
+    "plain_dask": "client.submit(noop, i, pure=False).result(), cluster WITHOUT dask-agents, Dask's default "
+                  "batching windows",
+    "plain_dask_tuned": "client.submit(noop, i, pure=False).result(), cluster WITHOUT dask-agents, batching "
+                        "windows as da.install sets them",
+    "plain_submit": "client.submit(noop, i, pure=False).result(), dask-agents installed, in da.session "
+                    "(plain Dask work: not a recorded call)",
     "stub_tool": "da.stub(noop_tool)(i).result(), dask-agents installed, in da.session",
     "stub_class": "da.stub(NoopAgent).run(i).result(), dask-agents installed, in da.session",
 }
@@ -129,6 +151,54 @@ def new_cluster() -> tuple[LocalCluster, Client]:
         n_workers=1, threads_per_worker=4, processes=False, dashboard_address=":0",
     )
     return cluster, Client(cluster)
+
+
+def tune_like_install(client: Client) -> dict:
+    """Give a cluster without dask-agents the batching windows ``da.install`` sets, through the
+    plugins' own helpers (client -> scheduler, scheduler -> each worker, each worker -> scheduler).
+    Returns the windows read back (:func:`batched_send_intervals`)."""
+    import dask_agents.config as agents_config
+    from scheduler_plugin import dask_compat as sched_compat
+
+    client_s = agents_config.seconds("client.batched-send-interval")
+    sched_s = agents_config.seconds("scheduler.batched-send-interval")
+    worker_s = agents_config.seconds("worker.batched-send-interval")
+    sched_compat.set_client_stream_interval(client, client_s)
+
+    def on_scheduler(dask_scheduler=None, seconds=sched_s):
+        from scheduler_plugin import dask_compat
+
+        dask_compat.set_worker_stream_interval(dask_scheduler, dask_compat.worker_addresses(dask_scheduler), seconds)
+
+    def on_worker(dask_worker=None, seconds=worker_s):
+        from worker_plugin import dask_compat
+
+        dask_compat.set_batched_send_interval(dask_worker, seconds)
+
+    client.run_on_scheduler(on_scheduler)
+    client.run(on_worker)
+    return batched_send_intervals(client)
+
+
+def _seconds(interval: Any) -> float | None:
+    from dask.utils import parse_timedelta
+
+    return None if interval is None else float(parse_timedelta(interval, default="s"))
+
+
+def batched_send_intervals(client: Client) -> dict:
+    """The batching windows a cluster runs with, read back from its streams (seconds)."""
+    def on_scheduler(dask_scheduler=None):
+        return sorted({getattr(bs, "interval", None) for bs in dask_scheduler.stream_comms.values()}, key=str)
+
+    def on_worker(dask_worker=None):
+        return getattr(getattr(dask_worker, "batched_stream", None), "interval", None)
+
+    return {
+        "client_to_scheduler": _seconds(getattr(getattr(client, "scheduler_comm", None), "interval", None)),
+        "scheduler_to_worker": [_seconds(x) for x in client.run_on_scheduler(on_scheduler)],
+        "worker_to_scheduler": sorted({_seconds(x) for x in client.run(on_worker).values()}, key=str),
+    }
 
 
 # -- one block of calls ----------------------------------------------------------------------
@@ -168,10 +238,11 @@ def timed_native(n: int, start: int) -> dict:
 
 
 class Bench:
-    """Both clusters, the calls of every variant, and the per-round measurements."""
+    """The three clusters, the calls of every variant, and the per-round measurements."""
 
-    def __init__(self, plain: Client, agents: Client, calls: int, native_calls: int):
+    def __init__(self, plain: Client, tuned: Client, agents: Client, calls: int, native_calls: int):
         self.plain = plain
+        self.tuned = tuned
         self.agents = agents
         self.calls = calls
         self.native_calls = native_calls
@@ -191,8 +262,8 @@ class Bench:
         start = self._start(n)
         if variant == "native":
             return timed_native(n, start)
-        if variant == "plain_dask":
-            c = self.plain
+        if variant in ("plain_dask", "plain_dask_tuned"):
+            c = self.plain if variant == "plain_dask" else self.tuned
             return timed_calls(lambda i: c.submit(noop, i, pure=False).result(), n, start)
         with da.session(self.agents, name="bench"):
             if variant == "plain_submit":
@@ -249,22 +320,30 @@ def summarize(rounds: dict[str, list[dict]], idle: float) -> dict[str, dict]:
             "latency_p50_s": percentile(lat, 50),
             "latency_p95_s": percentile(lat, 95),
             "latency_samples": len(lat),
+            "calls_per_s_min": min(rate) if rate else float("nan"),
+            "calls_per_s_max": max(rate) if rate else float("nan"),
+            "cpu_s_per_call_min": min(cpu) if cpu else float("nan"),
+            "cpu_s_per_call_max": max(cpu) if cpu else float("nan"),
+            "latency_p50_s_by_round": [percentile(m["lat"], 50) for m in ms],
             "calls_per_s_by_round": rate,
             "cpu_s_per_call_by_round": cpu,
         }
     # Paired (same-round) CPU ratios: less sensitive to slow drifts in machine load.
-    for base in ("plain_submit", "plain_dask"):
+    for base in ("plain_submit", "plain_dask", "plain_dask_tuned"):
         b = results[base]["cpu_s_per_call_by_round"]
-        for v in ("plain_submit", "stub_tool", "stub_class"):
+        for v in ("plain_dask_tuned", "plain_submit", "stub_tool", "stub_class"):
+            if v == base:
+                continue
             x = results[v]["cpu_s_per_call_by_round"]
-            results[v][f"cpu_ratio_vs_{base}_paired_median"] = statistics.median(
-                xi / bi for xi, bi in zip(x, b)
-            )
+            ratios = [xi / bi for xi, bi in zip(x, b)]
+            results[v][f"cpu_ratio_vs_{base}_paired_median"] = statistics.median(ratios)
+            results[v][f"cpu_ratio_vs_{base}_paired_min"] = min(ratios)
+            results[v][f"cpu_ratio_vs_{base}_paired_max"] = max(ratios)
     return results
 
 
 def measure_idle_cpu(seconds: float = 2.0) -> float:
-    """CPU seconds per second this process burns with both clusters up and no calls."""
+    """CPU seconds per second this process burns with all clusters up and no calls."""
     c0, w0 = time.process_time(), time.perf_counter()
     time.sleep(seconds)
     return (time.process_time() - c0) / (time.perf_counter() - w0)
@@ -276,35 +355,61 @@ def print_table(config: dict, results: dict, summary: dict) -> None:
     print("-" * 72)
     for k in ("mode", "python", "dask", "distributed", "dask_agents", "platform", "cpu_count",
               "calls_per_round", "native_calls_per_round", "rounds", "warmup_calls",
-              "cluster", "client_batched_send_interval_s", "idle_cpu_s_per_s", "wall_s"):
+              "cluster", "idle_cpu_s_per_s", "wall_s"):
         print(f"  {k:32s} {config.get(k)}")
+    for name, iv in config["batched_send_intervals_s"].items():
+        print(f"  {'batching windows ' + name:32s} {iv}")
     print()
-    hdr = f"  {'variant':14s} {'calls/s':>11s} {'CPU us/call':>12s} {'(idle-adj)':>11s} {'p50 ms':>9s} {'p95 ms':>9s} {'CPU/submit':>11s} {'CPU/dask':>9s}"
+    hdr = (f"  {'variant':17s} {'calls/s':>8s} {'CPU us/call':>12s} {'(idle-adj)':>11s} {'p50 ms':>8s} "
+           f"{'p95 ms':>8s} {'CPU/tuned':>10s} {'CPU/dask':>9s} {'CPU/submit':>11s}")
     print(hdr)
     print("  " + "-" * (len(hdr) - 2))
     sub = results["plain_submit"]["cpu_s_per_call"]
     base = results["plain_dask"]["cpu_s_per_call"]
+    tuned = results["plain_dask_tuned"]["cpu_s_per_call"]
     for v in VARIANTS:
         r = results[v]
         cpu = r["cpu_s_per_call"]
-        rs = f"{cpu / sub:11.3f}" if v != "native" else f"{'-':>11s}"
-        rb = f"{cpu / base:9.3f}" if v != "native" else f"{'-':>9s}"
+        rt, rb, rs = ((f"{cpu / x:{w}.3f}" if v != "native" else f"{'-':>{w}s}") for x, w in
+                      ((tuned, 10), (base, 9), (sub, 11)))
         print(
-            f"  {v:14s} {r['calls_per_s']:11.1f} {cpu * 1e6:12.2f} "
+            f"  {v:17s} {r['calls_per_s']:8.1f} {cpu * 1e6:12.2f} "
             f"{r['cpu_s_per_call_idle_adjusted'] * 1e6:11.2f} "
-            f"{r['latency_p50_s'] * 1e3:9.3f} {r['latency_p95_s'] * 1e3:9.3f} {rs} {rb}"
+            f"{r['latency_p50_s'] * 1e3:8.3f} {r['latency_p95_s'] * 1e3:8.3f} {rt} {rb} {rs}"
         )
     print()
     print("  summary:")
     for k, val in summary.items():
-        print(f"    {k:32s} {val:.4g}")
+        print(f"    {k:58s} {val:.4g}")
     print()
+
+
+def make_summary(results: dict) -> dict:
+    """Headline ratios against plain Dask at dask-agents' batching windows; the ones against
+    plain Dask at its default windows are kept, labeled."""
+    r = results
+    cpu = {v: r[v]["cpu_s_per_call"] for v in VARIANTS}
+    p50 = {v: r[v]["latency_p50_s"] for v in VARIANTS}
+    out = {("stub" if v == "stub_tool" else v) + "_calls_per_s": r[v]["calls_per_s"] for v in
+           ("stub_tool", "stub_class", "plain_submit", "plain_dask_tuned", "plain_dask", "native")}
+    for v, name in (("stub_tool", "stub"), ("stub_class", "stub_class"), ("plain_submit", "plain_submit")):
+        out[f"{name}_cpu_ratio_vs_plain_dask_tuned"] = cpu[v] / cpu["plain_dask_tuned"]
+        out[f"{name}_cpu_ratio_vs_plain_dask_tuned_paired"] = r[v]["cpu_ratio_vs_plain_dask_tuned_paired_median"]
+        out[f"{name}_latency_p50_ratio_vs_plain_dask_tuned"] = p50[v] / p50["plain_dask_tuned"]
+    out["stub_cpu_ratio_vs_submit"] = cpu["stub_tool"] / cpu["plain_submit"]
+    # against plain Dask at Dask's default windows (10 ms client window): mostly the windows
+    for v, name in (("stub_tool", "stub"), ("stub_class", "stub_class"), ("plain_submit", "plain_submit"),
+                    ("plain_dask_tuned", "plain_dask_tuned")):
+        out[f"{name}_cpu_ratio_vs_plain_dask_default_intervals"] = cpu[v] / cpu["plain_dask"]
+    out["stub_latency_p50_ratio_vs_plain_dask_default_intervals"] = p50["stub_tool"] / p50["plain_dask"]
+    out["stub_cpu_ratio_vs_plain_dask"] = out["stub_cpu_ratio_vs_plain_dask_default_intervals"]  # the former name
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    p.add_argument("--quick", action="store_true", help="fewer calls and rounds (well under 2 minutes)")
+    p.add_argument("--quick", action="store_true", help="fewer calls and rounds (about a minute)")
     p.add_argument("--calls", type=int, help="calls per variant per round (overrides the preset)")
     p.add_argument("--rounds", type=int, help="number of rounds (overrides the preset)")
     args = p.parse_args(argv)
@@ -316,31 +421,34 @@ def main(argv: list[str] | None = None) -> int:
         preset["rounds"] = args.rounds
 
     t_start = time.perf_counter()
-    plain_cluster = agents_cluster = plain = agents = None
+    clusters: list[LocalCluster] = []
+    clients: list[Client] = []
     try:
-        # Both clusters up front; dask-agents only on the second one.
-        plain_cluster, plain = new_cluster()
-        agents_cluster, agents = new_cluster()
+        # All three clusters up front; dask-agents only on the third one.
+        for _ in range(3):
+            cluster, client = new_cluster()
+            clusters.append(cluster)
+            clients.append(client)
+        plain, tuned, agents = clients
         da.install(agents)
-        if da.installed(plain):
-            raise RuntimeError("the baseline cluster unexpectedly has the dask-agents plugin")
+        tune_like_install(tuned)
+        if da.installed(plain) or da.installed(tuned):
+            raise RuntimeError("a baseline cluster unexpectedly has the dask-agents plugin")
 
-        bench = Bench(plain, agents, preset["calls"], preset["native_calls"])
+        bench = Bench(plain, tuned, agents, preset["calls"], preset["native_calls"])
         bench.warmup(preset["warmup"])
         idle = measure_idle_cpu()
         for r in range(preset["rounds"]):
             bench.run_round(r)
             print(f"  round {r + 1}/{preset['rounds']} done", file=sys.stderr, flush=True)
         results = summarize(bench.rounds, idle)
-        interval = getattr(getattr(agents, "scheduler_comm", None), "interval", None)
-        plain_interval = getattr(getattr(plain, "scheduler_comm", None), "interval", None)
+        intervals = {name: batched_send_intervals(c) for name, c in
+                     (("plain_dask", plain), ("plain_dask_tuned", tuned), ("dask_agents", agents))}
     finally:
-        for c in (agents, plain):
-            if c is not None:
-                c.close()
-        for c in (agents_cluster, plain_cluster):
-            if c is not None:
-                c.close()
+        for c in reversed(clients):
+            c.close()
+        for c in reversed(clusters):
+            c.close()
 
     config = {
         "mode": "quick" if args.quick else "full",
@@ -354,21 +462,15 @@ def main(argv: list[str] | None = None) -> int:
         "native_calls_per_round": preset["native_calls"],
         "rounds": preset["rounds"],
         "warmup_calls": preset["warmup"],
-        "cluster": "LocalCluster(n_workers=1, threads_per_worker=4, processes=False), one per side",
-        "client_batched_send_interval_s": {"plain_dask": plain_interval, "dask_agents": interval},
+        "cluster": "LocalCluster(n_workers=1, threads_per_worker=4, processes=False), one per side "
+                   "(plain Dask, plain Dask at dask-agents' windows, dask-agents installed)",
+        "batched_send_intervals_s": intervals,
+        "client_batched_send_interval_s": {k: v["client_to_scheduler"] for k, v in intervals.items()},
         "cpu_clock": "time.process_time() of the whole process (client+scheduler+worker threads)",
         "idle_cpu_s_per_s": round(idle, 5),
         "wall_s": round(time.perf_counter() - t_start, 2),
     }
-    summary = {
-        "stub_calls_per_s": results["stub_tool"]["calls_per_s"],
-        "stub_class_calls_per_s": results["stub_class"]["calls_per_s"],
-        "plain_submit_calls_per_s": results["plain_submit"]["calls_per_s"],
-        "plain_dask_calls_per_s": results["plain_dask"]["calls_per_s"],
-        "native_calls_per_s": results["native"]["calls_per_s"],
-        "stub_cpu_ratio_vs_submit": results["stub_tool"]["cpu_s_per_call"] / results["plain_submit"]["cpu_s_per_call"],
-        "stub_cpu_ratio_vs_plain_dask": results["stub_tool"]["cpu_s_per_call"] / results["plain_dask"]["cpu_s_per_call"],
-    }
+    summary = make_summary(results)
     print_table(config, results, summary)
     if args.json:
         path = os.path.abspath(args.json)

@@ -108,10 +108,25 @@ def set_worker_stream_interval(scheduler: Scheduler, addresses: Iterable[str], s
 
 
 def set_client_stream_interval(client: Any, seconds: float) -> None:
-    """Shorten a client's client -> scheduler batching window."""
+    """Shorten a client's client -> scheduler batching window, also for the stream the client
+    makes when it reconnects (Dask builds that one with its own 10 ms window)."""
+    client._agents_stream_interval = seconds
     bs = getattr(client, "scheduler_comm", None)
     if bs is not None and hasattr(bs, "interval"):
         bs.interval = seconds
+    if getattr(client, "_agents_keeps_interval", False):
+        return
+    original = client._ensure_connected
+
+    async def ensure_connected(*args: Any, **kwargs: Any) -> Any:
+        out = await original(*args, **kwargs)
+        bs = getattr(client, "scheduler_comm", None)
+        if bs is not None and hasattr(bs, "interval"):
+            bs.interval = client._agents_stream_interval
+        return out
+
+    client._ensure_connected = ensure_connected
+    client._agents_keeps_interval = True
 
 
 # -- control plane: reading load, moving and re-prioritizing work -----------------------------

@@ -58,7 +58,7 @@ def relay_bump(marker_dir: str) -> tuple[int, int]:
 # -> Tester, retrying the failing subtask. Every agent records its step in the session's stateful
 # ``Trajectory``; the request's answer is the trajectory's digest, so a call silently run on a
 # fresh instance (missing the earlier steps) shows as a wrong answer. Everything is deterministic
-# in the seed: ``expected_answer`` computes the same answer locally, without Dask.
+# in the seed: ``swe_expected`` computes the same answer locally, without Dask.
 import hashlib  # noqa: E402
 import random  # noqa: E402
 

@@ -391,3 +391,125 @@ async def test_keep_from_builtin_stealing(c, s, a):
     assert "put_key_in_stealable" not in vars(ext)
     await ev.set()
     await c.gather(futs)
+
+
+# -- the enforcement layer: answers to move requests, what a move's target must offer -------------
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1, {"resources": {"R": 1}})] * 2,
+             config={"distributed.scheduler.work-stealing": False})
+async def test_steal_answers_in_flight_moves_and_resource_accounting(c: Client, s: Scheduler, a: Worker, b: Worker):
+    from types import SimpleNamespace
+
+    EV.clear()
+    answers: list[tuple[str, str]] = []
+    sc.watch_steal_answers(s, "test-steal-answers", lambda sid, answer: answers.append((sid, answer)))
+    blocker = c.submit(wait_ev, workers=[a.address], pure=False)
+    queued = c.submit(wait_ev, resources={"R": 1}, workers=[a.address], allow_other_workers=True, pure=False)
+    await async_wait_for(lambda: queued.key in a.state.tasks and a.state.tasks[queued.key].state == "constrained"
+                         and blocker.key in a.state.tasks and a.state.tasks[blocker.key].state == "executing")
+    ts, tb = sc.task(s, queued.key), sc.task(s, blocker.key)
+    assert sc.worker_has_resources(s, ts, b.address) and not sc.has_host_restrictions(ts)
+    assert not sc.worker_has_resources(s, SimpleNamespace(resource_restrictions={"Q": 1}), b.address)
+    assert sc.worker_has_resources(s, SimpleNamespace(resource_restrictions=None), "tcp://127.0.0.1:1")
+    assert sc.has_host_restrictions(SimpleNamespace(host_restrictions={"127.0.0.1"}))
+    assert sc.worker_status(s, a.address) == "running" and sc.worker_status(s, "tcp://127.0.0.1:1") is None
+    assert not sc.task_started(ts)
+    assert s.workers[a.address].used_resources["R"] == 1  # acquired where it was placed
+
+    sid = sc.move_task(s, ts, a.address, b.address)  # the queued task: the victim gives it up
+    assert sc.move_in_flight(s, ts) == sid
+    await async_wait_for(lambda: (sid, "confirm") in answers)
+    assert sc.move_in_flight(s, ts) is None and sc.processing_on(ts) == b.address
+    sc.move_resource_accounting(s, ts, a.address, b.address)  # Dask's confirm leaves it on a
+    assert s.workers[a.address].used_resources["R"] == 0 and s.workers[b.address].used_resources["R"] == 1
+
+    sid = sc.move_task(s, tb, a.address, b.address)  # the running one: the victim refuses
+    assert tb.worker_restrictions == {b.address}  # move_task re-pinned it
+    await async_wait_for(lambda: (sid, "already-computing") in answers)
+    sc.undo_move_pin(tb, a.address, b.address)
+    assert tb.worker_restrictions == {a.address} and sc.processing_on(tb) == a.address
+    sc.unwatch_steal_answers(s, "test-steal-answers")
+    assert "test-steal-answers" not in s.plugins
+    EV.set()
+    assert await c.gather([blocker, queued]) == [True, True]
+    assert s.workers[b.address].used_resources["R"] == 0  # released on b, where it ran
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_task_started_reads_the_scheduler_view_of_the_task_s_worker(c: Client, s: Scheduler, a: Worker):
+    EV.clear()
+    fut = c.submit(wait_ev, pure=False)
+    await async_wait_for(lambda: sc.task(s, fut.key) is not None and sc.task(s, fut.key).state == "processing")
+    await a.heartbeat()  # the scheduler learns what executes from heartbeats
+    await async_wait_for(lambda: sc.task_started(sc.task(s, fut.key)))
+    EV.set()
+    await fut
+
+
+# -- trust at the plugin's endpoints (scheduler_plugin/validate.py) ----------------------------
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_worker_stream_handler_takes_the_worker_from_the_stream(c: Client, s: Scheduler, a: Worker):
+    """Dask calls stream handlers with ``merge(extra, msg)``: a message's ``worker`` field wins
+    over the stream's. The wrapper reads the stream's own identity (``handle_stream``'s
+    ``extra``) and refuses client streams, whatever the message claims."""
+    got: list[dict] = []
+    refused: list[tuple[str, dict]] = []
+    sc.add_worker_stream_handler(s, "compat-probe", lambda **kw: got.append(kw),
+                                 on_refused=lambda op, origin: refused.append((op, origin)))
+    wc.send_to_scheduler(a, {"op": "compat-probe", "worker": "tcp://forged:1", "n": 1})
+    c._send_to_scheduler({"op": "compat-probe", "worker": a.address, "client": None, "n": 2})
+    await async_wait_for(lambda: got and refused, timeout=10)
+    assert got == [{"worker": a.address, "n": 1}]
+    assert refused == [("compat-probe", {"client": c.id})]
+    assert c.status == "running" and a.address in s.workers  # neither stream was closed
+    # called outside Dask's stream loop (a test, a future Dask), it falls back to the fields
+    handler = s.stream_handlers["compat-probe"]
+    handler(worker=a.address, n=3)
+    handler(worker=a.address, client="c", n=4)
+    assert got[-1] == {"worker": a.address, "n": 3} and refused[-1] == ("compat-probe", {"worker": a.address,
+                                                                                         "client": "c"})
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_task_holders_and_erred_on(c: Client, s: Scheduler, a: Worker):
+    def boom() -> None:
+        raise ValueError("boom")
+
+    ok = c.submit(inc, 1, key="held-1")
+    bad = c.submit(boom, key="erred-1")
+    await ok
+    await async_wait_for(lambda: bad.status == "error")
+    assert sc.task_holders(sc.task(s, "held-1")) == {a.address} and sc.task_erred_on(sc.task(s, "held-1")) == set()
+    assert sc.task_erred_on(sc.task(s, "erred-1")) == {a.address} and sc.task_holders(sc.task(s, "erred-1")) == set()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_rpc_peers_and_address_hosts(c: Client, s: Scheduler, a: Worker):
+    """An RPC handler that names its first parameter ``comm`` gets the caller's comm; its peer
+    is an ephemeral address on the caller's host, like the worker's stream comm's peer."""
+    peers: list = []
+
+    def probe(comm: object) -> str:
+        peers.append(sc.comm_peer(comm))
+        return "ok"
+
+    s.handlers["compat_peer_probe"] = probe
+    assert await a.scheduler.compat_peer_probe() == "ok"
+    stream = sc.worker_stream_peer(s, a.address)
+    assert stream is not None and stream != a.address  # not the worker's listening address
+    assert sc.address_host(peers[0]) == sc.address_host(stream) == sc.address_host(a.address) == "127.0.0.1"
+    assert sc.worker_stream_peer(s, "tcp://127.0.0.1:1") is None
+    assert sc.address_host("not an address") is None and sc.address_host(5) is None
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_client_stream_interval_survives_a_reconnect(c, s, a):
+    sc.set_client_stream_interval(c, 0.002)
+    sc.set_client_stream_interval(c, 0.003)  # twice: wrapped once, the newest value wins
+    assert c.scheduler_comm.interval == 0.003
+    await c.scheduler_comm.comm.close()
+    await async_wait_for(lambda: c.status == "running" and c.id in s.clients and c.scheduler_comm is not None
+                         and not c.scheduler_comm.closed())
+    assert c.scheduler_comm.interval == 0.003
+    assert await c.submit(lambda: 1) == 1

@@ -1,0 +1,62 @@
+"""The fault benchmark (benchmarks/faults.py) at a small scale: 6 concurrent Open-SWE-shaped
+sessions on 3 worker processes, one worker SIGKILLed mid-run. Every answer is checked against
+the one computed locally: no session may get a wrong answer or hang. Never asserts on speed."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import faults
+from tests import fault_components as fc
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_expected_answers_are_deterministic_and_depend_on_every_step():
+    a, b = fc.swe_expected("r1", 42), fc.swe_expected("r1", 42)
+    assert a == b and fc.swe_expected("r2", 42) != a
+    # the stateful trajectory: a repeated step is counted, a conflicting one raises, and a fresh
+    # instance (missing the earlier steps) has another digest
+    t, fresh = fc.Trajectory(), fc.Trajectory()
+    t.record("plan", "p")
+    t.record("dev0.a0", "x")
+    assert t.record("dev0.a0", "x") == 2 and t.summary()["repeats"] == 1
+    with pytest.raises(ValueError, match="recorded twice"):
+        t.record("dev0.a0", "y")
+    fresh.record("dev0.a0", "x")
+    assert fresh.summary()["digest"] != t.summary()["digest"]
+    reqs = faults.make_requests(faults.Config(sessions=6))
+    assert [r.expected for r in reqs] == [r.expected for r in faults.make_requests(faults.Config(sessions=6))]
+    assert any(r.expected["retries"] > 0 for r in faults.make_requests(faults.Config(sessions=30)))
+
+
+def test_is_clear_needs_a_da_error_or_a_lost_connection_naming_the_call():
+    from distributed.client import FutureCancelledError
+
+    import dask_agents as da
+
+    key = "SWETester-" + "0" * 32
+    assert faults.is_clear(da.InstanceLostError("Trajectory.record (session s-1): lost"), "s-1")
+    assert not faults.is_clear(da.InstanceLostError("lost"), "s-1")  # names neither session nor call
+    assert faults.is_clear(FutureCancelledError(key, "scheduler-connection-lost",
+                                                "Client lost the connection to the scheduler."), "s-1")
+    assert not faults.is_clear(FutureCancelledError(key, "lost dependencies"), "s-1")
+    assert not faults.is_clear(RuntimeError(f"s-1 {key}"), "s-1")
+
+
+def test_a_worker_killed_mid_run_gives_no_wrong_answer_and_no_hang():
+    cfg = faults.Config(sessions=6, workers=3, threads=4, spread=2.0, time_scale=3.0, kill_at=1.5,
+                        retire_at=None, disconnect_at=None, timeout=60.0)
+    doc = faults.run(cfg, log=lambda *a: None)
+    s = doc["summary"]
+    assert s["sessions"] == 6
+    assert s["wrong_results"] == 0 and s["hung"] == 0 and s["failed_unclear"] == 0, doc["requests"]
+    assert s["completed_correct"] + s["failed_with_clear_error"] == 6
+    (kill,) = [e for e in doc["events"] if e["event"] == "kill"]
+    assert kill["instances_on_worker"] >= 1  # it held session instances when it died
+    assert kill["removed_t"] is not None and kill["worker"] not in doc["plugin"]["workers"]
+    assert doc["plugin"]["recovery"]["workers_lost"] >= 1
+    # every failed first attempt was retried in a new session, and retries that succeeded are correct
+    for r in doc["requests"]:
+        if r["attempts"][0]["outcome"] != "correct":
+            assert len(r["attempts"]) == 2 and r["attempts"][1]["session"] != r["attempts"][0]["session"]
