@@ -23,16 +23,20 @@ from dask_agents.components import ComponentSpec, agent, spec_of, tool
 from dask_agents.errors import (
     AgentsError,
     CallFailedError,
+    ClientClosedError,
     CallTimeoutError,
     ConfigError,
+    EngineStepError,
     EngineStoppedError,
     HintError,
     InstanceLostError,
+    InvalidRequestError,
     SessionClosedError,
     NoClientError,
     NotAComponentError,
     NotInstalledError,
     PromptTooLongError,
+    ResultNotSerializableError,
     UnknownModelError,
 )
 from dask_agents.futures import AgentFuture
@@ -48,9 +52,9 @@ from dask_agents.stubs import FunctionStub, Stub, stub
 __version__ = "0.1.0"
 
 __all__ = [
-    "AgentFuture", "AgentsError", "ClusterLink", "attach_cluster", "BatchingHint", "CallFailedError", "CallMeta", "CallTimeoutError",
-    "ComponentHints", "ConfigError", "ComponentSpec", "Control", "control", "EngineStoppedError", "FunctionStub", "HintError", "InstanceLostError", "SessionClosedError", "LLM", "LLMResult",
-    "NoClientError", "NotAComponentError", "NotInstalledError", "PromptTooLongError", "Session",
+    "AgentFuture", "AgentsError", "ClusterLink", "attach_cluster", "BatchingHint", "CallFailedError", "ClientClosedError", "CallMeta", "CallTimeoutError",
+    "ComponentHints", "ConfigError", "ComponentSpec", "Control", "control", "EngineStepError", "EngineStoppedError", "FunctionStub", "HintError", "InstanceLostError", "InvalidRequestError", "SessionClosedError", "LLM", "LLMResult",
+    "NoClientError", "NotAComponentError", "NotInstalledError", "PromptTooLongError", "ResultNotSerializableError", "Session",
     "SessionGraph", "Stub", "ToolHints", "UnknownModelError", "WorkflowGraph", "agent", "current_call", "current_session", "install",
     "installed", "llm", "progress", "session", "session_graph", "spec_of", "stub", "telemetry", "tool",
     "workflow_graph",

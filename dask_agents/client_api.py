@@ -42,21 +42,16 @@ def _call(client: Client, op: str, then: Callable[[Any], Any] = lambda x: x, **k
     return client.sync(go)
 
 
-def end_session(client: Client, session: str, cancel: bool = False) -> Any:
-    """Tell the scheduler the driver is done with ``session`` (no-op when not installed).
-
-    ``cancel``: the driver gave up on it (left its block with an exception): the session's
-    open calls are failed or cancelled. The message goes on the client's own stream, after
-    the calls it submitted before, so the scheduler cannot see the end before them. With an
-    asynchronous client this returns a coroutine."""
+def _stream(client: Client, msg: dict) -> Any:
+    """Send ``msg`` on ``client``'s own stream to the scheduler (ordered with its submits) once
+    the scheduler is known to have the plugin (an unknown stream op would cost the client its
+    connection); a no-op without the plugin. A coroutine with an asynchronous client."""
     from dask_agents.install import _has_plugin
-
-    msg = {"op": SESSION_END_OP, "session": session, "cancel": bool(cancel)}
 
     async def verify() -> bool:
         if _ident(client) not in _verified:
             if not await client.run_on_scheduler(_has_plugin):
-                return False  # an unknown stream op would cost the client its connection
+                return False
             _verified.add(_ident(client))
         return True
 
@@ -72,10 +67,29 @@ def end_session(client: Client, session: str, cancel: bool = False) -> Any:
         return go()
     if _ident(client) in _verified or client.sync(verify):
         send()
+    return None
+
+
+def open_session(client: Client, session: str, tenant: str | None = None) -> Any:
+    """Tell the scheduler that ``client`` opened ``session`` (its ``da.session`` block): this
+    client owns it, whoever else joins it. A coroutine with an asynchronous client."""
+    return _stream(client, {"op": SESSION_OPEN_OP, "session": session, "tenant": tenant})
+
+
+def end_session(client: Client, session: str, cancel: bool = False) -> Any:
+    """Tell the scheduler the driver is done with ``session`` (no-op when not installed).
+
+    ``cancel``: the driver gave up on it (left its block with an exception): the session's
+    open calls are failed or cancelled. The message goes on the client's own stream, after
+    the calls it submitted before, so the scheduler cannot see the end before them. With an
+    asynchronous client this returns a coroutine."""
+    return _stream(client, {"op": SESSION_END_OP, "session": session, "cancel": bool(cancel)})
 
 
 SESSION_END_OP = "agents-session-end"
 """The client-stream op of :func:`end_session` (``scheduler_plugin.plugin.SESSION_END_OP``)."""
+SESSION_OPEN_OP = "agents-session-open"
+"""The client-stream op of :func:`open_session` (``scheduler_plugin.plugin.SESSION_OPEN_OP``)."""
 
 
 def session_graph(client: Client, session: Any) -> SessionGraph:

@@ -18,7 +18,7 @@ import dask_agents.config as agents_config
 from dask_agents import runtime
 from dask_agents.calls import find_client, submit_call
 from dask_agents.components import make_spec
-from dask_agents.errors import UnknownModelError, short_repr
+from dask_agents.errors import InvalidRequestError, UnknownModelError, short_repr
 from dask_agents.futures import AgentFuture
 from dask_agents.hints import ComponentHints
 
@@ -61,18 +61,26 @@ def check_generate_args(model: str, prompt: object, max_tokens: object, temperat
                         seed: object) -> tuple[Any, int | None, float, int | None]:
     """Validate and normalise ``generate``'s arguments.
 
-    ``prompt``: a non-empty string or sequence of token ids (ints >= 0) or a future of one;
-    ``max_tokens``: None or an int >= 1; ``temperature``: a finite number >= 0; ``seed``: None or
-    an int. Any :class:`numbers.Integral` / :class:`numbers.Real` is accepted (``numpy.int64``...)
-    and returned as the plain Python type the worker requires: ``(prompt, max_tokens,
-    temperature, seed)`` with token ids as a ``list[int]``, ``max_tokens``/``seed`` as ``int``
-    (or None) and ``temperature`` as ``float``. Raises TypeError/ValueError naming the model and
-    the argument."""
+    ``prompt``: a non-empty string (valid Unicode: no lone surrogates) or sequence of token ids
+    (ints >= 0) or a future of one; ``max_tokens``: None or an int >= 1; ``temperature``: a
+    finite number >= 0; ``seed``: None or an int torch can take (``[-2**63, 2**64 - 1]``). Any
+    :class:`numbers.Integral` / :class:`numbers.Real` is accepted (``numpy.int64``...) and
+    returned as the plain Python type the worker requires: ``(prompt, max_tokens, temperature,
+    seed)`` with token ids as a ``list[int]``, ``max_tokens``/``seed`` as ``int`` (or None) and
+    ``temperature`` as ``float``. Raises TypeError (a wrong type) or
+    :class:`~dask_agents.errors.InvalidRequestError` (a ValueError: a bad value) naming the model,
+    the argument and the session. What depends on the model (token ids inside its vocabulary,
+    the context length) is checked on the worker, before the request reaches the engine."""
     import math
     from numbers import Integral, Real
 
+    from dask_agents.context import session_id
+
+    sid = session_id()
+    in_session = f" (session {sid})" if sid else ""
+
     def bad(kind: type[Exception], what: str, value: object) -> Exception:
-        return kind(f"da.llm({model!r}).generate: {what}, got {short_repr(value)}")
+        return kind(f"da.llm({model!r}).generate: {what}, got {short_repr(value)}{in_session}")
 
     from distributed import Future
 
@@ -80,22 +88,27 @@ def check_generate_args(model: str, prompt: object, max_tokens: object, temperat
         pass  # a future's value becomes the prompt on the worker (a Dask dependency)
     elif isinstance(prompt, str):
         if not prompt:
-            raise bad(ValueError, "prompt must not be empty", prompt)
+            raise bad(InvalidRequestError, "prompt must not be empty", prompt)
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates: no tokenizer can encode them
+            raise bad(InvalidRequestError, f"the prompt text cannot be encoded ({e.reason} at position {e.start})",
+                      prompt[e.start:e.end]) from None
     elif isinstance(prompt, (list, tuple)):
         if not prompt:
-            raise bad(ValueError, "prompt must not be empty", prompt)
+            raise bad(InvalidRequestError, "prompt must not be empty", prompt)
         for t in prompt:
             if isinstance(t, bool) or not isinstance(t, Integral):
                 raise bad(TypeError, "token ids must be ints", t)
             if t < 0:
-                raise bad(ValueError, "token ids must be >= 0", t)
+                raise bad(InvalidRequestError, "token ids must be >= 0", t)
         prompt = [int(t) for t in prompt]
     else:
         raise bad(TypeError, "prompt must be a string or a list of token ids", prompt)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, Integral)):
         raise bad(TypeError, "max_tokens must be an int", max_tokens)
     if max_tokens is not None and max_tokens < 1:
-        raise bad(ValueError, "max_tokens must be >= 1", max_tokens)
+        raise bad(InvalidRequestError, "max_tokens must be >= 1", max_tokens)
     if isinstance(temperature, bool) or not isinstance(temperature, Real):
         raise bad(TypeError, "temperature must be a number", temperature)
     try:
@@ -103,9 +116,11 @@ def check_generate_args(model: str, prompt: object, max_tokens: object, temperat
     except (OverflowError, ValueError):  # an int too large for a float
         temp = math.inf
     if not math.isfinite(temp) or temp < 0:
-        raise bad(ValueError, "temperature must be finite and >= 0", temperature)
+        raise bad(InvalidRequestError, "temperature must be finite and >= 0", temperature)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
         raise bad(TypeError, "seed must be an int", seed)
+    if seed is not None and not -(2**63) <= seed <= 2**64 - 1:  # torch's range (a larger one crashes a step)
+        raise bad(InvalidRequestError, "seed must be in [-2**63, 2**64 - 1]", seed)
     return (prompt, None if max_tokens is None else int(max_tokens), temp,
             None if seed is None else int(seed))
 
@@ -125,7 +140,9 @@ class LLM:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (text or token ids).
 
         Arguments are checked here, before anything is submitted: a bad one raises TypeError or
-        ValueError naming the model and the argument."""
+        :class:`~dask_agents.errors.InvalidRequestError` naming the model and the argument; what
+        depends on the model (token ids in its vocabulary, its context) fails the future with
+        InvalidRequestError (PromptTooLongError) naming the call, before it reaches the engine."""
         prompt, max_tokens, temperature, seed = check_generate_args(self.model, prompt, max_tokens, temperature, seed)
         _check_model(find_client(self._spec, "generate"), self.model, self._spec.name)
         kwargs = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}

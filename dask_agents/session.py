@@ -55,7 +55,7 @@ class Session:
         self._stack: ExitStack | None = None
         self._token: Any = None
 
-    def __enter__(self) -> "Session":
+    def _activate(self) -> None:
         if self._stack is not None:
             raise RuntimeError(f"session {self.id} is already active")
         self._stack = ExitStack()
@@ -64,7 +64,20 @@ class Session:
         self._token = context.current_session.set(
             context.SessionContext(self.id, self.tenant, self.client)
         )
+
+    def __enter__(self) -> "Session":
+        self._activate()
+        opened = self._open()
+        if opened is not None:  # asynchronous client used with a plain `with`
+            import asyncio
+
+            asyncio.ensure_future(opened)
         return self
+
+    def _open(self) -> Any:
+        from dask_agents import client_api
+
+        return client_api.open_session(self.client, self.id, self.tenant)
 
     def __exit__(self, *exc: Any) -> None:
         self._leave()
@@ -75,7 +88,11 @@ class Session:
             asyncio.ensure_future(ended)
 
     async def __aenter__(self) -> "Session":
-        return self.__enter__()
+        self._activate()
+        opened = self._open()
+        if opened is not None:
+            await opened
+        return self
 
     async def __aexit__(self, *exc: Any) -> None:
         self._leave()

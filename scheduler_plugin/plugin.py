@@ -24,7 +24,7 @@ from distributed import Scheduler, SchedulerPlugin
 
 import dask_agents.config as agents_config
 from dask_agents.calls import ANNOTATION, MAX_LABEL, sanitize_annotation
-from scheduler_plugin import dask_compat, metrics
+from scheduler_plugin import dask_compat, engine_health, metrics
 from scheduler_plugin.actions import Kill, Provision
 from scheduler_plugin.control import ControlLoop
 from scheduler_plugin.kv_hints import KVHints
@@ -38,9 +38,13 @@ logger = logging.getLogger(__name__)
 NAME = "dask-agents"
 REPORT_OP = "agents-report"
 SESSION_END_OP = "agents-session-end"  # client -> scheduler, on the client's stream (ordered with its submits)
+SESSION_OPEN_OP = "agents-session-open"  # client -> scheduler, on entering a da.session block
 LOST = "inproc://dask-agents-lost-instance"
 """Where a stateful call whose instance is gone is pinned: no worker has this address, so the
 call cannot run anywhere (never on a fresh instance); recovery fails it with InstanceLostError."""
+AWAITING = "inproc://dask-agents-awaiting-worker"
+"""Where a stateful call waits while the cluster has no worker to bind its instance to: placed
+for real when one joins (so every call of the instance goes to the same one)."""
 
 
 class AgentsSchedulerPlugin(SchedulerPlugin):
@@ -49,6 +53,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
     name = NAME
     idempotent = True
     LOST = LOST
+    AWAITING = AWAITING
 
     def __init__(self) -> None:
         self.scheduler: Scheduler | None = None
@@ -75,7 +80,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.client_sessions: dict[str, set[str]] = defaultdict(set)  # owner client -> its sessions
         self.orphans: dict[str, float] = {}  # session -> when its grace ends (its owner disconnected)
         self._lingering: dict[str, Any] = {}  # completed session -> timer releasing its instances
-        self._cancelling: set[str] = set()  # calls to cancel soon (their creator ended: nobody can use them)
+        self._cancelling: dict[str, str | None] = {}  # call -> client to cancel it for (its creator ended)
+        self.awaiting: set[str] = set()  # stateful calls pinned to AWAITING (no worker yet)
         self.arrivals = itertools.count()
         self.control: ControlLoop | None = None
         self.view_index = ViewIndex(self)  # the control loop's view, updated by the hooks below
@@ -107,6 +113,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         dask_compat.add_stream_handler(scheduler, REPORT_OP, self._on_reports)
         dask_compat.add_stream_handler(scheduler, SESSION_END_OP, self._on_session_end_msg)
+        dask_compat.add_stream_handler(scheduler, SESSION_OPEN_OP, self._on_session_open_msg)
         for name, handler in {
             "agents_worker_hello": self._hello,
             "agents_session_end": self._session_end,
@@ -160,6 +167,24 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         dask_compat.set_worker_stream_interval(scheduler, [worker], agents_config.seconds("scheduler.batched-send-interval"))
+        if self.awaiting:
+            scheduler.loop.add_callback(self._place_awaiting)
+
+    def _place_awaiting(self) -> None:
+        """A worker joined: bind the stateful calls that waited for one (all calls of one
+        instance to one worker) and let Dask run them."""
+        keys, self.awaiting = self.awaiting, set()
+        stimulus = f"dask-agents-awaiting-{time.time()}"
+        for key in keys:
+            ts, rec = dask_compat.task(self.scheduler, key), self.state.calls.get(key)
+            if ts is None or rec is None or dask_compat.worker_restrictions(ts) != {AWAITING}:
+                continue
+            self._place_stateful(ts, rec)
+            if dask_compat.worker_restrictions(ts) != {AWAITING}:
+                try:
+                    dask_compat.reschedule(self.scheduler, [key], stimulus)
+                except Exception:  # it stays no-worker: the next worker that joins tries again
+                    logger.exception("dask-agents: placing stateful call %s failed", key)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         """``worker`` left: drop what it held, then recover the calls pinned to it.
@@ -199,13 +224,16 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         back (a reconnecting ``Client`` keeps its id) before they are closed. Clients that own
         nothing (workers' own clients, which only submit nested calls) change nothing."""
         sids = self.client_sessions.get(client)
+        if sids:  # completed ones need nothing from their owner any more
+            sids.difference_update([sid for sid in sids if (s := self.state.sessions.get(sid)) is None
+                                    or s.state == "completed"])
         if not sids:
             self.client_sessions.pop(client, None)
             return
         deadline = time.time() + agents_config.seconds("scheduler.session-grace")
         for sid in sids:
             s = self.state.sessions.get(sid)
-            if s is not None and s.state != "completed":
+            if s is not None and s.state == "active":  # one the driver already left goes on by itself
                 self.orphans[sid] = deadline
         logger.info("dask-agents: client %s disconnected; its %d open sessions wait %s for it to reconnect",
                     client, len(sids), agents_config.get("scheduler.session-grace"))
@@ -233,8 +261,12 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             rec = self.state.add_call(key, ann, dask_compat.dependency_keys(ts), now)
             if rec is None:
                 continue
-            if rec.creator in self.state.calls:
-                self.state.calls[rec.creator].children.append(key)
+            rec.client = client
+            parent = self.state.calls.get(rec.creator)
+            if parent is not None:
+                parent.children.append(key)
+                if parent.state in ("erred", "cancelled"):  # it ended before its call arrived
+                    self._cancel_soon([key], client)
             # Priority at creation: session progress first (when prioritizing), then arrival.
             # Arrival gives FIFO among equals: Dask gives graphs submitted within its
             # fifo_timeout (100 ms) the same priority, and workers run equal priorities LIFO.
@@ -262,11 +294,28 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         sid = rec.session
         s = self.state.sessions[sid]
         if s.owner is None and rec.creator not in s.calls:
-            s.owner = client
-            self.client_sessions[client].add(sid)
+            self._own(s, client)
         timer = self._lingering.pop(sid, None)
         if timer is not None:
             self.scheduler.loop.remove_timeout(timer)
+
+    def _own(self, s: Any, client: str) -> None:
+        s.owner = client
+        self.client_sessions[client].add(s.id)
+
+    def _on_session_open_msg(self, session: Any = None, tenant: Any = None, client: Any = None, **kw: Any) -> None:
+        """A driver entered its ``da.session`` block (on its client stream, before any of its
+        calls): it owns the session, whoever submits into it first."""
+        try:
+            if not isinstance(client, str) or not isinstance(session, str) or len(session) > MAX_LABEL:
+                raise ValueError(f"bad session open: session={str(session)[:80]!r}")
+            if tenant is not None and (not isinstance(tenant, str) or len(tenant) > MAX_LABEL):
+                tenant = None
+            s = self.state.session(session, tenant, time.time())
+            if s.owner is None:
+                self._own(s, client)
+        except Exception as e:  # raising here would close the client's stream
+            logger.warning("dask-agents: session open ignored: %s", e)
 
     def _place_stateful(self, ts: Any, rec: Any) -> None:
         """Pin a stateful call to its session's instance. Once an instance exists its calls go
@@ -286,18 +335,11 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             dask_compat.restrict_to_worker(ts, bound)
             self.placed[ts.key] = (bound, component)
             self.open_placed[(bound, component)] += 1
-        else:
-            self._place(ts, sid, component, None, None, component)
-
-    def _bind_where_it_runs(self, rec: Any, worker: str) -> None:
-        """A stateful call of a session that had no binding (no worker was known when it was
-        placed) started on ``worker``: its instance is there now, so later calls follow it."""
-        key = (rec.session, rec.component)
-        self.session_bindings[rec.session].append(key)
-        self.bindings[key] = worker
-        self.bound[worker] += 1
-        self.assigned[worker] += 1
-        self.session_workers[rec.session].add(worker)
+        elif candidates := self._candidates(None, component):
+            self._place(ts, sid, component, candidates)
+        else:  # no worker at all yet: wait for one rather than let Dask scatter the instance
+            dask_compat.restrict_to_worker(ts, AWAITING)
+            self.awaiting.add(dask_compat.task_key(ts))
 
     def _strand_lost(self, ts: Any) -> None:
         """``ts`` is a call of a stateful instance that is gone: pin it where it cannot run and
@@ -312,7 +354,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         routed = self.control.enforcer.routes.get(component) if self.control is not None else None
         if routed:
             pool = [w for w in pool if w in routed] or pool
-        return [w for w in pool if dask_compat.has_worker(self.scheduler, w)]
+        return engine_health.exclude_dropped(self, model, [w for w in pool if dask_compat.has_worker(self.scheduler, w)])
 
     def _bound_ok(self, bound: str, model: str | None, component: str) -> bool:
         """Whether ``bound`` is still among ``_candidates(model, component)``, in O(1) (the
@@ -410,9 +452,6 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             worker = dask_compat.processing_on(ts) if ts is not None else None
             if worker is not None and rec.kind == "llm" and rec.session is not None:
                 self.session_workers[rec.session].add(worker)  # its KV is there: dropped at session end
-            elif (worker is not None and rec.stateful and rec.session is not None
-                  and (rec.session, rec.component) not in self.bindings):
-                self._bind_where_it_runs(rec, worker)
         self.kv_hints.on_transition(rec, finish, worker)
         self.view_index.on_transition(rec, finish, worker, ts)
         if finish == "released" and dask_compat.is_wanted(self.scheduler, key):
@@ -468,20 +507,31 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         """``rec`` failed or was cancelled: the calls it created and that are still open can no
         longer matter (only it held their futures), so they are cancelled (soon, outside the
         transition); their own children follow when they end."""
-        open_children = [k for k in rec.children if (c := self.state.calls.get(k)) is not None
+        open_children = [c for k in rec.children if (c := self.state.calls.get(k)) is not None
                          and c.state not in ("finished", "erred", "cancelled")]
-        if not open_children:
-            return
+        for c in open_children:
+            self._cancel_soon([c.key], c.client)
+
+    def _cancel_soon(self, keys: list[str], client: str | None) -> None:
+        """Cancel ``keys`` for ``client`` (the one that submitted them) soon, outside the
+        transition: as ``client.cancel`` would, so a call someone else also wants (handed to
+        ``fire_and_forget``, to another client) goes on."""
         if not self._cancelling:
             self.scheduler.loop.add_callback(self._flush_cancels)
-        self._cancelling.update(open_children)
+        for k in keys:
+            self._cancelling[k] = client
 
     def _flush_cancels(self) -> None:
-        keys, self._cancelling = self._cancelling, set()
-        try:
-            dask_compat.cancel_tasks(self.scheduler, keys, "dask-agents: the call that created it failed or was cancelled")
-        except Exception:  # a Dask internal that changed: the calls run on to their end
-            logger.exception("dask-agents: cancelling %d orphaned nested calls failed", len(keys))
+        pending, self._cancelling = self._cancelling, {}
+        by_client: dict[str | None, list[str]] = defaultdict(list)
+        for k, client in pending.items():
+            by_client[client].append(k)
+        for client, keys in by_client.items():
+            try:
+                dask_compat.cancel_tasks(self.scheduler, keys, "dask-agents: the call that created it failed or was "
+                                                               "cancelled", client=client)
+            except Exception:  # a Dask internal that changed: the calls run on to their end
+                logger.exception("dask-agents: cancelling %d orphaned nested calls failed", len(keys))
 
     # -- called by the enforcement layer ---------------------------------------------------
     def on_migrated(self, key: str, source: str, target: str) -> None:
@@ -557,8 +607,11 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         """Close ``sid`` (the driver is done, or ``reason``: the scheduler closes it). With
         ``abort``, its open calls fail with SessionClosedError (``reason``) or, running, are
         cancelled: nobody is left to use their results."""
-        s = self.state.close_session(sid, now)
         self.orphans.pop(sid, None)
+        known = self.state.sessions.get(sid)
+        if known is not None and known.state == "completed":
+            return  # already over: nothing to close
+        s = self.state.close_session(sid, now)
         if reason is not None:
             s.closed_reason = reason
             logger.info("dask-agents: session %s closed: %s", sid, reason)
@@ -574,7 +627,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
 
         stimulus = f"dask-agents-session-closed-{time.time()}"
         running = []
-        for rec in [r for r in s.calls.values() if r.state not in ("finished", "erred", "cancelled")]:
+        for rec in [r for r in s.calls.values() if r.state not in ("finished", "erred", "cancelled")
+                    and not self._needed_elsewhere(r.key, s)]:
             exc = SessionClosedError(f"{where(rec.component, rec.method, s.id)}: the session was closed before the "
                                      f"call ran: {reason} (call {rec.key})", session=s.id)
             try:
@@ -589,13 +643,23 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             except Exception:
                 logger.exception("dask-agents: cancelling %d calls of closed session %s failed", len(running), s.id)
 
+    def _needed_elsewhere(self, key: str, s: Any) -> bool:
+        """Whether a task outside session ``s`` (another session's call, plain work) depends on
+        call ``key``: giving up ``s`` must not break it."""
+        ts = dask_compat.task(self.scheduler, key)
+        return ts is not None and any(d not in s.calls for d in dask_compat.dependent_keys(ts))
+
     def _on_session_completed(self, sid: str) -> None:
         """``sid`` completed: its KV goes at once; its stateful instances (if any) after
-        ``instance-linger``, unless a late call reopens the session first."""
-        self.kv_hints.on_session_end(sid)
+        ``instance-linger``, unless a late call reopens the session first. Once per completion."""
         s = self.state.sessions.get(sid)
         if s is not None:
+            if s.ended:
+                return
+            s.ended = True
             self.aggregates.on_session_completed(s)
+        self.orphans.pop(sid, None)
+        self.kv_hints.on_session_end(sid)
         linger = agents_config.seconds("scheduler.instance-linger")
         if linger > 0 and any(not w.startswith("llm:") for _s, w in self.session_bindings.get(sid, ())):
             if sid not in self._lingering:
@@ -686,8 +750,10 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             int(agents_config.get("scheduler.max-retained-sessions")),
         )
         if dropped:  # a long-lived client's session index would otherwise grow without end
-            for sids in self.client_sessions.values():
-                sids.difference_update(dropped)
+            for client in list(self.client_sessions):
+                self.client_sessions[client].difference_update(dropped)
+                if not self.client_sessions[client]:
+                    del self.client_sessions[client]
             for sid in dropped:
                 self.orphans.pop(sid, None)
 
@@ -719,6 +785,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
 
     def set_worker_models(self, worker: str, models: list[str]) -> None:
         """The models ``worker`` hosts now (from its hello or after a swap)."""
+        engine_health.note_models(self, worker, models)
         info = self.ready_workers.setdefault(worker, {"since": time.time()})
         info["models"] = list(models)
         draining = self.control.enforcer.drainer.drains if self.control is not None else {}

@@ -53,6 +53,7 @@ class CallRecord:
     tenant: str | None = None
     retry: bool = False  # a re-visit: see SessionRecord.retries
     children: list[str] = field(default_factory=list)  # calls it created (cancelled if it fails)
+    client: str | None = None  # the Dask client that submitted it
 
     def meta(self) -> CallMeta:
         """As the shared pydantic model."""
@@ -114,6 +115,7 @@ class SessionRecord:
     # later calls of that component in this session fail instead of running on a fresh one
     lost: dict[str, str] = field(default_factory=dict)
     closed_reason: str | None = None  # why the scheduler closed it (driver gone, idle), if it did
+    ended: bool = False  # its completion was handled (KV dropped, instances scheduled for release)
 
 
 @dataclass(slots=True)
@@ -161,6 +163,10 @@ class WorkflowState:
         # Open (not completed) sessions, least recently active first: the idle timeout pops
         # from the front, so finding idle sessions is O(idle ones), not a scan.
         self.activity: OrderedDict[str, None] = OrderedDict()
+        # Expired sessions whose stateful instances are gone: session -> {component: cause}
+        # (bounded). A late call of one of them must not find a blank record and a fresh instance.
+        self.tombstones: OrderedDict[str, dict[str, str]] = OrderedDict()
+        self.max_tombstones = 100_000
 
     # -- events -----------------------------------------------------------------------
     def session(self, sid: str, tenant: str | None, now: float) -> SessionRecord:
@@ -170,6 +176,9 @@ class WorkflowState:
             s = self.sessions[sid] = SessionRecord(sid, tenant, now, last_active=now)
             self.sessions_seen += 1
             self.activity[sid] = None
+            lost = self.tombstones.pop(sid, None)
+            if lost:
+                s.lost.update(lost)
         return s
 
     def active(self, s: SessionRecord, now: float) -> None:
@@ -240,6 +249,7 @@ class WorkflowState:
             if s.state == "completed":  # a late call reopens a completed session
                 s.state = "closing"
                 s.completed_at = None
+                s.ended = False
                 self.completed.pop(sid, None)
             self.active(s, now)
         return rec
@@ -376,6 +386,10 @@ class WorkflowState:
             if s is not None:
                 for k in s.calls:
                     self.calls.pop(k, None)
+                if s.lost:
+                    self.tombstones[sid] = dict(s.lost)
+                    while len(self.tombstones) > self.max_tombstones:
+                        self.tombstones.popitem(last=False)
             self.activity.pop(sid, None)
             dropped.append(sid)
         return dropped

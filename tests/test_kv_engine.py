@@ -272,3 +272,79 @@ def test_a_failing_disk_tier_costs_a_recompute_not_the_engine(host, monkeypatch)
     monkeypatch.undo()
     assert run(host, prompt, "s-diskfail") == (cold, 4 * BLOCK)
     kv(host, "invalidate", "s-diskfail")
+
+
+def test_compat_engine_lifecycle_and_request_bookkeeping(host):
+    """The vLLM internals behind request blame and engine shutdown (``kv.vllm_compat``'s last
+    section): the model's vocabulary, whether vLLM has scheduled a request yet, the adopted
+    finalizer, and the steps of ``EngineCore.shutdown`` that ``_shutdown_core`` replicates."""
+    import inspect
+    import weakref
+
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.core import EngineCore
+
+    from kv import vllm_compat as vc
+    from worker_plugin.engine import _STEP_LOCK
+
+    assert vc.vocab_size(host._engine) == 1024  # worker_plugin/models/tiny-llama/config.json
+    assert vc.vocab_size(object()) is None
+
+    def first_step(_k):
+        engine = host._engine
+        rid = engine.add_request("sched-probe", TokensPrompt(prompt_token_ids=tokens(90, 40)),
+                                 host.sampling_params(8, 0.0, None)[0])
+        before = vc.scheduled(engine, [rid, "no-such-request"])
+        with _STEP_LOCK:  # between the host's steps, on its thread: this one schedules the probe
+            engine.step()
+        after = vc.scheduled(engine, [rid])
+        engine.abort_request([rid])
+        return before, after, rid
+
+    before, after, rid = host.kv_call(first_step).result(60)
+    assert before == set() and after == {rid}
+    # adopted at load: vLLM's finalizer is ours, which keeps the distributed state for the others
+    fin = host._engine.engine_core._finalizer
+    assert isinstance(fin, weakref.finalize) and fin.alive and fin.peek()[1] is vc._shutdown_core
+    assert vc.live_engines() >= 1
+    steps = inspect.getsource(EngineCore.shutdown)
+    for step in ("structured_output_manager.clear_backend()", "model_executor.shutdown()",
+                 "scheduler.shutdown()", "gc.unfreeze()", "cleanup_dist_env_and_memory()"):
+        assert step in steps, f"EngineCore.shutdown changed: {step} is gone (update vllm_compat._shutdown_core)"
+
+
+def test_kv_control_rejected_by_the_compat_check_still_loads(host, monkeypatch, caplog):
+    """Optional KV control never stops a model from loading: with the version check rejecting
+    this vLLM, the engine loads with plain prefix caching, one warning says why, directives are
+    refused with that reason, and its engine report says ``kv_control: False`` and why. Before:
+    the model failed to load."""
+    import logging
+
+    from kv import vllm_compat as vc
+    from worker_plugin.plugin import engine_report
+
+    ours = engine_report(host)
+    assert ours["kv_control"] is True and ours["kv_control_reason"] is None
+
+    def reject(version):
+        raise RuntimeError(f"dask-agents' KV management supports vLLM >= 0.32, < 0.34; found {version} (pretend)")
+
+    monkeypatch.setattr(vc, "check_version", reject)
+    caplog.set_level(logging.WARNING, logger="worker_plugin.engine")
+    plain = EngineHost("kv-off", ModelSettings(**{**MODEL, "kv_policy": "ours", "kv_disk_bytes": 0}))
+    plain.start()
+    try:
+        plain.wait_loaded(300)
+        assert plain.kv is None and plain.kv_manager is None and plain.kv_control is False
+        assert "(pretend)" in plain.kv_control_reason
+        said = [r for r in caplog.records if "per-session KV control is off" in r.getMessage()]
+        assert len(said) == 1 and "(pretend)" in said[0].getMessage(), [r.getMessage() for r in said]
+        prompt = tokens(95, 300)
+        out, _ = run(plain, prompt, "s-plain")
+        assert len(out) == 4 and run(plain, prompt, "s-plain") == (out, 2 * BLOCK)  # vLLM's prefix cache
+        with pytest.raises(KVDirectiveError, match=r"no per-session KV control \(RuntimeError: .*\(pretend\)"):
+            kv(plain, "inspect", "s-plain")
+        report = engine_report(plain)
+        assert report["kv_control"] is False and "(pretend)" in report["kv_control_reason"]
+    finally:
+        plain.close()

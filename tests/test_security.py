@@ -245,7 +245,8 @@ def test_our_handlers_live_only_on_the_schedulers_and_workers_tls_comms(secured)
     ours_w = {op for op in w.handlers if op.startswith("agents_")}
     assert {"agents_control", "agents_worker_hello", "agents_telemetry", "agents_ping"} <= ours_s
     assert {"agents_kv", "agents_swap_model", "agents_end_session", "agents_worker_info"} <= ours_w
-    assert {op for op in s.stream_handlers if op.startswith("agents")} == {"agents-report", "agents-session-end"}
+    assert {op for op in s.stream_handlers if op.startswith("agents")} == {"agents-report", "agents-session-end",
+                                                                          "agents-session-open"}
     for server in (s, w):
         assert server.listeners and all(lst.contact_address.startswith("tls://") for lst in server.listeners)
 

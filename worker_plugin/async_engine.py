@@ -42,7 +42,11 @@ class AsyncEngineHost:
         self.crashed: BaseException | None = None
         self.kv: Any = None  # no in-process block pool: KV directives are refused
         self.kv_manager: Any = None
+        self.kv_control = False
+        self.kv_control_reason = ("engine: vllm-async keeps its block pool in the engine core's process "
+                                  "(lower KV tiers come from LMCache, kv-connector: lmcache)")
         self.geometry: Any = None
+        self.vocab_size: int | None = None  # the model's, once loaded: token ids are checked against it
         self.steps = 0  # finished requests (AsyncLLM does not expose its step count)
         self.started_at: float | None = None
         self._engine: Any = None
@@ -96,6 +100,9 @@ class AsyncEngineHost:
                 from vllm.v1.engine.async_llm import AsyncLLM
 
                 self._engine = AsyncLLM.from_engine_args(self._engine_args())
+            from kv import vllm_compat
+
+            self.vocab_size = vllm_compat.vocab_size(self._engine)
         except BaseException as e:  # reported to every caller by wait_loaded
             logger.exception("loading engine %s failed", self.name)
             self.load_error = e

@@ -290,6 +290,8 @@ class EmulatedEngineHost:
         self.steps = 0
         self.started_at: float | None = None
         self.crashed: BaseException | None = None  # why the stepping thread died (the host restarts it)
+        self.kv_control = False  # no KV directives: its KV is counted, not held
+        self.kv_control_reason = "emulated engine"
         try:  # a bad config is reported like a failed load: to every caller, not at worker start
             self.params = EmulationParams(**settings.emulation)
         except Exception as e:

@@ -24,9 +24,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from worker_plugin.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
-# vLLM initialises process-global state (parallel groups) while building an engine: two
-# engines built at once in one process (in-process workers, or two models) race on it.
+# vLLM keeps process-global state that every in-process engine of this process shares: the
+# parallel groups (built at load, destroyed by the last shutdown) and the forward context (set
+# by each forward pass, a load's warm-up included). Two engines loading, stepping or shutting
+# down at once in one process (in-process workers, or two models) race on it: measured here, two
+# engines stepping concurrently returned each other's tokens. Loads (and vLLM's lazy imports,
+# also for AsyncLLM, whose core runs elsewhere) hold _LOAD_LOCK; forward passes and shutdowns
+# hold _STEP_LOCK; an in-process load holds both, in that order.
 _LOAD_LOCK = threading.Lock()
+_STEP_LOCK = threading.Lock()
 # A crashed engine is restarted at most this often per model: one that dies on every load or
 # step then fails its calls with a clear error instead of reloading forever.
 RESTARTS_MAX = 3
@@ -119,6 +125,10 @@ def wait_loaded(host: Any, timeout: float | None = None) -> None:
         raise RuntimeError(f"engine for model {host.name!r} failed to load: {host.load_error}")
 
 
+# Seeds torch's generators take (vLLM seeds one per request inside the step: a larger one crashes it).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
 def _bytes(v: int | str) -> int:
     return int(v) if isinstance(v, int) else int(parse_bytes(v))
 
@@ -156,6 +166,15 @@ class EngineHost:
         self.steps = 0
         self.started_at: float | None = None
         self.geometry: Any = None  # kv.KVGeometry once loaded (None for models without a local config)
+        self.vocab_size: int | None = None  # the model's, once loaded: token ids are checked against it
+        # Per-session KV control is optional: when kv/vllm_compat.py rejects this vLLM or the
+        # model's KV layout, the engine serves with plain prefix caching and says why here.
+        self.kv_control = False
+        self.kv_control_reason: str | None = "the engine has not loaded yet"
+        # vLLM ids of requests admitted and not yet scheduled by vLLM: when a step fails, the
+        # ones it scheduled first are the likely cause (see _fail_new_requests); None: the
+        # scheduler could not be read, every request in flight is retried as for any crash
+        self._unscheduled: set[str] | None = set()
 
     def start(self) -> None:
         """Start loading the engine in the background (idempotent)."""
@@ -196,12 +215,28 @@ class EngineHost:
         return KVGeometry.from_model_dir(path, dtype, block)
 
     def _session_kv(self) -> Any:
+        """Per-session KV control for the loaded engine (``kv.engine_kv.EngineKV``), or None.
+
+        Optional, so it never stops the model from loading: when ``kv.vllm_compat`` rejects the
+        vLLM version, the model's KV layout or its cache groups (or the tiers cannot be set up),
+        the engine serves with vLLM's plain prefix caching, one warning says why, and
+        ``kv_control``/``kv_control_reason`` report it (the engine report carries them)."""
         if not self.settings.enable_prefix_caching:
-            return None  # nothing is cached, so there is nothing to keep per session
+            # nothing is cached, so there is nothing to keep per session (a choice: no warning)
+            self.kv_control_reason = "prefix caching is off (enable-prefix-caching: false)"
+            return None
         from kv import vllm_compat
         from kv.engine_kv import EngineKV
 
-        return EngineKV(vllm_compat.engine_parts(self._engine), self.settings.kv_tiers(self.name))
+        try:
+            kv = EngineKV(vllm_compat.engine_parts(self._engine), self.settings.kv_tiers(self.name))
+        except Exception as e:
+            self.kv_control_reason = f"{type(e).__name__}: {e}"
+            logger.warning("engine %s: per-session KV control is off, serving with vLLM's prefix caching "
+                           "alone: %s", self.name, self.kv_control_reason)
+            return None
+        self.kv_control, self.kv_control_reason = True, None
+        return kv
 
     def _make_manager(self) -> Any:
         name = self.settings.kv_policy_name()
@@ -209,7 +244,11 @@ class EngineHost:
             return None
         from kv.manager import KVManager
 
-        return KVManager(self.kv, name)
+        try:
+            return KVManager(self.kv, name)
+        except Exception as e:  # optional too: KV directives still work without a policy
+            logger.warning("engine %s: KV policy %r is off: %s: %s", self.name, name, type(e).__name__, e)
+            return None
 
     def sampling_params(self, max_tokens: int, temperature: float, seed: int | None,
                         priority: tuple = ()) -> Any:
@@ -334,7 +373,7 @@ class EngineHost:
         if self.kv is None:
             from kv.engine_kv import KVDirectiveError
 
-            raise KVDirectiveError(f"engine {self.name!r} has no per-session KV control (prefix caching is off)")
+            raise KVDirectiveError(f"engine {self.name!r} has no per-session KV control ({self.kv_control_reason})")
         return self.kv
 
     def _run_calls(self) -> None:
@@ -361,9 +400,14 @@ class EngineHost:
                 req.request_id, TokensPrompt(prompt_token_ids=req.token_ids), params,
                 priority=priority if self.settings.scheduling == "priority" else 0)
             self._pending[req.request_id] = req
-        except Exception as e:  # bad request: fail this call only
-            req.future.set_exception(e)
+        except Exception as e:  # vLLM's own input checks refused it: fail this call only
+            from dask_agents.errors import InvalidRequestError
+
+            req.future.set_exception(InvalidRequestError(
+                f"engine {self.name!r} refused request {req.request_id}: {type(e).__name__}: {e}"))
             return
+        if self._unscheduled is not None:
+            self._unscheduled.add(req.engine_id)
         if self.kv is not None:
             try:
                 if self.kv_manager is not None:
@@ -374,6 +418,8 @@ class EngineHost:
                 logger.exception("engine %s: KV tracking of %s failed", self.name, req.request_id)
 
     def _finished(self, req: _Request) -> None:
+        if self._unscheduled is not None:
+            self._unscheduled.discard(req.engine_id)
         if self.kv is not None:
             try:
                 if self.kv_manager is not None:
@@ -427,14 +473,79 @@ class EngineHost:
             # which must be freed before a restarted engine allocates its own.
             self.crashed = RuntimeError(f"{type(e).__name__}: {e}")
             self._closed = True
-            self._engine = self.kv = self.kv_manager = None
             del e
+        # Before the waiting calls hear of it: a caller that restarts the engine finds it gone.
+        self._shutdown_engine()
         self._drain(self._stopped_error())
 
-    def _serve(self) -> None:
+    def _shutdown_engine(self) -> None:
+        """Shut the engine down through vLLM's own teardown, on this thread, before a successor
+        may load (a restart joins this thread first). Its memory goes now; and vLLM's
+        collection-time finalizer is spent: run later, under a restarted engine, it would destroy
+        the process's distributed groups the successor uses ("pipeline model parallel group is
+        not initialized"). See ``kv.vllm_compat.shutdown_engine``."""
+        from kv import vllm_compat
+
+        engine, self._engine = self._engine, None
+        self.kv = self.kv_manager = None
+        if engine is None:
+            return
         try:
-            with _LOAD_LOCK:
+            with _STEP_LOCK:  # process-global state: not while another in-process engine loads or steps
+                vllm_compat.shutdown_engine(engine)
+        except Exception:
+            logger.exception("engine %s: shutdown failed", self.name)
+
+    def _note_scheduled(self) -> None:
+        """Before a step: forget the requests vLLM has scheduled already (they are not new)."""
+        if not self._unscheduled:
+            return
+        from kv import vllm_compat
+
+        try:
+            self._unscheduled -= vllm_compat.scheduled(self._engine, self._unscheduled)
+        except Exception as e:  # another vLLM: a failing step retries every request, as before
+            logger.warning("engine %s: cannot read vLLM's scheduler (%s: %s); a failing step will retry "
+                           "every request in flight", self.name, type(e).__name__, e)
+            self._unscheduled = None
+
+    def _fail_new_requests(self, exc: BaseException) -> None:
+        """A step failed: fail the requests it scheduled for the first time with EngineStepError.
+        One of them is the likely cause (a request that passed every check yet breaks the model):
+        retried, it would crash the restarted engine too and take the others' retries with it.
+        The requests scheduled before are failed as crashed by ``_run``, and retried."""
+        from dask_agents.errors import EngineStepError
+        from kv import vllm_compat
+
+        if not self._unscheduled:
+            return
+        try:
+            new = vllm_compat.scheduled(self._engine, self._unscheduled)
+        except Exception:  # the scheduler is unreadable: nobody is blamed, everyone is retried
+            logger.debug("engine %s: cannot tell which requests the failing step scheduled first", self.name,
+                         exc_info=True)
+            return
+        cause = f"{type(exc).__name__}: {exc}"
+        for req in [r for r in self._pending.values() if r.engine_id in new]:
+            del self._pending[req.request_id]
+            logger.warning("engine %s: the step that first scheduled request %s failed (%s): failing it, not "
+                           "retrying it", self.name, req.request_id, cause)
+            _resolve(req.future, exc=EngineStepError(
+                f"engine {self.name!r} crashed ({cause}) in the step that first scheduled request "
+                f"{req.request_id}: it is the likely cause, so it is not retried (requests scheduled before "
+                "are retried on a restarted engine)"))
+
+    def _serve(self) -> None:
+        from kv import vllm_compat
+
+        try:
+            with _LOAD_LOCK, _STEP_LOCK:
                 self._engine = self._load()
+                try:  # our shutdown, not vLLM's finalizer, tears it down (see _shutdown_engine)
+                    vllm_compat.adopt_engine(self._engine)
+                except Exception as e:
+                    logger.warning("engine %s: cannot take over vLLM's engine teardown: %s", self.name, e)
+            self.vocab_size = vllm_compat.vocab_size(self._engine)
             self.geometry = self._geometry()
             self.kv = self._session_kv()
             self.kv_manager = self._make_manager()
@@ -462,9 +573,16 @@ class EngineHost:
                 break
             if self._engine.has_unfinished_requests():
                 # A failing step leaves vLLM's scheduler and block pool in an unknown state:
-                # the engine is dead. It propagates to _run, which fails every waiting call
-                # with a crashed EngineStoppedError; Engines restarts it and the calls retry.
-                outputs = self._engine.step()
+                # the engine is dead. The requests it scheduled first fail (EngineStepError);
+                # the error propagates to _run, which fails every other waiting call with a
+                # crashed EngineStoppedError; Engines restarts the engine and those calls retry.
+                self._note_scheduled()
+                try:
+                    with _STEP_LOCK:  # one forward pass at a time in this process (see _STEP_LOCK)
+                        outputs = self._engine.step()
+                except BaseException as e:
+                    self._fail_new_requests(e)
+                    raise
                 self.steps += 1
                 for out in outputs:
                     if out.finished:
@@ -557,9 +675,22 @@ class Engines:
         self._lock = threading.Lock()
         self._hosts: dict[str, Any] = {}  # EngineHost or EmulatedEngineHost
         self.hosted = list(hosted)
-        self.on_new_model: Any = None  # set by the plugin: announce a lazily started model
+        # set by the plugin: tell the scheduler what this worker serves now (``announced()``),
+        # after a model started lazily, an engine was given up, or came back
+        self.on_announce: Any = None
         self.restarts: dict[str, int] = {}  # model -> engines restarted after a crash
         self._restart_times: dict[str, list[float]] = {}  # model -> monotonic times of recent restarts
+        # model -> why its engine was given up (restarted too often): hosted, but not announced,
+        # so the scheduler places nothing here for it until it is back (restarted or reloaded)
+        self.failed: dict[str, str] = {}
+
+    def announced(self) -> list[str]:
+        """The models this worker serves: hosted ones whose engine was not given up."""
+        return [m for m in self.hosted if m not in self.failed]
+
+    def _announce(self) -> None:
+        if self.on_announce is not None:
+            self.on_announce()
 
     def start(self, name: str) -> EngineHost:
         """The engine for ``name``, starting it if needed, and restarting it if it crashed."""
@@ -584,8 +715,7 @@ class Engines:
                 self._hosts[name] = host
                 if name not in self.hosted:
                     self.hosted.append(name)
-                    if self.on_new_model is not None:
-                        self.on_new_model(name)
+                    self._announce()
         return host
 
     def _restart(self, name: str, old: Any) -> Any:
@@ -599,9 +729,13 @@ class Engines:
         now = time.monotonic()
         recent = [t for t in self._restart_times.get(name, []) if now - t < RESTART_WINDOW_S]
         if len(recent) >= RESTARTS_MAX:
-            raise EngineStoppedError(
-                f"engine {name!r} on worker {self.worker_address} crashed again ({old.crashed}) after "
-                f"{len(recent)} restarts within {RESTART_WINDOW_S:.0f} s: not restarting it", crashed=False)
+            reason = (f"engine {name!r} on worker {self.worker_address} crashed again ({old.crashed}) after "
+                      f"{len(recent)} restarts within {RESTART_WINDOW_S:.0f} s: not restarting it")
+            if name not in self.failed:  # given up: stop announcing it (the scheduler places elsewhere)
+                logger.error("%s; no longer announcing it to the scheduler", reason)
+                self.failed[name] = reason
+                self._announce()
+            raise EngineStoppedError(reason, crashed=False)
         logger.warning("engine %s on %s crashed (%s): restarting it", name, self.worker_address, old.crashed)
         old.close()  # its thread (or AsyncLLM's core process) and memory go before the new one loads
         gc.collect()
@@ -611,6 +745,8 @@ class Engines:
         host = make_host(name, settings)
         host.start()
         self._hosts[name] = host
+        if self.failed.pop(name, None) is not None:  # given up before, back now: announce it again
+            self._announce()
         return host
 
     def _prepare(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None,
@@ -618,35 +754,89 @@ class Engines:
         """Validate one call; returns (engine host, token ids, params). The host may still be loading."""
         import dask_agents.config as agents_config
 
-        from dask_agents.errors import where
+        from dask_agents.errors import EngineStoppedError, InvalidRequestError, short_repr, where
 
-        component, method, sid = header[:3]
+        component, method, sid, key = header[:4]
         if max_tokens is None:
             max_tokens = int(agents_config.get("llm.default-max-tokens"))
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"{where(component, method, sid)}: max_tokens must be a positive int, got {max_tokens!r}")
-        return self.start(model), prompt, (max_tokens, temperature, seed)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InvalidRequestError(f"{where(component, method, sid)}: max_tokens must be a positive int, "
+                                      f"got {short_repr(max_tokens)} (call {key})")
+        try:
+            host = self.start(model)
+        except EngineStoppedError as e:  # given up here: say which call it stopped
+            raise EngineStoppedError(f"{where(component, method, sid)}: call {key}: {e}", crashed=e.crashed) from e
+        return host, prompt, (max_tokens, temperature, seed)
 
-    def _submit(self, header: tuple, model: str, host: Any, prompt: str | list[int], sampling: tuple) -> tuple:
-        """Tokenize and check against the loaded engine, then queue; returns (future, ids)."""
-        from dask_agents.errors import PromptTooLongError, where
+    def _check_inputs(self, header: tuple, model: str, host: Any, prompt: Any, sampling: tuple) -> list[int]:
+        """The call's token ids, checked against the loaded model before anything reaches the
+        engine: a value that passes vLLM's own checks can still crash an engine step (a token id
+        outside the vocabulary: vLLM checks ids only through the tokenizer our engines skip; a
+        seed torch cannot take), which fails every call in flight. Raises InvalidRequestError
+        (PromptTooLongError for the context) naming the call, its session and the bad value."""
+        from numbers import Integral, Real
+
+        from dask_agents.errors import InvalidRequestError, PromptTooLongError, short_repr, where
 
         component, method, sid, key = header[:4]
         max_tokens, temperature, seed = sampling
+
+        def bad(what: str, value: object) -> InvalidRequestError:
+            return InvalidRequestError(
+                f"{where(component, method, sid)}: {what}, got {short_repr(value)} (call {key})")
+
         if isinstance(prompt, str):
             if host.tokenizer is None:
                 raise TypeError(f"{where(component, method, sid)}: model {model!r} takes token ids here")
-            ids = host.tokenizer.encode(prompt)
+            try:
+                ids = host.tokenizer.encode(prompt)
+            except UnicodeError as e:  # lone surrogates ('\ud800'...): not text any tokenizer takes
+                start, end = getattr(e, "start", 0), getattr(e, "end", 0)
+                raise bad(f"the prompt text cannot be encoded ({getattr(e, 'reason', e)} at position {start})",
+                          prompt[start:end]) from None
+        elif isinstance(prompt, (list, tuple)):
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, Integral):
+                    raise bad("token ids must be ints", t)
+            ids = [int(t) for t in prompt]
         else:
-            ids = [int(i) for i in prompt]
+            raise bad("the prompt must be a string or a list of token ids", prompt)
         if not ids:
-            raise ValueError(f"{where(component, method, sid)}: empty prompt")
+            raise bad("empty prompt", prompt)
+        vocab = getattr(host, "vocab_size", None)
+        for i, t in enumerate(ids):
+            if t < 0 or (vocab is not None and t >= vocab):
+                where_in = f"model {model!r}'s vocabulary of {vocab} ids (0..{vocab - 1})" if vocab else "0 or more"
+                raise bad(f"token id at position {i} is outside {where_in}", t)
+        try:
+            temp = float(temperature) if isinstance(temperature, Real) and not isinstance(temperature, bool) else None
+        except OverflowError:  # an int too large for a float
+            temp = math.inf
+        if temp is None or not math.isfinite(temp) or temp < 0:
+            raise bad("temperature must be a finite number >= 0", temperature)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)
+                                 or not SEED_MIN <= seed <= SEED_MAX):
+            raise bad(f"seed must be None or an int in [{SEED_MIN}, {SEED_MAX}]", seed)
         if len(ids) + max_tokens > host.max_model_len:
             raise PromptTooLongError(
                 f"{where(component, method, sid)}: prompt of {len(ids)} tokens + max_tokens={max_tokens} "
                 f"exceeds model {model!r}'s context of {host.max_model_len} tokens (call {key})"
             )
-        params = host.sampling_params(max_tokens, temperature, seed, task_priority(key))
+        return ids
+
+    def _submit(self, header: tuple, model: str, host: Any, prompt: str | list[int], sampling: tuple) -> tuple:
+        """Tokenize and check against the loaded engine, then queue; returns (future, ids)."""
+        from dask_agents.errors import InvalidRequestError, where
+
+        component, method, sid, key = header[:4]
+        max_tokens, temperature, seed = sampling
+        ids = self._check_inputs(header, model, host, prompt, sampling)
+        try:  # the engine's own parameter checks (vLLM's ranges) fail this call, named, and only it
+            params = host.sampling_params(max_tokens, float(temperature), seed, task_priority(key))
+        except Exception as e:  # vLLM's VLLMValidationError is no ValueError
+            raise InvalidRequestError(f"{where(component, method, sid)}: model {model!r} refuses the sampling "
+                                      f"parameters (max_tokens={max_tokens}, temperature={temperature}, "
+                                      f"seed={seed}): {e} (call {key})") from None
         return host.submit(key, ids, params, sid), ids
 
     def _result(self, header: tuple, model: str, host: Any, ids: list[int], out: Any) -> Any:
@@ -697,11 +887,16 @@ class Engines:
     def _retry_or_raise(self, exc: Exception, attempt: int, attempts: int, header: tuple, model: str) -> Any:
         """After a failed wait: the restarted engine to retry on when the engine crashed and
         retries are left; otherwise raise an error that names the call."""
-        from dask_agents.errors import EngineStoppedError, where
+        from dask_agents.errors import EngineStepError, EngineStoppedError, InvalidRequestError, where
 
+        component, method, sid, key = header[:4]
+        if isinstance(exc, InvalidRequestError):  # the engine refused it: name the call
+            raise InvalidRequestError(f"{where(component, method, sid)}: {exc} (call {key})") from exc
         if not isinstance(exc, EngineStoppedError):
             raise exc
-        component, method, sid, key = header[:4]
+        if isinstance(exc, EngineStepError):  # this call is the likely cause: never retried
+            raise EngineStepError(f"{where(component, method, sid)}: call {key} failed on worker "
+                                  f"{self.worker_address}: {exc}") from exc
         cause: BaseException = exc
         if exc.crashed and attempt + 1 < attempts:
             logger.warning("%s: %s; retrying call %s on a restarted engine", where(component, method, sid), exc, key)
@@ -743,12 +938,14 @@ class Engines:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def stop(self, name: str) -> bool:
-        """Close the engine for ``name`` and stop hosting it; True if it was hosted."""
+        """Close the engine for ``name`` and stop hosting it; True if it was hosted. A model
+        started again after this loads afresh (a reload: an engine given up comes back so)."""
         with self._lock:
             host = self._hosts.pop(name, None)
             was = name in self.hosted
             if was:
                 self.hosted.remove(name)
+            self.failed.pop(name, None)
         if host is not None:
             host.close()  # drained first by the controller: nothing should be in flight
         return was or host is not None
@@ -759,7 +956,7 @@ class Engines:
             self.stop(remove)
         if add:
             self.start(add).wait_loaded(timeout)
-        return list(self.hosted)
+        return self.announced()
 
     def kv_directive(self, model: str, op: str, session: str, timeout: float = 60.0, **args: Any) -> dict:
         """Apply one KV directive (``KV_OPS``) for ``session`` on this worker's engine for
@@ -821,8 +1018,9 @@ class Engines:
                 host.kv_call(lambda kv: kv.invalidate(session))
 
     def loaded_models(self) -> list[str]:
-        """Models whose engine finished loading."""
-        return [n for n, h in self._hosts.items() if h.loaded.is_set() and h.load_error is None]
+        """Models whose engine finished loading (not those given up)."""
+        return [n for n, h in self._hosts.items()
+                if h.loaded.is_set() and h.load_error is None and n not in self.failed]
 
     def close(self) -> None:
         """Close every engine."""

@@ -33,16 +33,18 @@ class StatefulSlot:
 class Instances:
     """The instances this worker hosts.
 
-    Sessions ended here are remembered (the last ``remember`` of them): a stateful call of one
-    of them that still arrives raises :class:`~dask_agents.errors.InstanceLostError` instead of
-    running on a fresh, empty instance. (The scheduler already fails such calls; this is the
-    worker's own guard.)"""
+    Instances released here at their session's end are remembered (the last ``remember`` of
+    them): a call of one that still arrives raises :class:`~dask_agents.errors.InstanceLostError`
+    instead of running on a fresh, empty instance. (The scheduler already fails such calls;
+    this is the worker's own guard.) A component of that session none of whose calls came
+    here is not affected."""
 
     def __init__(self, remember: int = 20_000) -> None:
         self._lock = threading.Lock()
         self._shared: dict[str, Any] = {}
         self._stateful: dict[tuple[str, str | None], StatefulSlot] = {}
-        self._ended: OrderedDict[str, float] = OrderedDict()  # session -> when it ended here
+        # (component, session) -> when its instance was released here
+        self._ended: OrderedDict[tuple[str, str | None], float] = OrderedDict()
         self._remember = remember
 
     def shared(self, component: str, cls: type) -> Any:
@@ -65,8 +67,8 @@ class Instances:
     def ticket(self, component: str, session: str | None, key: str, created: float | None = None) -> None:
         """Queue ``key`` for its stateful instance, in submission order (``created``: the
         client's submission time; None sorts after every stamped call). Idempotent."""
-        if session in self._ended:
-            return  # its turn() fails: no slot for an ended session
+        if (component, session) in self._ended:
+            return  # its turn() fails: no slot for a released instance
         slot = self._slot(component, session)
         with slot.cond:
             if key in slot.order:
@@ -106,7 +108,7 @@ class Instances:
         """Wait for ``key``'s turn on the session's instance, then yield the instance.
 
         Raises InstanceLostError if the session ended here (its instance was released)."""
-        if session in self._ended:
+        if (component, session) in self._ended:
             self._lost(component, method, session, key)
         slot = self._slot(component, session)
         with slot.cond:
@@ -122,7 +124,7 @@ class Instances:
 
                 secede_if_in_task()  # waiting for our turn must not hold a worker thread
                 slot.cond.wait_for(ready)
-            if session in self._ended:  # ended while this call waited for its turn
+            if (component, session) in self._ended:  # released while this call waited for its turn
                 self._lost(component, method, session, key)
             slot.active = key
             if slot.instance is None:
@@ -136,13 +138,13 @@ class Instances:
     def end_session(self, session: str) -> int:
         """Release the session's stateful instances (calling ``close()`` if they have one)."""
         with self._lock:
-            if session is not None:
-                self._ended[session] = time.time()
-                self._ended.move_to_end(session)
-                while len(self._ended) > self._remember:
-                    self._ended.popitem(last=False)
             gone = [k for k in self._stateful if k[1] == session]
             slots = [self._stateful.pop(k) for k in gone]
+            now = time.time()
+            for k in gone:  # components whose calls came here: a late one must not start afresh
+                self._ended[k] = now
+            while len(self._ended) > self._remember:
+                self._ended.popitem(last=False)
         for slot in slots:
             with slot.cond:  # calls still queued (late ones) must not wait on a gone slot forever
                 slot.queue.clear()
@@ -159,7 +161,7 @@ class Instances:
     def _lost(self, component: str, method: str | None, session: str | None, key: str) -> None:
         from dask_agents.errors import InstanceLostError, where
 
-        ended = time.strftime("%H:%M:%S", time.localtime(self._ended.get(session, 0.0)))
+        ended = time.strftime("%H:%M:%S", time.localtime(self._ended.get((component, session), 0.0)))
         raise InstanceLostError(
             f"{where(component, method, session)}: its stateful instance was released on this worker when the "
             f"session ended at {ended}; the call is not run on a fresh instance (call {key}).",

@@ -92,7 +92,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         self.worker = worker
         models = self._models_for(worker)
         self.engines = Engines(worker.address, models)
-        self.engines.on_new_model = self._announce_model
+        self.engines.on_announce = self._announce
         for m in models:
             self.engines.start(m)  # loads in its own thread; calls wait for it
         dask_compat.set_batched_send_interval(worker, agents_config.seconds("worker.batched-send-interval"))
@@ -120,7 +120,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
                 logger.warning("dask-agents: the worker did not register with its scheduler; telemetry is off")
                 return
             await asyncio.sleep(0.05)
-        await self._hello(list(self.engines.hosted) if self.engines is not None else models)
+        await self._hello(self.engines.announced() if self.engines is not None else models)
 
     def _models_for(self, worker: Worker) -> list[str]:
         if isinstance(self.models, dict):
@@ -132,20 +132,26 @@ class AgentsWorkerPlugin(WorkerPlugin):
             return list(self.models)
         return list(agents_config.get("worker.models") or [])
 
-    async def _hello(self, models: list[str]) -> None:
+    async def _hello(self, models: list[str] | None) -> None:
+        """Announce this worker and the models it serves (``None``: what the engines serve at
+        the moment the message goes: announcements may queue, the last one must be current)."""
         try:
             if not await dask_compat.scheduler_has_handler(self.worker, "agents_worker_hello"):
                 logger.warning("dask-agents: the scheduler has no dask-agents plugin; per-call telemetry is off")
                 return
+            if models is None:
+                models = self.engines.announced() if self.engines is not None else []
             await self.worker.scheduler.agents_worker_hello(worker=self.worker.address, models=models, pid=os.getpid())
             self.scheduler_ok = True
         except Exception as e:
             logger.warning("dask-agents: could not announce this worker to the scheduler (%s); telemetry is off", e)
 
-    def _announce_model(self, model: str) -> None:
+    def _announce(self) -> None:
+        """The models this worker serves changed (a model started lazily, an engine was given up
+        or came back): say so to the scheduler, which places by them. Any thread."""
         worker = self.worker
         if worker is not None and self.scheduler_ok:
-            worker.loop.add_callback(self._hello, list(self.engines.hosted))
+            worker.loop.add_callback(self._hello, None)
 
     async def teardown(self, worker: Worker) -> None:
         dask_compat.remove_periodic(worker, "dask-agents-report")
@@ -265,7 +271,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
 
     def _info_handler(self) -> dict:
         return {
-            "models": list(self.engines.hosted) if self.engines else [],
+            "models": self.engines.announced() if self.engines else [],  # not the engines given up
             "loaded": self.engines.loaded_models() if self.engines else [],
             "stateful_instances": self.instances.stateful_count(),
         }
@@ -279,10 +285,15 @@ def engine_report(host: Any) -> dict:
     and ``kv_bytes``/``kv_capacity_bytes`` per tier (``device`` only). An engine with a
     ``kv_report()`` (per-session KV tiers) adds ``kv_bytes``/``kv_capacity_bytes`` for its
     tiers, ``kv_traffic_bytes`` (cumulative bytes ``offloaded``/``spilled``/``restored``),
-    ``kv_policy`` and ``kv_actions`` (cumulative count of the KV policy's directives by kind)."""
+    ``kv_policy`` and ``kv_actions`` (cumulative count of the KV policy's directives by kind).
+    Always ``kv_control`` (whether per-session KV directives work on this engine) and
+    ``kv_control_reason`` (why not, e.g. vLLM or a KV layout ``kv/vllm_compat.py`` rejects;
+    None when they work)."""
     settings = host.settings
     out: dict[str, Any] = {"engine": settings.engine, "emulated": settings.engine == "emulated",
-                           "steps": int(getattr(host, "steps", 0))}
+                           "steps": int(getattr(host, "steps", 0)),
+                           "kv_control": bool(getattr(host, "kv_control", False)),
+                           "kv_control_reason": getattr(host, "kv_control_reason", "no per-session KV control")}
     stats = getattr(host, "stats", None)
     if callable(stats):
         st = stats()
