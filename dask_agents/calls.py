@@ -12,7 +12,7 @@ from distributed import Client, Future
 from dask_agents import context
 from dask_agents.components import ComponentSpec
 from dask_agents.errors import NoClientError, where
-from dask_agents.futures import AgentFuture
+from dask_agents.futures import AgentFuture, check_client_open, closed_client_error
 from dask_agents.models import CallMeta
 
 ANNOTATION = "agents"
@@ -119,6 +119,7 @@ def submit_call(
     client = find_client(spec, method)
     s = context.current_session.get()
     sid = s.id if s is not None else None
+    check_client_open(client, spec.name, method, sid)
     key = new_key(spec.name)
     creator = context.creator()
     deps = _dependencies(args, kwargs)
@@ -147,6 +148,9 @@ def submit_call(
                 resources=dict(hints.resources) or None,
             )
         except Exception as e:
+            closed = closed_client_error(e, client, spec.name, method, sid)
+            if closed is not None:
+                raise closed from None
             bad = _unserializable(args, kwargs)
             if bad is None:
                 raise

@@ -20,8 +20,42 @@ from typing import Any
 
 from distributed import Future
 
-from dask_agents.errors import CallTimeoutError, where
+from dask_agents.errors import CallTimeoutError, ClientClosedError, ResultNotSerializableError, where
 from dask_agents.models import CallMeta
+
+_NOT_SERIALIZABLE = "Could not serialize object of type "
+"""How Dask reports a result its worker could not serialize: the worker sends an error
+frame in its place and the reader's deserialization raises ``TypeError`` with this text
+(``distributed.protocol.serialize.serialization_error_loads``)."""
+
+
+def check_client_open(client: Any, component: str, method: str | None, session: str | None) -> None:
+    """Raise :class:`~dask_agents.errors.ClientClosedError` naming the call if ``client`` is
+    closing or closed (Dask would raise its bare ``ClosedClientError`` at submit)."""
+    status = getattr(client, "status", None)
+    if status in ("closing", "closed"):
+        raise ClientClosedError(
+            f"{where(component, method, session)} was called with a Dask client that is {status} "
+            f"({getattr(client, 'id', '?')}): create a new distributed.Client for new calls"
+        )
+
+
+def closed_client_error(exc: BaseException, client: Any, component: str, method: str | None,
+                        session: str | None) -> ClientClosedError | None:
+    """The :class:`~dask_agents.errors.ClientClosedError` naming the call for an exception
+    ``client.submit`` raised because ``client`` closed meanwhile; None for any other."""
+    from distributed.client import ClosedClientError
+
+    if isinstance(exc, ClientClosedError):
+        return exc
+    if not isinstance(exc, ClosedClientError) and getattr(client, "status", None) not in ("closing", "closed"):
+        return None
+    try:
+        check_client_open(client, component, method, session)
+    except ClientClosedError as err:
+        return err
+    return ClientClosedError(f"{where(component, method, session)}: the Dask client closed while the call was "
+                             f"submitted ({exc})")
 
 
 def release_worker_slot() -> None:
@@ -60,9 +94,11 @@ class AgentFuture(Future):
         return self.result(timeout=timeout)
 
     def result(self, timeout: float | None = None) -> Any:
-        """Like ``Future.result``, but secedes inside a component and names the call on timeout."""
+        """Like ``Future.result``, but secedes inside a component and names the call on timeout
+        (:class:`CallTimeoutError`) and when its result cannot leave its worker
+        (:class:`ResultNotSerializableError`). A coroutine with an asynchronous client."""
         if self.client.asynchronous:
-            return super().result(timeout=timeout)
+            return self._async_result(timeout)
         if not self.done():
             release_worker_slot()
         try:
@@ -75,6 +111,33 @@ class AgentFuture(Future):
                 f"{where(m.component, m.method, m.session)} did not finish within {timeout}s "
                 f"(status: {self.status}, key: {self.key})"
             ) from None
+        except TypeError as e:
+            err = self._not_serializable(e)
+            if err is None:
+                raise
+        raise err  # outside the except block: Dask's TypeError holds a whole remote traceback
+
+    async def _async_result(self, timeout: float | None) -> Any:
+        try:
+            return await Future.result(self, timeout=timeout)
+        except TypeError as e:
+            err = self._not_serializable(e)
+            if err is None:
+                raise
+        raise err
+
+    def _not_serializable(self, e: TypeError) -> ResultNotSerializableError | None:
+        """The da.* error for Dask's report that this call's result did not serialize on its
+        worker (None for any other TypeError)."""
+        text = str(e.args[0]) if e.args else ""
+        if not text.startswith(_NOT_SERIALIZABLE):
+            return None
+        kind = text[len(_NOT_SERIALIZABLE):].split("\n", 1)[0].strip() or "?"
+        m = self.meta
+        return ResultNotSerializableError(
+            f"{where(m.component, m.method, m.session)} returned a {kind} that cannot leave its worker "
+            f"(it does not pickle): return plain data instead (call {self.key})"
+        )
 
     def _materialize(self) -> Any:
         try:

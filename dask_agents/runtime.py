@@ -7,14 +7,10 @@ names the component, method and session.
 
 from __future__ import annotations
 
-import pickle
 from contextlib import contextmanager
-from typing import Any, Iterator
-
-import dask
+from typing import Any, Iterator, NoReturn
 
 from dask_agents import context
-from dask_agents.calls import ANNOTATION
 from dask_agents.errors import CallFailedError, where
 
 Header = tuple  # (component, method, session, key, stateful, batching or None)
@@ -26,24 +22,90 @@ def call_context(header: Header) -> Iterator[None]:
     sid, key = header[2], header[3]
     tok_s = context.current_session.set(context.SessionContext(sid) if sid else None)
     tok_c = context.current_call.set(key)
-    try:
-        with dask.annotate(**{ANNOTATION: {"session": sid, "creator": key}}):
-            yield
+    try:  # only stub and LLM calls made here carry these (calls.submit_call): plain work is left alone
+        yield
     finally:
         context.current_call.reset(tok_c)
         context.current_session.reset(tok_s)
 
 
-def _fail(header: Header, exc: Exception) -> CallFailedError:
-    component, method, sid, key = header[:4]
+MESSAGE_TEXT_LIMIT = 2000
+"""Characters of a component's error text that a CallFailedError's message carries. Dask
+replaces an exception whose text is longer than ``distributed.admin.max-error-length``
+(10,000) by ``type(e)("Long error message", ...)``, which would lose the call's name."""
+TRACEBACK_NOTE_LIMIT = 8000
+"""Characters of the traceback text noted on a CallFailedError whose original cannot travel."""
+
+
+def _error_text(exc: BaseException) -> str:
+    """``str(exc)`` cut to :data:`MESSAGE_TEXT_LIMIT`; a broken ``__str__`` does not hide the call."""
     try:
-        pickle.dumps(exc)
-        original: BaseException | None = exc
+        text = str(exc)
     except Exception:
-        original = None
-    return CallFailedError(
-        f"{where(component, method, sid)} raised {type(exc).__name__}: {exc} (call {key})", original
+        text = f"<{type(exc).__name__}: str() failed>"
+    return text if len(text) <= MESSAGE_TEXT_LIMIT else text[: MESSAGE_TEXT_LIMIT - 3] + "..."
+
+
+def _chain(exc: BaseException, limit: int = 32) -> list[BaseException]:
+    """The causes and contexts below ``exc`` (each once, at most ``limit``)."""
+    out: list[BaseException] = []
+    todo = [exc.__cause__, exc.__context__]
+    while todo and len(out) < limit:
+        e = todo.pop()
+        if e is not None and all(e is not o for o in out) and e is not exc:
+            out.append(e)
+            todo += [e.__cause__, e.__context__]
+    return out
+
+
+def _travels(exc: BaseException) -> bool:
+    """True if ``exc`` survives the trip Dask gives a task's exception: pickled with its
+    traceback, causes and contexts (Dask installs ``tblib``'s pickling for the exception and
+    its causes), then unpickled. Only on the error path: the cost is one round trip."""
+    from distributed.protocol import pickle as dask_pickle
+    from tblib import pickling_support
+
+    try:
+        pickling_support.install(exc, *_chain(exc))
+        dask_pickle.loads(dask_pickle.dumps(exc))
+    except Exception:
+        return False
+    return True
+
+
+def _fail(header: Header, exc: BaseException) -> CallFailedError:
+    """The CallFailedError for ``exc`` raised by the call ``header``: its message names the
+    component, method, session and key. ``original`` (and the cause it is raised from) is
+    ``exc`` only when ``exc`` travels (:func:`_travels`): one that does not (an attribute that
+    does not pickle, a class that does not unpickle, a cause of its own that does not) made
+    Dask send a bare ``Exception(repr(...))`` instead, losing the error's type. Its type and
+    traceback then travel as text, in a note."""
+    import traceback
+
+    component, method, sid, key = header[:4]
+    original = exc if _travels(exc) else None
+    err = CallFailedError(
+        f"{where(component, method, sid)} raised {type(exc).__name__}: {_error_text(exc)} (call {key})", original
     )
+    if original is None:
+        try:
+            tb = "".join(traceback.format_exception(exc))
+        except Exception:
+            tb = f"{type(exc).__name__} (its traceback could not be formatted)\n"
+        if len(tb) > TRACEBACK_NOTE_LIMIT:
+            tb = "...\n" + tb[-TRACEBACK_NOTE_LIMIT:]
+        err.add_note(f"{type(exc).__module__}.{type(exc).__qualname__} does not pickle, so only its text "
+                     f"reached the caller (original=None):\n{tb}")
+    return err
+
+
+def _raise(err: CallFailedError) -> NoReturn:
+    """Raise ``err``, from its original when that travels. Called *after* the ``except``
+    block that caught the original: raised inside it, ``err.__context__`` would be the
+    original whatever ``from`` says, and Dask pickles the context too."""
+    if err.original is not None:
+        raise err from err.original
+    raise err
 
 
 def _plugin():
@@ -58,7 +120,7 @@ def run_method(header: Header, cls: type, args: tuple, kwargs: dict) -> Any:
     plugin = _plugin()
     with call_context(header):
         if stateful:
-            with plugin.instances.turn(component, sid, key, cls) as instance:
+            with plugin.instances.turn(component, sid, key, cls, method) as instance:
                 return _invoke(header, getattr(instance, method), args, kwargs)
         instance = plugin.instances.shared(component, cls)
         if batching:
@@ -85,14 +147,16 @@ def _batched(plugin: Any, header: Header, fn: Any, batch_fn: Any, args: tuple, k
             lambda a, k: fn(*a, **k), batch_fn, args, kwargs,
         )
     except Exception as e:
-        raise _fail(header, e) from e
+        err = _fail(header, e)
+    _raise(err)
 
 
 def _invoke(header: Header, fn: Any, args: tuple, kwargs: dict) -> Any:
     try:
         return fn(*args, **kwargs)
     except Exception as e:
-        raise _fail(header, e) from e
+        err = _fail(header, e)
+    _raise(err)
 
 
 async def run_llm(header: Header, model: str, args: tuple, kwargs: dict) -> Any:

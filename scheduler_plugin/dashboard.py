@@ -60,6 +60,7 @@ class Dashboard:
         self.update_cpu_seconds = 0.0
         self.last_update_seconds = 0.0
         self.max_update_seconds = 0.0
+        self.failed_sections: set[str] = set()  # sections whose refresh failed (logged once each)
 
     @property
     def path(self) -> str:
@@ -483,14 +484,34 @@ class AgentsPage:
     def _update(self) -> None:
         now = time.time()
         m = self.model
-        view = m.sessions(now)
-        self.sessions_sync.sync(view, now)
-        _small_sync(self.components_src, m.components(now), COMPONENT_COLUMNS)
-        _small_sync(self.engines_src, m.engines(now), ENGINE_COLUMNS)
-        self._update_control()
-        self._update_choices(now)
-        self._update_graph()
-        self._update_summary(view)
+        view = self._section("sessions", lambda: m.sessions(now))
+        if view is not None:
+            self._section("sessions table", lambda: self.sessions_sync.sync(view, now))
+        self._section("components", lambda: _small_sync(self.components_src, m.components(now), COMPONENT_COLUMNS))
+        self._section("engines", lambda: _small_sync(self.engines_src, m.engines(now), ENGINE_COLUMNS))
+        self._section("control loop", self._update_control)
+        self._section("session choices", lambda: self._update_choices(now))
+        self._section("session graph", self._update_graph)
+        if view is not None:
+            self._section("summary", lambda: self._update_summary(view))
+
+    def _section(self, name: str, fn: Any) -> Any:
+        """Run one section's refresh; if it fails, the others still run. An exception here
+        would fail the whole page (a page load answers 500) and every later refresh.
+        Logged in full the first time a section fails, at debug level after that."""
+        try:
+            return fn()
+        except Exception:
+            agg = getattr(self.dash.plugin, "aggregates", None)
+            if agg is not None:
+                agg.skipped += 1
+            first = name not in self.dash.failed_sections
+            self.dash.failed_sections.add(name)
+            if first:
+                logger.exception("dask-agents: the Agents page left out its %s section", name)
+            else:
+                logger.debug("dask-agents: the Agents page left out its %s section again", name, exc_info=True)
+            return None
 
     def _update_summary(self, view: Any) -> None:
         p = self.dash.plugin

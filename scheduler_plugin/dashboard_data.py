@@ -9,13 +9,17 @@ O(live sessions + assigned tasks + calls finished in the window) per refresh.
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
 import dask_agents.config as agents_config
-from scheduler_plugin.metrics import TIERS, queue_counts
+from scheduler_plugin.metrics import TIERS, engine_records, queue_counts
+
+logger = logging.getLogger(__name__)
 
 STATE_COLORS = {
     "pending": "#bdbdbd", "waiting": "#9e9e9e", "queued": "#fdd835", "processing": "#fb8c00",
@@ -39,7 +43,15 @@ def short(address: str | None) -> str:
     """A worker address without the protocol (``127.0.0.1:40123``)."""
     if not address:
         return ""
+    if not isinstance(address, str):
+        return str(address)
     return address.split("://", 1)[-1]
+
+
+def _duration(started: Any, finished: Any) -> float:
+    """``finished - started`` rounded, NaN when either is unknown or not a finite number."""
+    ok = all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in (started, finished))
+    return round(finished - started, 4) if ok else float("nan")
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -133,6 +145,7 @@ class DashboardModel:
         self._graphs: dict[str, tuple[int, dict]] = {}
         self._kinds: dict[str, str] = {}
         self._window = _Window(self.window)
+        self._bad_rows: set[tuple[Any, Any]] = set()  # engine rows that failed to render (logged once)
         self.since = time.time()
 
     def _fresh(self, cached: tuple[float, Any] | None, now: float) -> bool:
@@ -272,7 +285,11 @@ class DashboardModel:
 
     # -- engines and KV --------------------------------------------------------------------------
     def engines(self, now: float | None = None) -> list[dict]:
-        """One row per (worker, model) engine: sessions, queue, KV bytes per tier, hit rate."""
+        """One row per (worker, model) engine: sessions, queue, KV bytes per tier, hit rate.
+
+        Only stats that pass :func:`validate.engine_record` are shown; an engine whose stored
+        stats do not shows ``invalid stats`` (and ``—`` for its numbers) instead of breaking
+        the page for every engine."""
         now = time.time() if now is None else now
         if self._fresh(self._engines, now):
             return self._engines[1]
@@ -280,34 +297,58 @@ class DashboardModel:
         agg = p.aggregates
         sessions: Counter = Counter()
         for (_sid, what), w in p.bindings.items():
-            if what.startswith("llm:"):
+            if isinstance(what, str) and what.startswith("llm:"):
                 sessions[(w, what[4:])] += 1
+        stats = {(w, m): st for w, m, st in engine_records(agg)}
+        times: dict[str, float] = {}
+        raw: set[tuple[str, str]] = set()  # (worker, model) pairs with stored stats, valid or not
+        for w, rep in agg.engines.items():
+            if not isinstance(w, str) or not isinstance(rep, dict):
+                continue
+            t = rep.get("time")
+            if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
+                times[w] = float(t)
+            models = rep.get("models")
+            if isinstance(models, dict):
+                raw |= {(w, m) for m in models if isinstance(m, str)}
         pairs = {(w, m) for m, ws in p.model_workers.items() for w in ws}
-        pairs |= {(w, m) for w, rep in agg.engines.items() for m in rep["models"]}
+        pairs |= raw
         pairs |= {(w, m) for (w, m) in agg.tokens if m}
         rows = []
-        for w, m in sorted(pairs):
-            rep = agg.engines.get(w)
-            st = (rep or {}).get("models", {}).get(m, {})
-            kv = st.get("kv_bytes") or {}
-            cap = st.get("kv_capacity_bytes") or {}
-            moved = st.get("kv_traffic_bytes") or {}
-            n, prompt, cached, _out = agg.tokens.get((w, m), (0, 0, 0, 0))
-            rows.append({
-                "worker": short(w), "model": m,
-                "engine": (st.get("engine") or "?") + (" (EMULATED)" if st.get("emulated") else ""),
-                "sessions": sessions.get((w, m), 0),
-                "running": st.get("running"), "waiting": st.get("waiting"),
-                "kv_device": fmt_bytes(kv.get(TIERS[0])), "kv_capacity": fmt_bytes(cap.get(TIERS[0])),
-                "kv_host": fmt_bytes(kv.get(TIERS[1])), "kv_disk": fmt_bytes(kv.get(TIERS[2])),
-                "hit_rate": round(cached / prompt, 3) if prompt else None,
-                "cached_tokens": cached, "recomputed_tokens": prompt - cached,
-                "offloaded": fmt_bytes(moved.get("offloaded")), "restored": fmt_bytes(moved.get("restored")),
-                "evictions": st.get("evictions"),
-                "stats_age_s": round(now - rep["time"], 1) if rep else None,
-            })
+        for w, m in sorted(pairs, key=lambda wm: (str(wm[0]), str(wm[1]))):
+            try:
+                rows.append(self._engine_row(w, m, stats.get((w, m)), (w, m) in raw, times.get(w),
+                                             sessions.get((w, m), 0), agg, now))
+            except Exception:  # a record no check caught: left out, the other engines shown
+                agg.skipped += 1
+                first = (w, m) not in self._bad_rows  # in full once: the page refreshes twice a second
+                self._bad_rows.add((w, m))
+                (logger.exception if first else logger.debug)("dask-agents: the engines table left out %s %s",
+                                                             w, m, exc_info=True)
         self._engines = (now, rows)
         return rows
+
+    @staticmethod
+    def _engine_row(w: str, m: str, st: dict | None, stored: bool, at: float | None, bound: int, agg: Any,
+                    now: float) -> dict:
+        invalid = st is None and stored
+        st = st or {}
+        kv = st.get("kv_bytes") or {}
+        cap = st.get("kv_capacity_bytes") or {}
+        moved = st.get("kv_traffic_bytes") or {}
+        n, prompt, cached, _out = agg.tokens.get((w, m), (0, 0, 0, 0))
+        engine = "invalid stats" if invalid else (st.get("engine") or "?") + (" (EMULATED)" if st.get("emulated") else "")
+        return {
+            "worker": short(w), "model": m, "engine": engine, "sessions": bound,
+            "running": st.get("running"), "waiting": st.get("waiting"),
+            "kv_device": fmt_bytes(kv.get(TIERS[0])), "kv_capacity": fmt_bytes(cap.get(TIERS[0])),
+            "kv_host": fmt_bytes(kv.get(TIERS[1])), "kv_disk": fmt_bytes(kv.get(TIERS[2])),
+            "hit_rate": round(cached / prompt, 3) if prompt else None,
+            "cached_tokens": cached, "recomputed_tokens": prompt - cached,
+            "offloaded": fmt_bytes(moved.get("offloaded")), "restored": fmt_bytes(moved.get("restored")),
+            "evictions": st.get("evictions"),
+            "stats_age_s": round(now - at, 1) if at is not None else None,
+        }
 
     # -- control loop ----------------------------------------------------------------------------
     def control_summary(self) -> dict:
@@ -410,8 +451,7 @@ class DashboardModel:
             nodes["x"].append(x)
             nodes["y"].append(y)
             nodes["worker"].append(short(r.worker))
-            nodes["duration"].append(round(r.finished - r.started, 4)
-                                     if r.started is not None and r.finished is not None else float("nan"))
+            nodes["duration"].append(_duration(r.started, r.finished))  # NaN, not an error, for odd times
             nodes["retry"].append("retry" if r.retry else "")
         edges = {"xs": [], "ys": [], "kind": [], "color": [], "dash": []}
         for r in recs:

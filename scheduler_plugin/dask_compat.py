@@ -578,3 +578,10 @@ def undo_move_pin(ts: Any, victim: str, thief: str) -> None:
     ``victim`` again (where it stays, or is placed again)."""
     if ts.worker_restrictions == {thief}:
         ts.worker_restrictions = {victim}
+
+
+def worker_pid(scheduler: Scheduler, address: str) -> int | None:
+    """The process id the worker at ``address`` registered with (None if unknown)."""
+    ws = scheduler.workers.get(address)
+    pid = getattr(ws, "pid", None)
+    return pid if isinstance(pid, int) and pid > 0 else None

@@ -15,13 +15,16 @@ started last, as Dask's own collectors do.
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import threading
 import weakref
 from collections import Counter, deque
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from scheduler_plugin import dask_compat
+from scheduler_plugin import dask_compat, validate
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "dask_agents"
 TIERS = ("device", "host", "disk")
@@ -63,6 +66,14 @@ class Histogram:
         return self.sum / self.count if self.count else None
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _whole(x: Any) -> bool:
+    return _finite(x) and x >= 0 and int(x) == x
+
+
 class Aggregates:
     """Counters and histograms behind the dashboard and ``/metrics``; fed by the plugin."""
 
@@ -85,6 +96,9 @@ class Aggregates:
         self.kv_decisions: deque[dict] = deque(maxlen=200)
         self.kv_decisions_total = 0  # appended to ``kv_decisions`` so far (readers keep a cursor)
         self._kv_actions: dict[tuple[str, str], dict[str, int]] = {}  # last counts per engine
+        # what the plugin's endpoints refused (scheduler_plugin/validate.py): /metrics shows it
+        self.rejected = validate.Rejections()
+        self.skipped = 0  # records a page or /metrics could not render (and left out)
 
     def forget_before(self, t: float) -> int:
         """Drop per-call reports that finished before ``t`` (older than any rate window): once
@@ -99,8 +113,21 @@ class Aggregates:
 
     # -- events (scheduler event loop) -------------------------------------------------------
     def on_report(self, rec: Any) -> None:
-        """A worker reported a call's exact start/finish (``rec``: the call's CallRecord)."""
+        """A worker reported a call's exact start/finish (``rec``: the call's CallRecord).
+
+        A record whose times or token counts are not plain finite numbers is left out (and
+        counted in ``rejected``): the histograms and the window of ``recent`` feed every
+        page refresh and scrape, so one bad value there would break them all."""
         if rec is None or rec.started is None or rec.finished is None:
+            return
+        if not (_finite(rec.started) and _finite(rec.finished)
+                and (rec.ready is None or _finite(rec.ready))):
+            self.rejected.add("report", "call times are not finite numbers", rec.worker)
+            return
+        m = rec.metrics if isinstance(rec.metrics, dict) else {}
+        tokens = [m.get(k) for k in ("prompt_tokens", "cached_tokens", "output_tokens")]
+        if m.get("prompt_tokens") is not None and not all(t is None or _whole(t) for t in tokens):
+            self.rejected.add("report", "token counts are not whole numbers", rec.worker)
             return
         comp = rec.component
         self.service.setdefault(comp, Histogram()).observe(max(rec.finished - rec.started, 0.0))
@@ -108,9 +135,10 @@ class Aggregates:
             self.queue.setdefault(comp, Histogram()).observe(max(rec.started - rec.ready, 0.0))
         self.recent.append((comp, rec.worker, rec.ready, rec.started, rec.finished))
         self.reports += 1
-        m = rec.metrics
         if m.get("prompt_tokens") is not None:
             model = rec.model or m.get("model") or ""
+            if not isinstance(model, str):
+                model = str(model)
             t = self.tokens.setdefault((rec.worker or "", model), [0, 0, 0, 0])
             t[0] += 1
             t[1] += int(m.get("prompt_tokens") or 0)
@@ -123,7 +151,14 @@ class Aggregates:
             self.session_latency.observe(max(session.completed_at - session.created, 0.0))
 
     def on_engine_stats(self, worker: str, engines: dict, now: float) -> None:
-        """A worker's engines reported (model -> stats, see ``worker_plugin.plugin.engine_report``)."""
+        """A worker's engines reported (model -> stats, see ``worker_plugin.plugin.engine_report``).
+
+        Checked before anything is stored (:func:`validate.engine_stats`): a bad model record
+        is dropped and counted in ``rejected``, the worker's other engines are kept. (Stored
+        unchecked, one bad entry made ``/agents`` and ``/metrics`` fail until restart.)"""
+        engines = validate.engine_stats(engines, None, self.rejected, worker)
+        if engines is None:
+            return
         self.engines[worker] = {"time": now, "models": engines}
         for model, st in engines.items():
             self._kv_directives(worker, model, st, now)
@@ -198,69 +233,107 @@ def queue_counts(plugin: Any) -> tuple[Counter, Counter, Counter]:
 
 # -- Prometheus ------------------------------------------------------------------------------
 
-def families(plugin: Any) -> Iterator[Any]:
-    """The ``dask_agents_*`` metric families of one scheduler plugin."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+def _name(n: str) -> str:
+    return f"{PREFIX}_{n}"
 
-    state = plugin.state
+
+def families(plugin: Any) -> Iterator[Any]:
+    """The ``dask_agents_*`` metric families of one scheduler plugin.
+
+    Built section by section: a section that fails (a record no check caught) is left out,
+    logged and counted in ``dask_agents_render_skipped_total``, and the others are still
+    served. A collector that raises would fail the whole ``/metrics`` page, Dask's own series
+    included."""
     agg: Aggregates = plugin.aggregates
     agg.fold_ticks(plugin.control)
+    for section in _SECTIONS:
+        try:
+            out = list(section(plugin))
+        except Exception:
+            agg.skipped += 1
+            first = section.__name__ not in _failed
+            _failed.add(section.__name__)  # logged in full once: a scrape every few seconds would flood the log
+            (logger.exception if first else logger.debug)("dask-agents: /metrics left out %s", section.__name__,
+                                                         exc_info=True)
+            continue
+        yield from out
+    yield from _health_families(agg)
 
-    def name(n: str) -> str:
-        return f"{PREFIX}_{n}"
 
-    g = GaugeMetricFamily(name("sessions"), "Sessions by state (completed: still retained)", labels=["state"])
+def _session_families(plugin: Any) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    state = plugin.state
+    g = GaugeMetricFamily(_name("sessions"), "Sessions by state (completed: still retained)", labels=["state"])
     by_state = Counter(s.state for s in state.sessions.values())
     for st in ("active", "closing", "completed"):
         g.add_metric([st], by_state.get(st, 0))
     yield g
-    yield CounterMetricFamily(name("sessions_started"), "Sessions seen", value=state.sessions_seen)
-    yield CounterMetricFamily(name("sessions_completed"), "Sessions completed", value=state.sessions_completed)
+    yield CounterMetricFamily(_name("sessions_started"), "Sessions seen", value=state.sessions_seen)
+    yield CounterMetricFamily(_name("sessions_completed"), "Sessions completed", value=state.sessions_completed)
 
-    g = GaugeMetricFamily(name("calls"), "Calls not finished yet, by component and state", labels=["component", "state"])
+
+def _call_families(plugin: Any) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    state = plugin.state
+    g = GaugeMetricFamily(_name("calls"), "Calls not finished yet, by component and state", labels=["component", "state"])
     for (comp, st), n in sorted(state.open_by_state.items()):
         if n > 0:
             g.add_metric([comp, st], n)
     yield g
-    c = CounterMetricFamily(name("calls_created"), "Calls created, by component", labels=["component"])
+    c = CounterMetricFamily(_name("calls_created"), "Calls created, by component", labels=["component"])
     for comp, n in sorted(state.calls_per_component.items()):
         c.add_metric([comp], n)
     yield c
-    c = CounterMetricFamily(name("calls_ended"), "Calls that ended, by component and final state",
+    c = CounterMetricFamily(_name("calls_ended"), "Calls that ended, by component and final state",
                             labels=["component", "state"])
     for (comp, st), n in sorted(state.terminal_per_component.items()):
         c.add_metric([comp, st], n)
     yield c
 
+
+def _queue_families(plugin: Any) -> Iterator[Any]:
+    from prometheus_client.core import GaugeMetricFamily
+
     waiting, running, held = queue_counts(plugin)
-    g = GaugeMetricFamily(name("queue_length"), "Calls waiting to start, by component and worker "
+    g = GaugeMetricFamily(_name("queue_length"), "Calls waiting to start, by component and worker "
                           "(worker=\"scheduler\": held back on the scheduler)", labels=["component", "worker"])
     for (comp, w), n in sorted(waiting.items()):
         g.add_metric([comp, w], n)
     for comp, n in sorted(held.items()):
         g.add_metric([comp, "scheduler"], n)
     yield g
-    g = GaugeMetricFamily(name("running"), "Calls running, by component and worker", labels=["component", "worker"])
+    g = GaugeMetricFamily(_name("running"), "Calls running, by component and worker", labels=["component", "worker"])
     for (comp, w), n in sorted(running.items()):
         g.add_metric([comp, w], n)
     yield g
 
+
+def _histogram_families(plugin: Any) -> Iterator[Any]:
+    from prometheus_client.core import HistogramMetricFamily
+
+    agg: Aggregates = plugin.aggregates
     for metric, hists, doc in (
         ("call_queue_seconds", agg.queue, "Time from runnable to started on the worker, by component"),
         ("call_service_seconds", agg.service, "Time from started to finished on the worker, by component"),
     ):
-        h = HistogramMetricFamily(name(metric), doc, labels=["component"])
+        h = HistogramMetricFamily(_name(metric), doc, labels=["component"])
         for comp, hist in sorted(hists.items()):
             h.add_metric([comp], hist.buckets(), hist.sum)
         yield h
-    h = HistogramMetricFamily(name("session_latency_seconds"), "Session latency: created to completed")
+    h = HistogramMetricFamily(_name("session_latency_seconds"), "Session latency: created to completed")
     h.add_metric([], agg.session_latency.buckets(), agg.session_latency.sum)
     yield h
-    h = HistogramMetricFamily(name("control_tick_seconds"), "Event-loop time of control-loop passes (policies run in threads, not counted)")
+    h = HistogramMetricFamily(_name("control_tick_seconds"), "Event-loop time of control-loop passes (policies run in threads, not counted)")
     h.add_metric([], agg.tick.buckets(), agg.tick.sum)
     yield h
 
-    c = CounterMetricFamily(name("control_decisions"), "Control-plane actions by kind and outcome",
+
+def _control_families(plugin: Any) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily
+
+    c = CounterMetricFamily(_name("control_decisions"), "Control-plane actions by kind and outcome",
                             labels=["kind", "outcome"])
     if plugin.control is not None:
         enf = plugin.control.enforcer
@@ -269,36 +342,64 @@ def families(plugin: Any) -> Iterator[Any]:
                 c.add_metric([kind, outcome], n)
     yield c
 
-    kv = GaugeMetricFamily(name("kv_bytes"), "KV cache bytes resident, by worker, model and tier",
+
+def _engine_families(plugin: Any) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    agg: Aggregates = plugin.aggregates
+    kv = GaugeMetricFamily(_name("kv_bytes"), "KV cache bytes resident, by worker, model and tier",
                            labels=["worker", "model", "tier"])
-    cap = GaugeMetricFamily(name("kv_capacity_bytes"), "KV cache capacity, by worker, model and tier",
+    cap = GaugeMetricFamily(_name("kv_capacity_bytes"), "KV cache capacity, by worker, model and tier",
                             labels=["worker", "model", "tier"])
-    traffic = CounterMetricFamily(name("kv_traffic_bytes"), "KV bytes moved between tiers (offloaded: device "
+    traffic = CounterMetricFamily(_name("kv_traffic_bytes"), "KV bytes moved between tiers (offloaded: device "
                                   "to host, spilled: host to disk, restored: back to device)",
                                   labels=["worker", "model", "direction"])
-    emulated = GaugeMetricFamily(name("engine_emulated"), "1 if the engine is the emulated cost model",
+    emulated = GaugeMetricFamily(_name("engine_emulated"), "1 if the engine is the emulated cost model",
                                  labels=["worker", "model"])
-    kv_actions = CounterMetricFamily(name("kv_directives"), "KV directives the engine's KV policy applied "
+    kv_actions = CounterMetricFamily(_name("kv_directives"), "KV directives the engine's KV policy applied "
                                      "(evict, trim, prefetch, drop), by worker, model and kind",
                                      labels=["worker", "model", "kind"])
-    for w, rep in sorted(agg.engines.items()):
-        for model, st in sorted(rep["models"].items()):
-            for tier, b in sorted((st.get("kv_bytes") or {}).items()):
-                kv.add_metric([w, model, tier], b)
-            for tier, b in sorted((st.get("kv_capacity_bytes") or {}).items()):
-                cap.add_metric([w, model, tier], b)
-            for direction, b in sorted((st.get("kv_traffic_bytes") or {}).items()):
-                traffic.add_metric([w, model, direction], b)
-            emulated.add_metric([w, model], 1 if st.get("emulated") else 0)
-            for kind, n in sorted((st.get("kv_actions") or {}).items()):
-                kv_actions.add_metric([w, model, kind], n)
+    for w, model, st in engine_records(agg):
+        for tier, b in sorted((st.get("kv_bytes") or {}).items()):
+            kv.add_metric([w, model, tier], b)
+        for tier, b in sorted((st.get("kv_capacity_bytes") or {}).items()):
+            cap.add_metric([w, model, tier], b)
+        for direction, b in sorted((st.get("kv_traffic_bytes") or {}).items()):
+            traffic.add_metric([w, model, direction], b)
+        emulated.add_metric([w, model], 1 if st.get("emulated") else 0)
+        for kind, n in sorted((st.get("kv_actions") or {}).items()):
+            kv_actions.add_metric([w, model, kind], n)
     yield kv
     yield kv_actions
     yield cap
     yield traffic
     yield emulated
 
-    fams = {k: CounterMetricFamily(name(f"llm_{k}"), doc, labels=["worker", "model"]) for k, doc in (
+
+def engine_records(agg: Aggregates) -> list[tuple[str, str, dict]]:
+    """(worker, model, stats) of every stored engine record that passes
+    :func:`validate.engine_record`, sorted; a record that does not is left out and counted in
+    ``agg.skipped`` (stored records are checked on arrival: this only catches what reached
+    ``agg.engines`` another way)."""
+    out = []
+    for w, rep in sorted(agg.engines.items(), key=lambda kv: str(kv[0])):
+        models = rep.get("models") if isinstance(rep, dict) else None
+        if not isinstance(w, str) or not isinstance(models, dict):
+            agg.skipped += 1
+            continue
+        for model, st in sorted(models.items(), key=lambda kv: str(kv[0])):
+            try:
+                out.append((w, validate.label(model, "engine model name"), validate.engine_record(st)))
+            except validate.Invalid:
+                agg.skipped += 1
+    return out
+
+
+def _token_families(plugin: Any) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily
+
+    agg: Aggregates = plugin.aggregates
+    fams = {k: CounterMetricFamily(_name(f"llm_{k}"), doc, labels=["worker", "model"]) for k, doc in (
         ("calls", "LLM calls finished, by worker and model"),
         ("prompt_tokens", "Prompt tokens of LLM calls"),
         ("cached_tokens", "Prompt tokens served from the prefix cache (hits)"),
@@ -309,18 +410,42 @@ def families(plugin: Any) -> Iterator[Any]:
         fams["calls"].add_metric([w, model], n)
         fams["prompt_tokens"].add_metric([w, model], prompt)
         fams["cached_tokens"].add_metric([w, model], cached)
-        fams["recomputed_tokens"].add_metric([w, model], prompt - cached)
+        fams["recomputed_tokens"].add_metric([w, model], max(prompt - cached, 0))
         fams["output_tokens"].add_metric([w, model], out)
     yield from fams.values()
+
+
+def _dashboard_families(plugin: Any) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily
 
     dash = getattr(plugin, "dashboard", None)
     if dash is not None:
         st = dash.stats()
-        yield CounterMetricFamily(name("dashboard_updates"), "Dashboard page updates", value=st["updates"])
-        yield CounterMetricFamily(name("dashboard_update_seconds"), "Event-loop seconds spent updating the "
+        yield CounterMetricFamily(_name("dashboard_updates"), "Dashboard page updates", value=st["updates"])
+        yield CounterMetricFamily(_name("dashboard_update_seconds"), "Event-loop seconds spent updating the "
                                   "dashboard page", value=st["update_seconds"])
-        yield CounterMetricFamily(name("dashboard_update_cpu_seconds"), "CPU seconds the dashboard page's "
+        yield CounterMetricFamily(_name("dashboard_update_cpu_seconds"), "CPU seconds the dashboard page's "
                                   "updates used on the event-loop thread", value=st["update_cpu_seconds"])
+
+
+def _health_families(agg: Aggregates) -> Iterator[Any]:
+    """What the endpoints refused and what could not be rendered (last: never left out)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    c = CounterMetricFamily(_name("rejected"), "Messages and records the plugin's endpoints refused, by "
+                            "endpoint and reason", labels=["what", "reason"])
+    for (what, why), n in sorted(agg.rejected.counts.items()):
+        c.add_metric([what, why], n)
+    yield c
+    yield CounterMetricFamily(_name("render_skipped"), "Records or sections the Agents page and /metrics left "
+                              "out because they could not be rendered (counted each time)", value=agg.skipped)
+
+
+_failed: set[str] = set()  # sections that failed at least once (see families)
+_SECTIONS: tuple[Callable[[Any], Iterator[Any]], ...] = (
+    _session_families, _call_families, _queue_families, _histogram_families, _control_families,
+    _engine_families, _token_families, _dashboard_families,
+)
 
 
 class AgentsCollector:

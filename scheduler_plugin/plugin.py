@@ -24,7 +24,7 @@ from distributed import Scheduler, SchedulerPlugin
 
 import dask_agents.config as agents_config
 from dask_agents.calls import ANNOTATION, MAX_LABEL, sanitize_annotation
-from scheduler_plugin import dask_compat, engine_health, metrics
+from scheduler_plugin import dask_compat, engine_health, metrics, validate
 from scheduler_plugin.actions import Kill, Provision
 from scheduler_plugin.control import ControlLoop
 from scheduler_plugin.kv_hints import KVHints
@@ -111,7 +111,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        dask_compat.add_stream_handler(scheduler, REPORT_OP, self._on_reports)
+        dask_compat.add_worker_stream_handler(scheduler, REPORT_OP, self._on_reports,
+                                              on_refused=self.aggregates.rejected.stream_refused)
         dask_compat.add_stream_handler(scheduler, SESSION_END_OP, self._on_session_end_msg)
         dask_compat.add_stream_handler(scheduler, SESSION_OPEN_OP, self._on_session_open_msg)
         for name, handler in {
@@ -307,8 +308,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         """A driver entered its ``da.session`` block (on its client stream, before any of its
         calls): it owns the session, whoever submits into it first."""
         try:
-            if not isinstance(client, str) or not isinstance(session, str) or len(session) > MAX_LABEL:
-                raise ValueError(f"bad session open: session={str(session)[:80]!r}")
+            if not isinstance(client, str):
+                raise ValueError("a session open from no client")
+            session = validate.session_id(session, "agents-session-open: session")
             if tenant is not None and (not isinstance(tenant, str) or len(tenant) > MAX_LABEL):
                 tenant = None
             s = self.state.session(session, tenant, time.time())
@@ -466,22 +468,23 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             if s is not None and s.state == "completed":
                 self._on_session_completed(rec.session)
 
-    def _on_reports(self, worker: str | None = None, reports: list | None = None, engines: dict | None = None,
-                    **kw: Any) -> None:
-        for r in reports or ():
+    def _on_reports(self, worker: str, reports: Any = None, engines: Any = None, **kw: Any) -> None:
+        """A worker's timing reports and engine stats, on its own stream (``worker`` is the
+        stream's, never the message's); each record is checked before it is stored."""
+        rejected = self.aggregates.rejected
+        for r in validate.reports(self, worker, reports, rejected):
             try:
-                self.state.on_report(r["key"], r["started"], r["finished"], worker, r.get("metrics"))
+                self.state.on_report(r["key"], r["started"], r["finished"], worker, r["metrics"])
                 rec = self.state.calls.get(r["key"])
                 self.aggregates.on_report(rec)
-                if rec is not None and rec.kind == "llm" and rec.session is not None and worker is not None:
+                if rec is not None and rec.kind == "llm" and rec.session is not None:
                     self._llm_ran(rec, worker)
             except Exception:  # one bad report is dropped; raising here would close the worker's stream
                 logger.exception("dask-agents: a report from %s was dropped", worker)
-        if isinstance(engines, dict) and worker is not None:
-            try:
-                self.aggregates.on_engine_stats(worker, engines, time.time())
-            except Exception:
-                logger.exception("dask-agents: engine stats from %s were dropped", worker)
+        if engines is not None:
+            stats = validate.engine_stats(engines, validate.known_models(self), rejected, worker)
+            if stats is not None:
+                self.aggregates.on_engine_stats(worker, stats, time.time())
 
     def _llm_ran(self, rec: Any, worker: str) -> None:
         """An LLM call of a session finished on ``worker``: its KV is there (dropped at session
@@ -587,8 +590,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         return None
 
     def _scale_requests(self, interval: float = 0.5) -> dict:
+        interval = validate.interval(interval, "agents_scale_requests: interval")
         self.link_seen = time.time()
-        self.link_interval = float(interval)
+        self.link_interval = interval
         out = {"add": self.pending_add, "remove": list(self.pending_remove)}
         self.pending_add = 0
         self.pending_remove.clear()
@@ -758,20 +762,11 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 self.orphans.pop(sid, None)
 
     # -- RPC handlers (client API) ---------------------------------------------------------
-    async def _hello(self, worker: str, models: list[str] | None = None, pid: int | None = None) -> dict:
-        import asyncio
-
-        if not isinstance(models, (list, tuple, type(None))) or not all(isinstance(m, str) for m in models or ()):
-            raise ValueError(f"agents_worker_hello: models must be a list of names, got {models!r}")
-        # only a worker this scheduler knows becomes ready (a preloaded plugin may say hello a
-        # moment before its worker's registration lands: wait for it, briefly)
-        for _ in range(20 if isinstance(worker, str) else 0):
-            if dask_compat.has_worker(self.scheduler, worker):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise ValueError(f"agents_worker_hello: {worker!r} is not a worker of this scheduler")
-        self.register_worker(worker, list(models or []), pid if isinstance(pid, int) else None)
+    async def _hello(self, comm: Any, worker: Any = None, models: Any = None, pid: Any = None) -> dict:
+        """A worker's plugin is ready (checked: it comes from that worker, which confirms what
+        it hosts: ``validate.hello``)."""
+        worker, models, pid = await validate.hello(self, comm, worker, models, pid)
+        self.register_worker(worker, models, pid)
         return {"ok": True}
 
     def register_worker(self, worker: str, models: list[str], pid: int | None = None) -> None:
@@ -818,9 +813,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         calls can no longer matter). An unknown session is not created: it made no call. Only
         the owner's end counts (``client``, when known): another client that joined the session
         leaving its own block ends nothing."""
-        if not isinstance(session, str) or len(session) > MAX_LABEL:
-            raise ValueError("agents_session_end: session must be a session id (a string of at most "
-                             f"{MAX_LABEL} characters)")
+        session = validate.session_id(session, "agents_session_end: session")
         rec = self.state.sessions.get(session)
         if rec is None:
             return {"state": "unknown"}
@@ -839,11 +832,14 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             logger.warning("dask-agents: session end ignored: %s", e)
 
     def _session_graph(self, session: str) -> dict | None:
+        session = validate.session_id(session, "agents_session_graph: session")
         if session not in self.state.sessions:
             return None
         return self.state.session_graph(session).model_dump(mode="json")
 
     def _telemetry(self, session: str | None = None, table: str = "calls") -> list[dict] | dict:
+        if session is not None:
+            session = validate.session_id(session, "agents_telemetry: session")
         if table == "calls":
             return self.state.rows(session)
         if table == "sessions":
@@ -857,6 +853,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         return {"error": f"unknown telemetry table {table!r} (calls, sessions, kv)"}
 
     def _progress(self, sessions: list[str] | None = None) -> dict:
+        sessions = validate.sessions(sessions, "agents_progress: sessions")
         now = time.time()
         return {sid: self.state.session_summary(sid, now) for sid in sessions or ()}
 

@@ -5,6 +5,7 @@ If a distributed upgrade changes one of them, the failure points here, not at a 
 
 from __future__ import annotations
 
+import os
 import threading
 
 import dask
@@ -501,6 +502,7 @@ async def test_rpc_peers_and_address_hosts(c: Client, s: Scheduler, a: Worker):
     assert sc.address_host(peers[0]) == sc.address_host(stream) == sc.address_host(a.address) == "127.0.0.1"
     assert sc.worker_stream_peer(s, "tcp://127.0.0.1:1") is None
     assert sc.address_host("not an address") is None and sc.address_host(5) is None
+    assert sc.worker_pid(s, a.address) == os.getpid() and sc.worker_pid(s, "tcp://127.0.0.1:1") is None
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

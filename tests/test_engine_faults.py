@@ -169,6 +169,39 @@ def test_a_token_outside_the_vocabulary_fails_alone_and_the_engine_lives(client)
     assert _state(client)[0] == restarts  # the engine never saw it
 
 
+@da.agent
+class Reader:
+    """Reads with four long generations at once (what a request's failing branch leaves behind)."""
+
+    def read(self, n: int) -> list[str]:
+        futs = [da.llm("tiny").generate(f"{PROMPT} part {i}", max_tokens=800) for i in range(n)]
+        return [f.value(300).text for f in futs]
+
+
+def _llm_in_flight(dask_worker=None) -> tuple[list[str], list[str]]:
+    engines = dask_worker.plugins["dask-agents"].engines
+    return sorted(engines._inflight), sorted(engines._given_up)  # noqa: SLF001
+
+
+def test_llm_calls_of_a_given_up_request_stop_in_the_engine(client):
+    """Before: the request's calls showed cancelled while their generations ran to the end in
+    the engine (Dask lets a released coroutine task finish), holding batch slots and KV."""
+    with pytest.raises(RuntimeError, match="saw an error"):
+        with da.session(client) as s:
+            reading = da.stub(Reader).read(4)  # noqa: F841 (held: a dropped future is cancelled at once)
+            wait_for(lambda: len(client.run(_llm_in_flight).popitem()[1][0]) == 4, timeout=120)
+            keys = client.run(_llm_in_flight).popitem()[1][0]
+            raise RuntimeError("the driver saw an error")
+    # the session was given up: the Reader was cancelled, its LLM calls too, and the engine
+    # dropped their requests (they left the engine without finishing their 800 tokens)
+    inflight, given_up = wait_for(lambda: (st := client.run(_llm_in_flight).popitem()[1]) and not st[0] and st,
+                                  timeout=60)
+    assert set(keys) <= set(given_up)
+    df = wait_for(lambda: (d := da.telemetry(client, s.id)) is not None and (d["state"] == "cancelled").sum() == 5
+                  and (d,))[0]
+    assert set(df[df["component"] == "llm.tiny"]["key"]) == set(keys)
+
+
 def test_bad_text_seeds_and_sampling_parameters_are_named_errors(client):
     tiny = da.llm("tiny")
     with da.session(client) as s:

@@ -224,3 +224,20 @@ def test_engines_kv_directives_become_decisions_and_counters():
     seen, rows = model.new_decisions(seen)
     assert seen == (0, 5) and [r["action"] for r in rows] == ["kv drop"]
     assert model.new_decisions(seen) == (seen, [])
+
+
+def test_engine_stats_are_checked_before_they_are_stored():
+    """One bad model record is dropped (and counted); the worker's other engines are kept, and
+    a non-mapping changes nothing. Stored unchecked, one such record failed every scrape."""
+    agg = metrics.Aggregates()
+    good = {"engine": "emulated", "emulated": True, "steps": 2, "kv_bytes": {"device": 1024}}
+    agg.on_engine_stats("tcp://w1", {"coder": good, "chat": {"kv_bytes": {"device": float("nan")}},
+                                     "x" * 1000: good, "tiny": "junk"}, 10.0)
+    assert set(agg.engines["tcp://w1"]["models"]) == {"coder"}
+    assert agg.engines["tcp://w1"]["models"]["coder"]["kv_bytes"] == {"device": 1024}
+    assert [s[1:5] for s in agg.kv_samples] == [("tcp://w1", "coder", "device", 1024)]
+    agg.on_engine_stats("tcp://w1", ["not", "a", "mapping"], 11.0)
+    assert agg.engines["tcp://w1"]["time"] == 10.0  # kept as it was
+    assert agg.rejected.total() == 4
+    assert {why for (what, why) in agg.rejected.counts if what == "engines"} >= {
+        "bad engine 'kv_bytes'", "bad engine model name", "engine stats not a mapping"}

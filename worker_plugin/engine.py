@@ -674,6 +674,8 @@ class Engines:
         self.worker_address = worker_address
         self._lock = threading.Lock()
         self._hosts: dict[str, Any] = {}  # EngineHost or EmulatedEngineHost
+        self._inflight: dict[str, Any] = {}  # LLM call key -> the host serving it now (agenerate)
+        self._given_up: dict[str, None] = {}  # calls aborted because the scheduler released them
         self.hosted = list(hosted)
         # set by the plugin: tell the scheduler what this worker serves now (``announced()``),
         # after a model started lazily, an engine was given up, or came back
@@ -925,6 +927,7 @@ class Engines:
                 await asyncio.to_thread(host.wait_loaded)
             host.wait_loaded()
             fut, ids = self._submit(header, model, host, prompt, sampling)
+            self._inflight[header[3]] = host
             try:
                 out = await asyncio.wrap_future(fut)
             except asyncio.CancelledError:  # the task was cancelled (worker closing): stop the request too
@@ -932,10 +935,27 @@ class Engines:
                     host.abort(header[3])
                 raise
             except Exception as e:
+                if header[3] in self._given_up:  # aborted: nobody wants its result any more
+                    raise
                 host = self._retry_or_raise(e, attempt, attempts, header, model)
                 continue
+            finally:
+                self._inflight.pop(header[3], None)
             return self._result(header, model, host, ids, out)
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def abort_call(self, key: str) -> bool:
+        """The scheduler released LLM call ``key`` while it ran (its creator failed, its session
+        was given up): stop its request in the engine, which frees its batch slot and KV blocks
+        (Dask lets a released coroutine task run on to its end). True if a request was stopped."""
+        host = self._inflight.get(key)
+        if host is None or not hasattr(host, "abort"):
+            return False
+        self._given_up[key] = None
+        while len(self._given_up) > 10_000:
+            self._given_up.pop(next(iter(self._given_up)))
+        host.abort(key)
+        return True
 
     def stop(self, name: str) -> bool:
         """Close the engine for ``name`` and stop hosting it; True if it was hosted. A model

@@ -173,6 +173,11 @@ class AgentsWorkerPlugin(WorkerPlugin):
             ann = self._agents_annotation(key) or {}
             if ann.get("stateful"):  # idempotent: also for calls released before they started
                 self.instances.done(ann["component"], ann.get("session"), key)
+            # released while it ran (the hook sees "released"; the task waits in "cancelled" for
+            # its coroutine to end): nobody wants its tokens, so the engine stops the request
+            if (finish in ("released", "cancelled") and start in ("executing", "long-running")
+                    and ann.get("kind") == "llm" and self.engines is not None):
+                self.engines.abort_call(key)
             t0 = self._started.pop(key, None)
             if t0 is None or start not in ("executing", "long-running"):
                 return
