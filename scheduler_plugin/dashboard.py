@@ -394,7 +394,7 @@ class AgentsPage:
             ("kv_host", "KV host", None), ("kv_disk", "KV disk", None), ("hit_rate", "prefix hit rate", "0.0%"),
             ("cached_tokens", "cached tokens", "0,0"), ("recomputed_tokens", "recomputed tokens", "0,0"),
             ("offloaded", "offloaded", None), ("restored", "restored", None), ("evictions", "evictions", "0"),
-            ("stats_age_s", "stats age s", "0.0"),
+            ("kv_control", "per-session KV control", None), ("stats_age_s", "stats age s", "0.0"),
         ], 160, "agents-engines-table", {"worker": 110, "engine": 110})
 
         self.control_div = Div(text="", name="agents-control", sizing_mode="stretch_width")

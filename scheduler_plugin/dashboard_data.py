@@ -35,7 +35,7 @@ COMPONENT_COLUMNS = ["component", "kind", "replicas", "queued", "per_replica", "
                      "throughput", "arrival_rate", "mean_queue_s", "mean_service_s", "capacity_x", "bottleneck"]
 ENGINE_COLUMNS = ["worker", "model", "engine", "sessions", "running", "waiting", "kv_device", "kv_capacity",
                   "kv_host", "kv_disk", "hit_rate", "cached_tokens", "recomputed_tokens", "offloaded", "restored",
-                  "evictions", "stats_age_s"]
+                  "evictions", "kv_control", "stats_age_s"]
 DECISION_COLUMNS = ["time", "action", "policy", "details"]
 
 
@@ -347,6 +347,9 @@ class DashboardModel:
             "cached_tokens": cached, "recomputed_tokens": prompt - cached,
             "offloaded": fmt_bytes(moved.get("offloaded")), "restored": fmt_bytes(moved.get("restored")),
             "evictions": st.get("evictions"),
+            # per-session KV control on, or off with the reason (plain prefix caching then)
+            "kv_control": ("on" if st["kv_control"] else f"off: {st.get('kv_control_reason') or '?'}")
+            if "kv_control" in st else None,
             "stats_age_s": round(now - at, 1) if at is not None else None,
         }
 

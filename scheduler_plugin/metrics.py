@@ -359,7 +359,12 @@ def _engine_families(plugin: Any) -> Iterator[Any]:
     kv_actions = CounterMetricFamily(_name("kv_directives"), "KV directives the engine's KV policy applied "
                                      "(evict, trim, prefetch, drop), by worker, model and kind",
                                      labels=["worker", "model", "kind"])
+    kv_control = GaugeMetricFamily(_name("kv_control"), "1 if the engine has per-session KV control, 0 if "
+                                   "it runs with plain prefix caching (the reason is in the engine's log and "
+                                   "on the Agents page)", labels=["worker", "model"])
     for w, model, st in engine_records(agg):
+        if "kv_control" in st:
+            kv_control.add_metric([w, model], 1 if st["kv_control"] else 0)
         for tier, b in sorted((st.get("kv_bytes") or {}).items()):
             kv.add_metric([w, model, tier], b)
         for tier, b in sorted((st.get("kv_capacity_bytes") or {}).items()):
@@ -371,6 +376,7 @@ def _engine_families(plugin: Any) -> Iterator[Any]:
             kv_actions.add_metric([w, model, kind], n)
     yield kv
     yield kv_actions
+    yield kv_control
     yield cap
     yield traffic
     yield emulated

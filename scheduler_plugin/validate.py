@@ -376,6 +376,12 @@ def engine_record(value: Any) -> dict:
                   count(b, f"engine {k}[{t!r}]", f"bad engine {k!r}") for t, b in m.items()}
     if value.get("kv_policy") is not None:
         out["kv_policy"] = label(value["kv_policy"], "engine 'kv_policy'", 64)
+    if "kv_control" in value:  # per-session KV control on (True) or off, and why
+        if not isinstance(value["kv_control"], bool):
+            raise Invalid(f"engine 'kv_control' must be a bool, got {_text(value['kv_control'])}", "bad engine 'kv_control'")
+        out["kv_control"] = value["kv_control"]
+        reason = value.get("kv_control_reason")
+        out["kv_control_reason"] = None if reason is None else str(reason)[:500]
     return out
 
 

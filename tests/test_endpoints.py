@@ -250,3 +250,16 @@ async def test_a_hello_for_a_worker_without_the_plugin_does_not_stick(c: Client,
     await async_wait_for(lambda: a.address not in plugin.ready_workers and not plugin.model_workers.get("emu"),
                          timeout=20)
     assert a.address in s.workers and list((await c.scheduler.agents_ping())["workers"]) == []
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60, config=CONFIG)
+async def test_a_swap_asked_of_the_worker_directly_reaches_the_scheduler(c: Client, s: Scheduler, a: Worker):
+    """Before: anyone calling a worker's ``agents_swap_model`` changed what it hosts behind the
+    scheduler's back, which kept placing the model's calls there."""
+    await da.install(c, models=["emu"])
+    plugin = s.plugins[NAME]
+    await async_wait_for(lambda: a.address in plugin.model_workers.get("emu", ()))
+    hosted = await c.rpc(a.address).agents_swap_model(remove="emu", add="emu2")
+    assert list(hosted) == ["emu2"]
+    await async_wait_for(lambda: a.address not in plugin.model_workers.get("emu", ())
+                         and a.address in plugin.model_workers.get("emu2", ()))

@@ -241,3 +241,24 @@ def test_engine_stats_are_checked_before_they_are_stored():
     assert agg.rejected.total() == 4
     assert {why for (what, why) in agg.rejected.counts if what == "engines"} >= {
         "bad engine 'kv_bytes'", "bad engine model name", "engine stats not a mapping"}
+
+
+def test_an_engine_without_per_session_kv_control_says_so():
+    """An engine the compat check refused runs with plain prefix caching: /metrics and the
+    Agents page say so, with the reason."""
+    from types import SimpleNamespace
+
+    from prometheus_client.core import GaugeMetricFamily  # noqa: F401  (the module's dependency)
+
+    from scheduler_plugin.dashboard_data import DashboardModel
+
+    agg = metrics.Aggregates()
+    agg.on_engine_stats("tcp://w1", {"coder": {"engine": "vllm", "kv_control": False,
+                                               "kv_control_reason": "vLLM 9.9 is not supported"},
+                                     "chat": {"engine": "vllm", "kv_control": True, "kv_control_reason": None}}, 10.0)
+    plugin = SimpleNamespace(aggregates=agg, control=None, bindings={}, model_workers={"coder": {"tcp://w1"}})
+    fams = {f.name: f for f in metrics._engine_families(plugin)}  # noqa: SLF001
+    got = {tuple(s.labels.values()): s.value for s in fams["dask_agents_kv_control"].samples}
+    assert got == {("tcp://w1", "coder"): 0, ("tcp://w1", "chat"): 1}
+    rows = {r["model"]: r for r in DashboardModel(plugin).engines(now=11.0)}
+    assert rows["coder"]["kv_control"] == "off: vLLM 9.9 is not supported" and rows["chat"]["kv_control"] == "on"

@@ -12,6 +12,7 @@ from distributed.utils_test import gen_cluster
 import dask_agents as da
 from scheduler_plugin.plugin import NAME
 from tests.conftest import async_wait_for
+from tests.test_sessions import Counter
 
 GATE = threading.Event()  # held calls wait on it (in-process workers)
 STARTED = threading.Event()  # set by adv_started_gated when it runs
@@ -19,23 +20,8 @@ FAST = {"agents.scheduler.housekeeping-interval": "50ms"}
 
 
 @da.agent(stateful=True)
-class AdvCounter:
-    def __init__(self) -> None:
-        self.seen: list[int] = []
-
-    def add(self, i: int) -> list[int]:
-        self.seen.append(i)
-        return list(self.seen)
-
-
-@da.agent(stateful=True)
-class AdvOther:
-    def __init__(self) -> None:
-        self.seen: list[int] = []
-
-    def add(self, i: int) -> list[int]:
-        self.seen.append(i)
-        return list(self.seen)
+class AdvOther(Counter):
+    """A second stateful component (the same state: the calls it has seen)."""
 
 
 @da.tool(kind="code_exec")
@@ -74,7 +60,7 @@ class AdvNestedDriver:
         from distributed import get_client
 
         with da.session(get_client(), name="nested") as inner:
-            c = da.stub(AdvCounter)
+            c = da.stub(Counter)
             out = [c.add(1).result(), c.add(2).result()]
         return [inner.id, out]
 
@@ -105,11 +91,11 @@ async def test_late_stateful_call_after_the_session_record_expired_never_runs_fr
     await da.install(c)
     p = plugin(s)
     async with da.session(c) as sess:
-        assert await da.stub(AdvCounter).add(1) == [1]
-        host = p.bindings[(sess.id, "AdvCounter")]
+        assert await da.stub(Counter).add(1) == [1]
+        host = p.bindings[(sess.id, "Counter")]
     await async_wait_for(lambda: sess.id not in p.state.sessions)  # released, then expired
     async with rejoin(c, sess.id):
-        late = da.stub(AdvCounter).add(2)
+        late = da.stub(Counter).add(2)
         try:
             got = await late
         except da.InstanceLostError:
@@ -124,7 +110,7 @@ async def test_stateful_calls_submitted_before_any_worker_share_one_instance(c: 
     first to start binds the session (``_bind_where_it_runs``) but the calls already submitted
     stay unpinned and Dask may run them on another worker: a second, fresh instance."""
     await da.install(c)
-    counter = da.stub(AdvCounter)
+    counter = da.stub(Counter)
     async with da.session(c):
         futs = [counter.add(i) for i in range(6)]
         await async_wait_for(lambda: all(f.key in s.tasks for f in futs))
@@ -142,7 +128,7 @@ async def test_a_never_used_component_of_a_released_session_is_not_lost(c: Clien
     InstanceLostError on the worker that hosted another component, and runs on any other."""
     await da.install(c)
     async with da.session(c) as sess:
-        assert await da.stub(AdvCounter).add(1) == [1]
+        assert await da.stub(Counter).add(1) == [1]
     await async_wait_for(lambda: a.plugins[NAME].instances.stateful_count() == 0)
     async with rejoin(c, sess.id):
         assert await da.stub(AdvOther).add(5) == [5]
@@ -160,8 +146,8 @@ async def test_a_joining_client_that_calls_first_does_not_own_the_session(c: Cli
     async with da.session(c) as sess:
         async with Client(s.address, asynchronous=True) as c2:
             async with rejoin(c2, sess.id):
-                assert await da.stub(AdvCounter).add(1) == [1]
-        assert await da.stub(AdvCounter).add(2) == [1, 2]
+                assert await da.stub(Counter).add(1) == [1]
+        assert await da.stub(Counter).add(2) == [1, 2]
         assert p.state.sessions[sess.id].state == "active"
     assert p.state.sessions[sess.id].owner == c.id
 
@@ -321,12 +307,12 @@ async def test_reconnect_within_the_grace_clears_the_orphan(c: Client, s: Schedu
     await da.install(c)
     p = plugin(s)
     async with da.session(c) as sess:
-        assert await da.stub(AdvCounter).add(1) == [1]
+        assert await da.stub(Counter).add(1) == [1]
         await c.scheduler_comm.comm.close()
         await async_wait_for(lambda: c.status == "running" and c.id in s.clients and c.scheduler_comm is not None
                              and not c.scheduler_comm.closed())
         assert sess.id not in p.orphans
-        assert await da.stub(AdvCounter).add(2) == [1, 2]
+        assert await da.stub(Counter).add(2) == [1, 2]
     assert p.state.sessions[sess.id].closed_reason is None
 
 
@@ -344,11 +330,11 @@ async def test_a_session_opened_inside_a_component_completes(c: Client, s: Sched
 async def test_a_non_owner_leaving_with_an_error_gives_up_nothing(c: Client, s: Scheduler, a: Worker) -> None:
     await da.install(c)
     async with da.session(c) as sess:
-        assert await da.stub(AdvCounter).add(1) == [1]
+        assert await da.stub(Counter).add(1) == [1]
         async with Client(s.address, asynchronous=True) as c2:
             with pytest.raises(RuntimeError):
                 async with rejoin(c2, sess.id):
-                    await da.stub(AdvCounter).add(2)
+                    await da.stub(Counter).add(2)
                     raise RuntimeError("the second driver fails")
         assert plugin(s).state.sessions[sess.id].state == "active"
-        assert await da.stub(AdvCounter).add(3) == [1, 2, 3]
+        assert await da.stub(Counter).add(3) == [1, 2, 3]

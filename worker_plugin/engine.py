@@ -968,6 +968,8 @@ class Engines:
             self.failed.pop(name, None)
         if host is not None:
             host.close()  # drained first by the controller: nothing should be in flight
+        if was:  # whoever asked (the controller, or anyone calling agents_swap_model), the scheduler hears it
+            self._announce()
         return was or host is not None
 
     def swap(self, remove: str | None, add: str | None, timeout: float | None = None) -> list[str]:
