@@ -59,6 +59,8 @@ def _stream(client: Client, msg: dict) -> Any:
         if client.status in ("running", "connecting", "newly-created"):
             client._send_to_scheduler(msg)  # noqa: SLF001 (Dask's client stream: ordered with submits)
 
+    if client.status in ("closing", "closed"):  # nobody to tell: the scheduler saw the client go
+        return None
     if client.asynchronous:
         async def go() -> None:
             if await verify():

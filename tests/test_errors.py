@@ -160,3 +160,11 @@ def test_a_call_with_a_closed_client_is_named(client):
     from distributed.client import ClosedClientError
 
     assert isinstance(err, da.NoClientError) and isinstance(err, ClosedClientError)  # Dask's, as before
+
+
+def test_leaving_a_session_whose_client_closed_inside_it_is_quiet(client):
+    """Before: ``AttributeError: 'NoneType' object has no attribute 'address'`` from leaving the
+    block; the scheduler already saw the client go (its sessions wait out their grace)."""
+    other = Client(client.cluster)
+    with da.session(other, name="gone"):
+        other.close()
