@@ -141,6 +141,22 @@ def worker_summary(ws: Any) -> tuple[str, int, int, int]:
     return ws.address, ws.nthreads, len(ws.processing), len(ws.executing) + len(ws.long_running)
 
 
+def prefer_worker(ts: Any, address: str) -> None:
+    """Place a not-yet-placed task on ``address`` if that worker is running, else anywhere (a
+    loose restriction: Dask falls back to any worker). Call in ``update_graph``."""
+    ts.worker_restrictions = {address}
+    ts.loose_restrictions = True
+
+
+def free_threads(scheduler: Scheduler, address: str) -> int:
+    """Threads of worker ``address`` not running a task now (seceded tasks do not hold one);
+    0 for an unknown or not-running worker."""
+    ws = scheduler.workers.get(address)
+    if ws is None or ws not in scheduler.running:
+        return 0
+    return ws.nthreads - len(ws.executing)
+
+
 def waiting_on_worker(ws: Any) -> list[Any]:
     """Tasks assigned to ``ws`` that have not started there (as far as the scheduler knows)."""
     running = ws.executing.keys() | ws.long_running

@@ -286,6 +286,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 self._place(ts, rec.session, f"llm:{model}", None, model, rec.component)
             elif self.control is not None and rec.component in self.control.enforcer.routes:
                 self._place(ts, None, rec.component, self._candidates(None, rec.component))
+            elif ann.get("model") and rec.session is not None:
+                self._near_engine(ts, rec.session, ann["model"])
 
     def _session_call(self, rec: Any, client: str) -> None:
         """A call of ``rec.session`` arrived from ``client``. The first call made from outside
@@ -342,6 +344,15 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         else:  # no worker at all yet: wait for one rather than let Dask scatter the instance
             dask_compat.restrict_to_worker(ts, AWAITING)
             self.awaiting.add(dask_compat.task_key(ts))
+
+    def _near_engine(self, ts: Any, sid: str, model: str) -> None:
+        """An agent call with the ``model=`` hint goes to the worker of the engine its session
+        is bound to, when that worker has a free thread: the call and its LLM calls then stay in
+        one process (no hop to the engine and back). Loosely: if that worker leaves, Dask places
+        it anywhere. Without a binding yet, or a busy worker, Dask places it as usual."""
+        bound = self.bindings.get((sid, f"llm:{model}"))
+        if bound is not None and dask_compat.free_threads(self.scheduler, bound) > 0:
+            dask_compat.prefer_worker(ts, bound)
 
     def _strand_lost(self, ts: Any) -> None:
         """``ts`` is a call of a stateful instance that is gone: pin it where it cannot run and

@@ -515,3 +515,30 @@ async def test_client_stream_interval_survives_a_reconnect(c, s, a):
                          and not c.scheduler_comm.closed())
     assert c.scheduler_comm.interval == 0.003
     assert await c.submit(lambda: 1) == 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2), ("127.0.0.1", 2)])
+async def test_prefer_worker_and_free_threads(c, s, a, b):
+    """A loose preference places the task there; free_threads counts threads not running a task."""
+    from distributed import Event
+
+    assert sc.free_threads(s, a.address) == 2 and sc.free_threads(s, "tcp://nowhere:1") == 0
+
+    class Prefer(SchedulerPlugin):
+        def update_graph(self, scheduler, *, keys, **kw):
+            for k in keys:
+                if str(k).startswith("pref-"):
+                    sc.prefer_worker(scheduler.tasks[k], b.address)
+
+    s.add_plugin(Prefer(), name="prefer")  # in-process: no pickling
+    ev = Event()
+
+    def hold(ev):
+        ev.wait(30)
+        return 1
+
+    fut = c.submit(hold, ev, key="pref-1")
+    await async_wait_for(lambda: sc.free_threads(s, b.address) == 1)
+    assert s.tasks["pref-1"].processing_on.address == b.address and sc.free_threads(s, a.address) == 2
+    await ev.set()
+    assert await fut == 1
