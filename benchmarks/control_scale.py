@@ -256,7 +256,9 @@ class Emulation:
 
     def _placement(self, ts: ETask) -> EWorker:
         if ts.worker_restrictions:
-            return self.s.workers[next(iter(ts.worker_restrictions))]
+            w = next(iter(ts.worker_restrictions))
+            if w in self.s.workers or not ts.loose_restrictions:  # loose (a preference): as Dask, anywhere else
+                return self.s.workers[w]
         return self.s.workers[self.rng.choice(self.agent_workers)]
 
     def _open(self, key: str) -> None:

@@ -174,7 +174,8 @@ def test_a_removed_worker_leaves_nothing_behind():
     assert p.recovery.counts["rerouted"] > 0 and p.recovery.counts["workers_lost"] == 1
     for ts in em.s.tasks.values():
         if ts.state in ("waiting", "no-worker", "queued", "released", "processing"):  # finished ones keep theirs
-            assert gone not in (ts.worker_restrictions or ()), ts.key
+            # a loose preference (the model= hint's engine worker) may name it: Dask ignores it then
+            assert ts.loose_restrictions or gone not in (ts.worker_restrictions or ()), ts.key
     inc, ref = _views(em)
     _assert_equal(inc, ref)
 
