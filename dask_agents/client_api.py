@@ -24,17 +24,24 @@ def _ident(client: Client) -> tuple[str, str]:
     return (client.id, str(client.scheduler.address))
 
 
+async def _has_plugin(client: Client) -> bool:
+    """Whether ``client``'s scheduler has the plugin (asked once per client and scheduler)."""
+    from dask_agents.install import _has_plugin as check
+
+    if _ident(client) not in _verified:
+        if not await client.run_on_scheduler(check):
+            return False
+        _verified.add(_ident(client))
+    return True
+
+
 def _call(client: Client, op: str, then: Callable[[Any], Any] = lambda x: x, **kwargs: Any) -> Any:
     """Call scheduler handler ``op``; returns ``then(reply)``, or a coroutine for async clients.
 
     Raises NotInstalledError (instead of hanging) when the scheduler lacks the plugin."""
-    from dask_agents.install import _has_plugin
-
     async def go() -> Any:
-        if _ident(client) not in _verified:
-            if not await client.run_on_scheduler(_has_plugin):
-                raise NotInstalledError(_NOT_INSTALLED)
-            _verified.add(_ident(client))
+        if not await _has_plugin(client):
+            raise NotInstalledError(_NOT_INSTALLED)
         return then(await getattr(client.scheduler, op)(**kwargs))
 
     if client.asynchronous:
@@ -46,15 +53,6 @@ def _stream(client: Client, msg: dict) -> Any:
     """Send ``msg`` on ``client``'s own stream to the scheduler (ordered with its submits) once
     the scheduler is known to have the plugin (an unknown stream op would cost the client its
     connection); a no-op without the plugin. A coroutine with an asynchronous client."""
-    from dask_agents.install import _has_plugin
-
-    async def verify() -> bool:
-        if _ident(client) not in _verified:
-            if not await client.run_on_scheduler(_has_plugin):
-                return False
-            _verified.add(_ident(client))
-        return True
-
     def send() -> None:
         if client.status in ("running", "connecting", "newly-created"):
             client._send_to_scheduler(msg)  # noqa: SLF001 (Dask's client stream: ordered with submits)
@@ -63,11 +61,11 @@ def _stream(client: Client, msg: dict) -> Any:
         return None
     if client.asynchronous:
         async def go() -> None:
-            if await verify():
+            if await _has_plugin(client):
                 send()
 
         return go()
-    if _ident(client) in _verified or client.sync(verify):
+    if _ident(client) in _verified or client.sync(_has_plugin, client):
         send()
     return None
 

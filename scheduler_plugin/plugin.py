@@ -688,14 +688,16 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         s = self.state.sessions.get(sid)
         if s is not None and s.state != "completed":
             return  # reopened meanwhile
-        for key in self.session_bindings.get(sid, ()):
-            if s is not None and not key[1].startswith("llm:") and key in self.bindings:
-                s.lost.setdefault(key[1], f"its instance was released when the session completed at "
-                                          f"{time.strftime('%H:%M:%S', time.localtime(s.completed_at or time.time()))}")
+        released = f"its instance was released when the session completed at " \
+                   f"{time.strftime('%H:%M:%S', time.localtime((s.completed_at if s else None) or time.time()))}"
         for key in self.session_bindings.pop(sid, ()):
             w = self.bindings.pop(key, None)
-            if w is not None and self.bound.get(w, 0) > 0:
+            if w is None:
+                continue
+            if self.bound.get(w, 0) > 0:
                 self.bound[w] -= 1
+            if s is not None and not key[1].startswith("llm:"):  # a later call of it must not start afresh
+                s.lost.setdefault(key[1], released)
         for key in [k for k, m in self.migrating.items() if m is not None and k in s.calls] if s is not None else ():
             _what, _source, target = self.migrating.pop(key)
             self.session_workers[sid].add(target)  # a moved call that has not reported yet

@@ -185,16 +185,8 @@ async def test_a_session_its_driver_ended_is_not_aborted_when_the_driver_goes(
     keeps running after its client leaves, is cancelled."""
     await da.install(c)
     p = plugin(s)
-    GATE.clear()
-    owner = await Client(s.address, asynchronous=True)
-    await da.install(owner)
-    async with da.session(owner) as sess:
-        job = da.stub(adv_gated)(1)
-        fire_and_forget(job)
-    key = job.key
-    await async_wait_for(lambda: (r := rec_of(s, key)) is not None and r.state == "processing"
-                         and p.state.sessions[sess.id].state == "closing")
-    del job
+    owner, sess, key = await _fire_and_forget_in_a_session(s)
+    await async_wait_for(lambda: p.state.sessions[sess.id].state == "closing")
     await owner.close()
     await async_wait_for(lambda: owner.id not in s.clients)
     await async_wait_for(lambda: not p.orphans)  # the grace passed (or it was never orphaned)
@@ -202,6 +194,20 @@ async def test_a_session_its_driver_ended_is_not_aborted_when_the_driver_goes(
     rec = await async_wait_for(lambda: (r := rec_of(s, key)) is not None and r.state in ("finished", "erred",
                                                                                           "cancelled") and r)
     assert rec.state == "finished", (rec.state, p.state.sessions[sess.id].closed_reason)
+
+
+async def _fire_and_forget_in_a_session(s: Scheduler) -> tuple[Client, da.Session, str]:
+    """A second client (the owner) leaves a session normally with a held fire-and-forget call
+    running in it; returns (owner, session, the call's key). GATE releases the call."""
+    GATE.clear()
+    owner = await Client(s.address, asynchronous=True)
+    await da.install(owner)
+    async with da.session(owner) as sess:
+        job = da.stub(adv_gated)(1)
+        fire_and_forget(job)
+    key = job.key
+    await async_wait_for(lambda: (r := rec_of(s, key)) is not None and r.state == "processing")
+    return owner, sess, key
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], timeout=60,
@@ -216,14 +222,7 @@ async def test_a_session_that_completed_during_the_grace_is_not_closed_again(
     p = plugin(s)
     GATE.clear()
     before = p.aggregates.session_latency.count
-    owner = await Client(s.address, asynchronous=True)
-    await da.install(owner)
-    async with da.session(owner) as sess:
-        job = da.stub(adv_gated)(1)
-        fire_and_forget(job)
-    key = job.key
-    await async_wait_for(lambda: (r := rec_of(s, key)) is not None and r.state == "processing")
-    del job
+    owner, sess, key = await _fire_and_forget_in_a_session(s)
     await owner.close()
     await async_wait_for(lambda: owner.id not in s.clients)
     GATE.set()
