@@ -288,7 +288,7 @@ BOUNDED = ("key_split_cache", "_lru", "_ref", "started", "stats", "recent", "tic
            "completed_per_component", "open_by_state", "terminal_per_component", "_kv_actions", "assigned",
            "_ended", "dask.clients", "_shared", "kv_bytes_device", "gone", "_idle_since", "bound",
            "open_placed", "applied", "rejected", "policies", "stream", "tick", "rejections", "rejected_reasons",
-           "requested", "refused", "failing")
+           "requested", "refused", "failing", "policy_seconds", "tombstones")
 
 
 def _bounded(name: str) -> bool:

@@ -164,9 +164,11 @@ class WorkflowState:
         # from the front, so finding idle sessions is O(idle ones), not a scan.
         self.activity: OrderedDict[str, None] = OrderedDict()
         # Expired sessions whose stateful instances are gone: session -> {component: cause}
-        # (bounded). A late call of one of them must not find a blank record and a fresh instance.
+        # (bounded, oldest dropped: ~0.4 KB each). A late call of one of them must not find a
+        # blank record and a fresh instance; past the bound it would (twice max-retained-sessions
+        # expired since: the worker's own guard still refuses it on the instance's worker).
         self.tombstones: OrderedDict[str, dict[str, str]] = OrderedDict()
-        self.max_tombstones = 100_000
+        self.max_tombstones = 20_000
 
     # -- events -----------------------------------------------------------------------
     def session(self, sid: str, tenant: str | None, now: float) -> SessionRecord:
