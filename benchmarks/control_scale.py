@@ -206,6 +206,9 @@ class Emulation:
         self.s = EScheduler(n_workers, nthreads)
         self.plugin = p = AgentsSchedulerPlugin()
         p.scheduler = self.s
+        # LLM calls are placed at creation here, as before admission existed: holding them needs
+        # Dask's transitions (no-worker -> processing), which this emulated scheduler does not run
+        p.admission.enabled = False
         addrs = sorted(self.s.workers)
         n_engines = max(n_workers // 8, 1)
         self.engines = addrs[:n_engines]

@@ -21,6 +21,7 @@ ANNOTATION = "agents"
 
 _TEXT_FIELDS = ("call", "component", "method", "kind", "session", "tenant", "creator", "model", "tool_kind",
                 "llm_model")
+_INT_FIELDS = ("llm_prompt_len", "llm_max_tokens")  # an LLM call's size, for KV admission
 MAX_LABEL = 256
 """Longest text an annotation field may carry."""
 
@@ -34,7 +35,8 @@ def sanitize_annotation(ann: Any) -> dict | None:
     (``call component method kind session tenant creator model tool_kind llm_model``) are
     strings of at most ``MAX_LABEL`` characters or None; ``deps`` a list of strings;
     ``created`` a finite number or None; ``stateful`` a bool (only ``True`` is true);
-    ``batching`` None or ``{"max_batch": int >= 1, "max_wait": finite float >= 0}``. Wrong
+    ``batching`` None or ``{"max_batch": int >= 1, "max_wait": finite float >= 0}``;
+    ``llm_prompt_len`` and ``llm_max_tokens`` ints in ``[0, 2**31]`` or None. Wrong
     values become None (or the empty default); unknown fields are dropped."""
     import math
 
@@ -51,6 +53,10 @@ def sanitize_annotation(ann: Any) -> dict | None:
     ok = isinstance(created, (int, float)) and not isinstance(created, bool) and math.isfinite(created)
     out["created"] = float(created) if ok else None
     out["stateful"] = ann.get("stateful") is True
+    for f in _INT_FIELDS:
+        if f in ann:
+            v = ann[f]
+            out[f] = v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**31 else None
     b = ann.get("batching")
     out["batching"] = None
     if isinstance(b, dict):

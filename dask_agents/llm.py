@@ -146,8 +146,11 @@ class LLM:
         prompt, max_tokens, temperature, seed = check_generate_args(self.model, prompt, max_tokens, temperature, seed)
         _check_model(find_client(self._spec, "generate"), self.model, self._spec.name)
         kwargs = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+        # its size, for KV admission: token ids, or the text's UTF-8 bytes (the scheduler learns
+        # the working sets from reports; a first estimate only has to be of the right order)
+        size = len(prompt) if isinstance(prompt, list) else len(prompt.encode("utf-8")) if isinstance(prompt, str) else 0
         return submit_call(self._spec, "generate", runtime.run_llm, self.model, (prompt,), kwargs,
-                           extra={"llm_model": self.model})
+                           extra={"llm_model": self.model, "llm_prompt_len": size, "llm_max_tokens": max_tokens or 0})
 
     def __repr__(self) -> str:
         return f"<LLM {self.model}>"

@@ -241,6 +241,12 @@ def running_requests(parts: EngineParts) -> int:
     return len(parts.scheduler.running)
 
 
+def max_running_requests(parts: EngineParts) -> int:
+    """The batch size: requests the scheduler runs at once (``max_num_seqs``). Public
+    replacement: ``vllm_config.scheduler_config.max_num_seqs`` of the engine."""
+    return int(parts.scheduler.max_num_running_reqs)
+
+
 # -- engine lifecycle and request bookkeeping (every in-process engine, with or without KV control) --
 #
 # These are not gated by ``check_version``: an engine whose KV layout this module rejects still

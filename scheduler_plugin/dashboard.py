@@ -390,6 +390,8 @@ class AgentsPage:
         self.engines_table = _table(self.engines_src, [
             ("worker", "worker", None), ("model", "model", None), ("engine", "engine", None),
             ("sessions", "sessions bound", "0"), ("running", "running", "0"), ("waiting", "waiting", "0"),
+            ("held", "held for room (model)", "0"), ("bound", "calls bound", "0"),
+            ("working_set", "admitted working sets", None),
             ("kv_device", "KV device", None), ("kv_capacity", "KV device capacity", None),
             ("kv_host", "KV host", None), ("kv_disk", "KV disk", None), ("hit_rate", "prefix hit rate", "0.0%"),
             ("cached_tokens", "cached tokens", "0,0"), ("recomputed_tokens", "recomputed tokens", "0,0"),

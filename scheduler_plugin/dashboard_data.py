@@ -33,7 +33,8 @@ SESSION_COLUMNS = ["session", "tenant", "state", "age_s", "progress", "calls", "
                    "retries", "failed", "color"]
 COMPONENT_COLUMNS = ["component", "kind", "replicas", "queued", "per_replica", "running", "busy", "service_rate",
                      "throughput", "arrival_rate", "mean_queue_s", "mean_service_s", "capacity_x", "bottleneck"]
-ENGINE_COLUMNS = ["worker", "model", "engine", "sessions", "running", "waiting", "kv_device", "kv_capacity",
+ENGINE_COLUMNS = ["worker", "model", "engine", "sessions", "running", "waiting", "held", "bound", "working_set",
+                  "kv_device", "kv_capacity",
                   "kv_host", "kv_disk", "hit_rate", "cached_tokens", "recomputed_tokens", "offloaded", "restored",
                   "evictions", "kv_control", "stats_age_s"]
 DECISION_COLUMNS = ["time", "action", "policy", "details"]
@@ -313,12 +314,15 @@ class DashboardModel:
                 raw |= {(w, m) for m in models if isinstance(m, str)}
         pairs = {(w, m) for m, ws in p.model_workers.items() for w in ws}
         pairs |= raw
+        held = Counter(h.model for h in p.admission.held.values())
         pairs |= {(w, m) for (w, m) in agg.tokens if m}
         rows = []
         for w, m in sorted(pairs, key=lambda wm: (str(wm[0]), str(wm[1]))):
             try:
-                rows.append(self._engine_row(w, m, stats.get((w, m)), (w, m) in raw, times.get(w),
-                                             sessions.get((w, m), 0), agg, now))
+                row = self._engine_row(w, m, stats.get((w, m)), (w, m) in raw, times.get(w),
+                                       sessions.get((w, m), 0), agg, now)
+                row.update(self._admission(w, m, held))
+                rows.append(row)
             except Exception:  # a record no check caught: left out, the other engines shown
                 agg.skipped += 1
                 first = (w, m) not in self._bad_rows  # in full once: the page refreshes twice a second
@@ -327,6 +331,17 @@ class DashboardModel:
                                                              w, m, exc_info=True)
         self._engines = (now, rows)
         return rows
+
+    def _admission(self, w: str, m: str, held: Counter) -> dict:
+        """What admission holds for the engine's model, what it bound there, and the admitted
+        live sessions' working sets against the KV they may fill (blocks)."""
+        adm = self.plugin.admission
+        r = adm.engines.get((w, m))
+        if r is None:
+            return {"held": held.get(m, 0), "bound": None, "working_set": None}
+        cap = "?" if r.capacity is None else f"{r.capacity:,}"
+        return {"held": held.get(m, 0), "bound": len(r.inflight),
+                "working_set": f"{adm.resident(r):,} / {cap} blocks ({len(r.sessions)} sessions)"}
 
     @staticmethod
     def _engine_row(w: str, m: str, st: dict | None, stored: bool, at: float | None, bound: int, agg: Any,

@@ -329,6 +329,11 @@ def remove_http_application(scheduler: Scheduler, app: Any) -> None:
 
 # -- fault handling: calls stranded by a lost worker -----------------------------------------
 
+def dependencies_in_memory(ts: Any) -> bool:
+    """Whether every dependency of ``ts`` has its result (it can run as soon as it is placed)."""
+    return all(dts.state == "memory" for dts in ts.dependencies)
+
+
 def worker_restrictions(ts: Any) -> set:
     """The workers a task is pinned to (empty: anywhere)."""
     return set(ts.worker_restrictions or ())

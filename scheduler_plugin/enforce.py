@@ -160,6 +160,8 @@ class Enforcer:
             self.plugin.state.on_priority(a.key, a.priority)
             return None
         if isinstance(a, Migrate):
+            if self.plugin.admission.is_held(a.key):  # waiting for an engine: bind it to the target
+                return self.plugin.admission.prefer(a.key, a.target)
             ts = dask_compat.task(s, a.key)
             if ts is None or dask_compat.state(ts) != "processing":
                 return "not queued on a worker"

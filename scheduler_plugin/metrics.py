@@ -343,6 +343,36 @@ def _control_families(plugin: Any) -> Iterator[Any]:
     yield c
 
 
+def _admission_families(plugin: Any) -> Iterator[Any]:
+    """LLM calls the scheduler holds for engine room, and what admission decided."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    adm = plugin.admission
+    waiting = GaugeMetricFamily(_name("admission_waiting"), "LLM calls held in the scheduler until an engine "
+                                "has room (a batch slot; KV room for a new session's working set), by model",
+                                labels=["model"])
+    for model, n in sorted(Counter(h.model for h in adm.held.values()).items()):
+        waiting.add_metric([model], n)
+    yield waiting
+    decisions = CounterMetricFamily(_name("admission_decisions"), "Admission decisions by kind (admitted: a "
+                                    "session given an engine; waited_out: admitted after max-wait without room; "
+                                    "rebound: a waiting call moved to another engine; bound: calls bound)",
+                                    labels=["kind"])
+    for kind in ("admitted", "bound", "held", "waited_out", "rebound", "policy_targets", "engines_started"):
+        decisions.add_metric([kind], adm.counts.get(kind, 0))
+    yield decisions
+    resident = GaugeMetricFamily(_name("admission_resident_blocks"), "Estimated KV blocks of the live sessions "
+                                 "admitted to an engine (their working sets), by worker and model",
+                                 labels=["worker", "model"])
+    inflight = GaugeMetricFamily(_name("admission_calls_bound"), "LLM calls bound to an engine and not ended, "
+                                 "by worker and model", labels=["worker", "model"])
+    for r in list(adm.engines.values()):
+        resident.add_metric([r.worker, r.model], adm.resident(r))
+        inflight.add_metric([r.worker, r.model], len(r.inflight))
+    yield resident
+    yield inflight
+
+
 def _engine_families(plugin: Any) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -450,7 +480,7 @@ def _health_families(agg: Aggregates) -> Iterator[Any]:
 _failed: set[str] = set()  # sections that failed at least once (see families)
 _SECTIONS: tuple[Callable[[Any], Iterator[Any]], ...] = (
     _session_families, _call_families, _queue_families, _histogram_families, _control_families,
-    _engine_families, _token_families, _dashboard_families,
+    _engine_families, _token_families, _dashboard_families, _admission_families,
 )
 
 

@@ -26,6 +26,7 @@ import dask_agents.config as agents_config
 from dask_agents.calls import ANNOTATION, MAX_LABEL, sanitize_annotation
 from scheduler_plugin import dask_compat, engine_health, metrics, validate
 from scheduler_plugin.actions import Kill, Provision
+from scheduler_plugin.admission import HELD, Admission
 from scheduler_plugin.control import ControlLoop
 from scheduler_plugin.kv_hints import KVHints
 from scheduler_plugin.policies import prioritize
@@ -54,6 +55,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
     idempotent = True
     LOST = LOST
     AWAITING = AWAITING
+    HELD = HELD
 
     def __init__(self) -> None:
         self.scheduler: Scheduler | None = None
@@ -98,6 +100,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.dashboard: Any = None
         # calls pinned to a worker that died or left: re-placed or failed (scheduler_plugin/recovery.py)
         self.recovery = Recovery(self)
+        # LLM calls the scheduler holds until an engine has room (scheduler_plugin/admission.py)
+        self.admission = Admission(self)
         # sessions that ended, per worker holding their instances or KV, not yet told (batched)
         self._ending: dict[str, list[str]] = defaultdict(list)
         self._flushing_ends = False
@@ -134,6 +138,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         dask_compat.add_periodic(
             scheduler, "dask-agents-housekeeping", self.housekeeping, agents_config.seconds("scheduler.housekeeping-interval")
         )
+        if self.admission.enabled:
+            dask_compat.add_periodic(scheduler, "dask-agents-admission", self.admission.tick,
+                                     agents_config.seconds("scheduler.admission.interval"))
         # A bad policy configuration fails here, loudly (register_plugin / scheduler start-up).
         self.control = ControlLoop(self)
         self.prioritizing = any(isinstance(p, prioritize.Prioritize) for p in self.control.policies.values())
@@ -156,6 +163,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             self.dashboard = None
         if self.scheduler is not None:
             dask_compat.remove_periodic(self.scheduler, "dask-agents-housekeeping")
+            dask_compat.remove_periodic(self.scheduler, "dask-agents-admission")
             if self.control is not None:
                 self.control.close()
             if self._unkeep_stealing is not None:
@@ -216,6 +224,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             self.open_placed.pop((worker, what), None)
         self.assigned.pop(worker, None)
         self.aggregates.forget_worker(worker)
+        self.admission.on_worker_removed(worker)
         self.view_index.on_worker_removed(worker, dropped_llm)  # drops those sessions' KV token entries
         # after the bindings are gone, so re-placed calls and their sessions go elsewhere
         self.recovery.on_worker_removed(worker, kwargs.get("stimulus_id"))
@@ -282,8 +291,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             if ann.get("stateful"):
                 self._place_stateful(ts, rec)
             elif rec.kind == "llm":
-                model = ann.get("llm_model")
-                self._place(ts, rec.session, f"llm:{model}", None, model, rec.component)
+                if not self.admission.on_call(ts, rec, ann):  # session-less, or admission off
+                    model = ann.get("llm_model")
+                    self._place(ts, rec.session, f"llm:{model}", None, model, rec.component)
             elif self.control is not None and rec.component in self.control.enforcer.routes:
                 self._place(ts, None, rec.component, self._candidates(None, rec.component))
             elif ann.get("model") and rec.session is not None:
@@ -467,6 +477,10 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 self.session_workers[rec.session].add(worker)  # its KV is there: dropped at session end
         self.kv_hints.on_transition(rec, finish, worker)
         self.view_index.on_transition(rec, finish, worker, ts)
+        if rec.kind == "llm":
+            self.admission.on_transition(key, finish)
+            if finish == "no-worker" and self.admission.is_held(key):  # waiting here: policies see it
+                self.view_index.on_held(rec)
         if finish == "released" and dask_compat.is_wanted(self.scheduler, key):
             return  # released to run again (its worker was lost), not cancelled: the call goes on
         if not self.state.on_transition(key, finish, time.time(), worker):
@@ -489,6 +503,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 rec = self.state.calls.get(r["key"])
                 self.aggregates.on_report(rec)
                 if rec is not None and rec.kind == "llm" and rec.session is not None:
+                    self.admission.on_llm_report(rec)
                     self._llm_ran(rec, worker)
             except Exception:  # one bad report is dropped; raising here would close the worker's stream
                 logger.exception("dask-agents: a report from %s was dropped", worker)
@@ -496,6 +511,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             stats = validate.engine_stats(engines, validate.known_models(self), rejected, worker)
             if stats is not None:
                 self.aggregates.on_engine_stats(worker, stats, time.time())
+                self.admission.on_engine_stats(worker, stats)
 
     def _llm_ran(self, rec: Any, worker: str) -> None:
         """An LLM call of a session finished on ``worker``: its KV is there (dropped at session
@@ -675,6 +691,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             self.aggregates.on_session_completed(s)
         self.orphans.pop(sid, None)
         self.kv_hints.on_session_end(sid)
+        self.admission.on_session_ended(sid)
         linger = agents_config.seconds("scheduler.instance-linger")
         if linger > 0 and any(not w.startswith("llm:") for _s, w in self.session_bindings.get(sid, ())):
             if sid not in self._lingering:
@@ -787,6 +804,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         new = worker not in self.ready_workers
         info = self.ready_workers.setdefault(worker, {"since": time.time()})
         info["pid"] = pid
+        if new:  # its first hello: what it hosts from the start (a later one announces lazy engines)
+            self.admission.on_hello(models)
         self.set_worker_models(worker, models)
         if new and self.provision_for:  # a worker we asked for: give it its model
             self.scheduler.loop.add_callback(self._assign_model, worker, self.provision_for.popleft())
@@ -804,6 +823,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             d = draining.get(worker)
             if d is None or d.phase != "draining" or d.source != m:
                 self.model_workers[m].add(worker)
+        self.admission.on_models()
 
     @staticmethod
     def component_of(model: str) -> str:
@@ -888,7 +908,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             return {"pass": await loop.watchdog.run_pass(), **loop.stats(), "faults": self.recovery.stats()}
         elif action != "stats":
             return {"error": f"unknown control action {action!r} (start, stop, run_once, stats)"}
-        return {**loop.stats(), "faults": self.recovery.stats()}  # workers lost, calls rerouted/failed
+        # workers lost, calls rerouted/failed; LLM calls held and sessions admitted
+        return {**loop.stats(), "faults": self.recovery.stats(), "admission": self.admission.snapshot()}
 
     def _ping(self) -> dict:
         return {"ok": True, "workers": sorted(self.ready_workers)}

@@ -111,8 +111,8 @@ class Recovery:
 
     def _pinned_to_dead(self, ts: Any) -> bool:
         pins = dask_compat.worker_restrictions(ts)
-        if pins == {self.plugin.AWAITING}:
-            return False  # waiting for the first worker on purpose (placed when one joins)
+        if pins == {self.plugin.AWAITING} or pins == {self.plugin.HELD}:
+            return False  # waiting on purpose: for a first worker, or for an engine with room
         return bool(pins) and not any(dask_compat.has_worker(self.scheduler, w) for w in pins)
 
     def recover(self) -> dict:

@@ -344,8 +344,8 @@ def reports(plugin: Any, worker: str, value: Any, rejections: Rejections | None 
 
 # -- engine stats ------------------------------------------------------------------------------------
 
-_ENGINE_COUNTS = ("steps", "running", "waiting", "evictions", "hit_tokens", "query_tokens")
-_ENGINE_MAPS = ("kv_bytes", "kv_capacity_bytes", "kv_traffic_bytes", "kv_actions")
+_ENGINE_COUNTS = ("steps", "running", "waiting", "evictions", "hit_tokens", "query_tokens", "max_batch", "block_size")
+_ENGINE_MAPS = ("kv_bytes", "kv_capacity_bytes", "kv_traffic_bytes", "kv_actions", "kv_blocks")
 
 
 def engine_record(value: Any) -> dict:

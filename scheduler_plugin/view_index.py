@@ -370,6 +370,11 @@ class ViewIndex:
         elif finish == _HELD:
             self.sched_queued[key] = [rec, ts, None]
 
+    def on_held(self, rec: Any) -> None:
+        """An LLM call waits in the scheduler for an engine with room (``scheduler_plugin.admission``):
+        policies see it beside the calls Dask's queue holds back (worker None)."""
+        self.sched_queued[rec.key] = [rec, None, None]
+
     def on_migrated(self, rec: Any, target: str) -> None:
         """A call moved to ``target``: Dask confirmed the steal (it moves a task without a
         transition, so the index is told here)."""
@@ -610,7 +615,7 @@ class ViewIndex:
             rec, ts, cv = entry
             if ts is None:
                 ts = entry[1] = dask_compat.task(s, key)
-            if (ts is None or not dask_compat.is_queued_on_scheduler(s, ts)
+            if (ts is None or not (dask_compat.is_queued_on_scheduler(s, ts) or self.plugin.admission.is_held(key))
                     or (rec.session is None and state_calls.get(key) is not rec)):
                 del held[key]
                 continue

@@ -36,6 +36,30 @@ async def test_task_state_accessors(c: Client, s: Scheduler, a: Worker, b: Worke
     assert sc.worker_name(s, a.address) == a.name and sc.worker_name(s, "tcp://x:1") == "tcp://x:1"
 
 
+_GATE = threading.Event()  # in-process workers: the test opens it
+
+
+def _after_gate() -> int:
+    _GATE.wait(30)
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_dependencies_in_memory(c: Client, s: Scheduler, a: Worker):
+    gate = _GATE
+    gate.clear()
+    x = c.submit(_after_gate, key="x-dim")
+    y = c.submit(inc, x, key="y-dim")
+    z = c.submit(inc, 1, key="z-dim")
+    await async_wait_for(lambda: "y-dim" in s.tasks and "z-dim" in s.tasks)
+    assert not sc.dependencies_in_memory(s.tasks["y-dim"])  # x still runs
+    assert sc.dependencies_in_memory(s.tasks["z-dim"])  # none at all
+    gate.set()
+    await x
+    assert sc.dependencies_in_memory(s.tasks["y-dim"])
+    await y, z
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)])
 async def test_restriction_set_in_update_graph_is_honoured(c: Client, s: Scheduler, a: Worker, b: Worker):
     seen = {}

@@ -220,6 +220,7 @@ def test_compat_internals(host):
                                        host.sampling_params(1, 0.0, None)[0])
         hashes = list(vc.request_hashes(parts, iid))
         assert vc.waiting_requests(parts) == 1 and vc.running_requests(parts) == 0
+        assert vc.max_running_requests(parts) == host._engine.vllm_config.scheduler_config.max_num_seqs
         host._engine.abort_request([iid])
         assert len(hashes) == 2
         blocks = [vc.lookup(parts, h) for h in hashes]
@@ -348,3 +349,20 @@ def test_kv_control_rejected_by_the_compat_check_still_loads(host, monkeypatch, 
         assert report["kv_control"] is False and "(pretend)" in report["kv_control_reason"]
     finally:
         plain.close()
+
+
+def test_the_real_engine_reports_slots_queue_and_blocks(host):
+    """What the scheduler's admission binds LLM calls against, from the real engine: its batch
+    size, queue and KV blocks (16 blocks here, the null block aside)."""
+    from worker_plugin.plugin import engine_report
+
+    st = host.stats()
+    assert st["capacity_blocks"] == 15 and st["block_size"] == BLOCK
+    assert st["max_batch"] == host._engine.vllm_config.scheduler_config.max_num_seqs
+    assert st["running"] == 0 and st["waiting"] == 0
+    assert st["used_blocks"] + st["free_blocks"] == 15
+    rep = engine_report(host)
+    assert rep["kv_blocks"]["capacity"] == 15 and rep["max_batch"] == st["max_batch"]
+    from scheduler_plugin import validate
+
+    assert validate.engine_record(rep)["kv_blocks"] == rep["kv_blocks"]  # the scheduler accepts it

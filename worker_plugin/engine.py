@@ -344,6 +344,25 @@ class EngineHost:
         mono = None if at is None else time.monotonic() - max(0.0, time.time() - float(at))
         return self.kv_call(lambda kv: manager.hint(session, state, node, wait_key, mono))
 
+    def stats(self) -> dict[str, Any]:
+        """Running and waiting requests, batch slots and KV blocks (used = referenced; free
+        includes cached, evictable blocks), read as counts from another thread; only ``steps``
+        before the engine has per-session KV control (its parts are not known then)."""
+        out: dict[str, Any] = {"steps": self.steps}
+        kv = self.kv
+        if kv is None:
+            return out
+        from kv import vllm_compat
+
+        parts = kv.parts
+        capacity = parts.num_blocks - 1  # the null block holds nothing
+        free = min(capacity, vllm_compat.free_blocks(parts))
+        out.update(running=vllm_compat.running_requests(parts), waiting=vllm_compat.waiting_requests(parts),
+                   max_batch=vllm_compat.max_running_requests(parts), block_size=parts.block_size,
+                   capacity_blocks=capacity, free_blocks=free, used_blocks=capacity - free,
+                   pinned_blocks=capacity - free)
+        return out
+
     def kv_report(self) -> dict | None:
         """Per-tier KV bytes (as of the engine thread's last snapshot), tier capacities and
         cumulative traffic, for telemetry; None before load or without KV control."""

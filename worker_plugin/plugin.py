@@ -304,6 +304,16 @@ def engine_report(host: Any) -> dict:
         st = stats()
         out.update(running=st.get("running"), waiting=st.get("waiting"), evictions=st.get("evictions"),
                    hit_tokens=st.get("hits"), query_tokens=st.get("queries"))
+        # batch slots and KV blocks: what the scheduler's admission binds calls against
+        blocks = {k: int(st[f"{k}_blocks"]) for k in ("capacity", "used", "pinned", "free", "cached")
+                  if st.get(f"{k}_blocks") is not None}
+        if blocks:
+            out["kv_blocks"] = blocks
+        params = getattr(host, "params", None)  # the emulated engine's
+        for k in ("max_batch", "block_size"):
+            v = st.get(k, getattr(params, k, None))
+            if v is not None:
+                out[k] = int(v)
         geometry = getattr(host, "geometry", None)
         if geometry is not None and st.get("used_blocks") is not None:
             out["kv_bytes"] = {"device": int(st["used_blocks"]) * geometry.bytes_per_block}

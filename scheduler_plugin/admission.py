@@ -1,0 +1,472 @@
+"""Admission and late binding of LLM calls: the control plane holds the work engines cannot serve now.
+
+An LLM call handed to an engine at once waits in the engine's own queue, where no policy can
+see or order it, and a session admitted to an engine claims KV whether or not it fits: under
+load the engine evicts live sessions' prefixes and recomputes them (thrash), and every
+workflow policy is blind. So the scheduler keeps LLM calls until an engine has room:
+
+- **Slots.** An engine takes at most its batch size (``max_batch`` in its report, vLLM's
+  ``max_num_seqs``) of calls at once; the scheduler counts the calls it bound there and
+  that have not ended, exactly (no report lag).
+- **KV working sets.** A session is *admitted* to an engine only while the working sets of
+  the live sessions admitted there, plus its own, fit ``kv-target`` of the engine's KV
+  blocks. A session's working set is its largest context so far (reports), its pending
+  call's prompt and output budget, or the typical peak context of the sessions of that
+  model that ended (an EWMA: the learned growth, which adapts to phase changes), whichever
+  is largest. An admitted session keeps its engine; its later calls bind there whenever a
+  slot is free. One session alone on an engine is always admitted (it must run somewhere).
+- **Waiting.** A call that cannot bind is a ``no-worker`` task pinned to :data:`HELD` (an
+  address no worker has). Calls bind in priority order (the prioritize policy's progress
+  order, then arrival), so sessions that advanced go first; new sessions are admitted oldest
+  first within priority (once one waits, later new sessions of the model wait behind it).
+  Binding re-pins the call to its engine's worker and asks Dask to place it.
+- **Policies act on waiting calls.** Held calls are in the control loop's view (worker
+  None): ``SetPriority`` reorders them, ``Migrate`` names the engine to bind one to (checked:
+  the target must host the model; the call binds there as soon as it has a slot).
+- **Rebinding.** A call of an admitted session whose engine has no free slot moves its
+  session to another engine with room once it has waited longer than recomputing its
+  prefix there takes (context tokens / ``prefill-rate``).
+- **Engines where demand is.** A model no worker hosted when it said hello (loaded lazily,
+  by its first call) gets engines on more workers as sessions arrive, up to its
+  ``max-replicas``: a new session prefers a ready worker without the engine over engines
+  that already serve live sessions (the call starts the engine there).
+- **Bounded wait.** A new session held for ``max-wait`` is admitted to the engine with a
+  free slot and the smallest working set anyway, and the admission says so (event topic
+  ``agents-admission``, counter ``waited_out``): never starved.
+
+Everything here runs on the scheduler's event loop: hooks are O(1); :meth:`Admission.pump`
+is O(held calls x log + live sessions of the model's engines) and runs in a callback after
+the events that may free room (a call ended, an engine reported, a session ended), never
+inside a transition.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask_agents.config as agents_config
+
+from scheduler_plugin import dask_compat
+
+HELD = "inproc://dask-agents-held-llm-call"
+TOPIC = "agents-admission"
+DEFAULT_SLOTS = 256  # vLLM's max_num_seqs default, until the engine reports its own
+ENDED = ("memory", "erred", "released", "forgotten")
+
+
+@dataclass
+class EngineRoom:
+    """What the scheduler knows of one engine (a model on a worker)."""
+
+    worker: str
+    model: str
+    slots: int = DEFAULT_SLOTS
+    capacity: int | None = None  # KV blocks on the device; None: not reported (KV never holds)
+    block_size: int = 16
+    used: int | None = None
+    pinned: int | None = None
+    free: int | None = None
+    inflight: set[str] = field(default_factory=set)  # calls bound here that have not ended
+    sessions: set[str] = field(default_factory=set)  # sessions admitted here
+
+    def has_slot(self) -> bool:
+        """Whether one more call may bind here now."""
+        return len(self.inflight) < self.slots
+
+    def kv_limit(self, target: float) -> float:
+        """Blocks the admitted sessions' working sets may fill (inf: capacity unknown)."""
+        return math.inf if self.capacity is None else target * self.capacity
+
+
+@dataclass
+class HeldCall:
+    """An LLM call the scheduler holds (or is about to bind)."""
+
+    key: str
+    session: str
+    model: str
+    component: str
+    since: float
+    tokens: int  # its prompt and output budget (0: unknown)
+    target: str | None = None  # a policy's choice of engine
+    note: str = ""  # why it was admitted without room (max-wait)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """One admission decision (kept in :attr:`Admission.recent`)."""
+
+    time: float
+    session: str
+    model: str
+    worker: str
+    waited_s: float
+    note: str = ""
+
+
+class Admission:
+    """Holds LLM calls of sessions in the scheduler and binds them to engines with room."""
+
+    def __init__(self, plugin: Any):
+        self.plugin = plugin
+        self.enabled = bool(agents_config.get("scheduler.admission.enabled", True))
+        self.max_wait = agents_config.seconds("scheduler.admission.max-wait")
+        self.kv_target = float(agents_config.get("scheduler.admission.kv-target", 0.9))
+        self.prefill_rate = float(agents_config.get("scheduler.admission.prefill-rate", 8000))
+        self.held: dict[str, HeldCall] = {}
+        self.engines: dict[tuple[str, str], EngineRoom] = {}
+        self.bound_to: dict[str, tuple[str, str]] = {}  # key -> (worker, model) while in flight
+        self.admitted_on: dict[tuple[str, str], str] = {}  # (session, model) -> worker
+        self.tokens: dict[tuple[str, str], int] = {}  # (session, model) -> largest call budget seen
+        self.peak: dict[tuple[str, str], int] = {}  # (session, model) -> largest context reported
+        self.typical: dict[str, float] = {}  # model -> EWMA of ended sessions' peak contexts
+        self.counts: Counter = Counter()
+        self.recent: deque[Admitted] = deque(maxlen=200)
+        self.waits: deque[float] = deque(maxlen=1000)
+        self.explicit: set[str] = set()  # models some worker hosted at its hello (not lazily loaded)
+        self.starting: set[tuple[str, str]] = set()  # (worker, model): engines a call is starting lazily
+        self._bounds: dict[str, tuple[int, int | None]] | None = None
+        self.block_size: dict[str, int] = {}  # model -> tokens per KV block (its engines' report)
+        self._blocked: set[str] = set()  # models for which a new session waited at the last pump
+        self._pump_soon = False
+
+    # -- state ------------------------------------------------------------------------------
+    def is_held(self, key: str) -> bool:
+        """Whether the scheduler holds ``key`` (an LLM call waiting for an engine)."""
+        return key in self.held
+
+    def room(self, worker: str, model: str) -> EngineRoom:
+        """The engine of ``model`` on ``worker`` (created on first use)."""
+        r = self.engines.get((worker, model))
+        if r is None:
+            r = self.engines[(worker, model)] = EngineRoom(worker, model)
+        return r
+
+    def working_set(self, sid: str, model: str) -> int:
+        """Estimated KV blocks of session ``sid`` on ``model``'s engine (see the module docstring)."""
+        tokens = max(self.peak.get((sid, model), 0), self.tokens.get((sid, model), 0),
+                     int(self.typical.get(model, 0)))
+        return -(-tokens // self.block_size.get(model, 16))
+
+    def _live(self, sid: str) -> bool:
+        s = self.plugin.state.sessions.get(sid)
+        return s is not None and s.state != "completed"
+
+    def resident(self, room: EngineRoom) -> int:
+        """Blocks of the working sets of the live sessions admitted to ``room`` (dropping the
+        ones that ended without our hook running: expired records)."""
+        gone = [sid for sid in room.sessions if not self._live(sid)]
+        for sid in gone:
+            self._forget_session(sid, room.model)
+        return sum(self.working_set(sid, room.model) for sid in room.sessions)
+
+    # -- hooks from the plugin (O(1) each) ------------------------------------------------
+    def on_call(self, ts: Any, rec: Any, ann: dict) -> bool:
+        """A new LLM call of a session (``update_graph``): bind it now if an engine has room
+        and nothing of its model waits ahead of it, else hold it. True if handled here."""
+        if not self.enabled or rec.session is None:
+            return False
+        model = ann.get("llm_model")
+        if not model:
+            return False
+        budget = int(ann.get("llm_prompt_len") or 0) + int(ann.get("llm_max_tokens") or 0)
+        sk = (rec.session, model)
+        if budget > self.tokens.get(sk, 0):
+            self.tokens[sk] = budget
+        h = HeldCall(rec.key, rec.session, model, rec.component, time.time(), budget)
+        if dask_compat.dependencies_in_memory(ts):
+            rooms = {}
+            worker = self._choose(h, h.since, rooms, model in self._blocked)
+            if worker is not None:
+                self._bind(h, ts, worker, rooms)
+                return True
+        self.held[h.key] = h
+        self.counts["held"] += 1
+        dask_compat.restrict_to_worker(ts, HELD)
+        return True
+
+    def on_transition(self, key: str, finish: str) -> None:
+        """A recorded LLM call changed state."""
+        if finish == "no-worker":
+            if key in self.held:
+                self._soon()
+            return
+        if finish not in ENDED:
+            return
+        if self.held.pop(key, None) is not None:  # failed or cancelled while it waited here
+            self.counts["ended_while_held"] += 1
+            return
+        # ended (or released: cancelled, or its worker was lost and recovery places it again)
+        where = self.bound_to.pop(key, None)
+        if where is not None:
+            r = self.engines.get(where)
+            if r is not None:
+                r.inflight.discard(key)
+            self._soon()
+
+    def on_llm_report(self, rec: Any) -> None:
+        """An LLM call of a session finished with its token counts: its context so far."""
+        m = rec.metrics or {}
+        if rec.model is None or m.get("prompt_tokens") is None:
+            return
+        ctx = int(m["prompt_tokens"]) + int(m.get("output_tokens") or 0)
+        sk = (rec.session, rec.model)
+        if ctx > self.peak.get(sk, 0):
+            self.peak[sk] = ctx
+
+    def on_engine_stats(self, worker: str, engines: dict) -> None:
+        """A worker's engines reported (validated): slots, KV capacity and use."""
+        for model, st in engines.items():
+            r = self.room(worker, model)
+            if st.get("max_batch"):
+                r.slots = int(st["max_batch"])
+            if st.get("block_size"):
+                r.block_size = self.block_size[model] = int(st["block_size"])
+            blocks = st.get("kv_blocks") or {}
+            if blocks.get("capacity"):
+                r.capacity = int(blocks["capacity"])
+            r.used, r.pinned, r.free = blocks.get("used"), blocks.get("pinned"), blocks.get("free")
+        if self.held:
+            self._soon()
+
+    def on_hello(self, models: list[str]) -> None:
+        """A worker said hello hosting ``models``: those are placed by the user, not lazily."""
+        self.explicit.update(models)
+
+    def on_models(self) -> None:
+        """Engines appeared or went (a worker's hosted models changed)."""
+        hosting = self.plugin.model_workers
+        self.starting = {(w, m) for w, m in self.starting if w not in hosting.get(m, ())
+                         and dask_compat.has_worker(self.plugin.scheduler, w)}
+        if self.held:
+            self._soon()
+
+    def on_session_ended(self, sid: str) -> None:
+        """``sid`` completed: its working sets leave their engines; its peak teaches the typical one."""
+        for sk in [k for k in self.admitted_on if k[0] == sid] if self.admitted_on else ():
+            self._forget_session(sid, sk[1], learn=True)
+        if self.held:
+            self._soon()
+
+    def on_worker_removed(self, worker: str) -> None:
+        """``worker`` left: its engines, and the admissions of its sessions, are gone (their next
+        call is admitted again elsewhere)."""
+        for k in [k for k in self.engines if k[0] == worker]:
+            r = self.engines.pop(k)
+            for sid in r.sessions:
+                self.admitted_on.pop((sid, r.model), None)
+        for h in self.held.values():
+            if h.target == worker:
+                h.target = None
+        if self.held:
+            self._soon()
+
+    def _forget_session(self, sid: str, model: str, learn: bool = False) -> None:
+        worker = self.admitted_on.pop((sid, model), None)
+        if worker is not None:
+            r = self.engines.get((worker, model))
+            if r is not None:
+                r.sessions.discard(sid)
+        peak = self.peak.pop((sid, model), 0)
+        self.tokens.pop((sid, model), None)
+        if learn and peak > 0:
+            old = self.typical.get(model)
+            self.typical[model] = float(peak) if old is None else 0.8 * old + 0.2 * peak
+
+    # -- policies' say ----------------------------------------------------------------------
+    def prefer(self, key: str, target: str) -> str | None:
+        """A policy asks that held call ``key`` bind to ``target``; why not, or None (accepted)."""
+        h = self.held.get(key)
+        if h is None:
+            return "not held"
+        if target not in self.plugin._candidates(h.model, h.component):
+            return f"{target} does not host model {h.model!r}"
+        h.target = target
+        self.counts["policy_targets"] += 1
+        self._soon()
+        return None
+
+    # -- binding ----------------------------------------------------------------------------
+    def _resident(self, r: EngineRoom, rooms: dict) -> int:
+        k = (r.worker, r.model)
+        if k not in rooms:
+            rooms[k] = self.resident(r)
+        return rooms[k]
+
+    def _fits(self, r: EngineRoom, sid: str, rooms: dict) -> bool:
+        if sid in r.sessions:
+            return True
+        resident = self._resident(r, rooms)
+        return resident == 0 or resident + self.working_set(sid, r.model) <= r.kv_limit(self.kv_target)
+
+    def _choose(self, h: HeldCall, now: float, rooms: dict, new_blocked: bool) -> str | None:
+        """The worker to bind ``h`` to now, or None (it waits)."""
+        p = self.plugin
+        candidates = p._candidates(h.model, h.component)
+        if not candidates:
+            return None
+        sk = (h.session, h.model)
+        if h.target is not None:
+            if h.target in candidates:
+                r = self.room(h.target, h.model)
+                if r.has_slot() and self._fits(r, h.session, rooms):
+                    return h.target
+                return None  # the policy's engine is full: wait for it
+            h.target = None
+        admitted = self.admitted_on.get(sk)
+        if admitted is not None and (admitted in candidates or (admitted, h.model) in self.starting):
+            r = self.room(admitted, h.model)
+            if r.has_slot():
+                return admitted
+            # its engine is busy: move only when waiting costs more than recomputing the prefix
+            recompute = self.peak.get(sk, 0) / self.prefill_rate
+            if now - h.since > recompute:
+                alt = self._roomiest(h, [w for w in candidates if w != admitted], rooms)
+                if alt is not None:
+                    self.counts["rebound"] += 1
+                    return alt
+            return None
+        waited = now - h.since
+        if new_blocked and waited < self.max_wait:
+            return None
+        spare = self._spare(h.model, candidates)
+        w = self._roomiest(h, candidates + spare, rooms)
+        if w in spare:
+            self.starting.add((w, h.model))
+            self.counts["engines_started"] += 1
+        if w is None and waited >= self.max_wait:
+            w = self._least_resident(h, candidates, rooms)
+            if w is not None:
+                self.counts["waited_out"] += 1
+                h.note = (f"admitted after waiting {waited:.1f}s (max-wait): its working set does not fit; "
+                          f"the engine may evict other sessions' KV")
+        return w
+
+    def _spare(self, model: str, candidates: list[str]) -> list[str]:
+        """Ready workers without an engine of lazily loaded ``model`` where a new session may
+        start one (none sent there yet), while the model has fewer than ``max-replicas``."""
+        p = self.plugin
+        hosting = p.model_workers.get(model)
+        if model in self.explicit or not hosting:  # placed by the user, or nothing hosts it yet (any worker)
+            return []
+        if self._bounds is None:
+            self._bounds = p.model_bounds()
+        most = self._bounds.get(model, (1, None))[1]
+        engines = len(hosting) + sum(1 for _w, m in self.starting if m == model)
+        if most is not None and engines >= most:
+            return []
+        return [w for w in p.ready_workers if w not in hosting and w not in candidates
+                and (w, model) not in self.starting and not getattr(self.engines.get((w, model)), "sessions", None)
+                and dask_compat.has_worker(p.scheduler, w)]
+
+    def _roomiest(self, h: HeldCall, workers: list[str], rooms: dict) -> str | None:
+        best, best_room = None, -math.inf
+        for w in workers:
+            r = self.room(w, h.model)
+            if not r.has_slot() or not self._fits(r, h.session, rooms):
+                continue
+            room = r.kv_limit(self.kv_target) - self._resident(r, rooms)
+            # ties (capacity unknown: inf): the fewest live sessions, then the fewest calls in
+            # flight, then the fewest sessions ever sent there (round robin among idle engines)
+            key = (room, -len(r.sessions), -len(r.inflight), -self.plugin.assigned.get(w, 0))
+            if best is None or key > best_room:
+                best, best_room = w, key
+        return best
+
+    def _least_resident(self, h: HeldCall, workers: list[str], rooms: dict) -> str | None:
+        ok = [w for w in workers if self.room(w, h.model).has_slot()]
+        return min(ok, key=lambda w: self._resident(self.room(w, h.model), rooms), default=None)
+
+    def _bind(self, h: HeldCall, ts: Any, worker: str, rooms: dict) -> None:
+        p = self.plugin
+        sk = (h.session, h.model)
+        r = self.room(worker, h.model)
+        old = self.admitted_on.get(sk)
+        if old != worker:
+            if old is not None and (old, h.model) in self.engines:
+                self.engines[(old, h.model)].sessions.discard(h.session)
+            self.admitted_on[sk] = worker
+            r.sessions.add(h.session)
+            rooms.pop((worker, h.model), None)
+            waited = time.time() - h.since
+            self.waits.append(waited)
+            self.counts["admitted"] += 1
+            if old is None:
+                self.recent.append(Admitted(time.time(), h.session, h.model, worker, waited, h.note))
+                if h.note:
+                    dask_compat.add_event(p.scheduler, TOPIC, {"action": "admitted", "session": h.session,
+                                                               "model": h.model, "worker": worker,
+                                                               "waited_s": round(waited, 3), "note": h.note})
+        # the session's binding (its later calls, its KV, the placement hint) follows
+        p._place(ts, h.session, f"llm:{h.model}", [worker])
+        r.inflight.add(h.key)
+        self.bound_to[h.key] = (worker, h.model)
+        self.counts["bound"] += 1
+
+    def _soon(self) -> None:
+        if not self._pump_soon and self.plugin.scheduler is not None:
+            self._pump_soon = True
+            self.plugin.scheduler.loop.add_callback(self.pump)
+
+    def pump(self) -> int:
+        """Bind every held call that can bind now, in priority order; returns how many."""
+        self._pump_soon = False
+        if not self.held:
+            self._blocked = set()
+            return 0
+        s = self.plugin.scheduler
+        now = time.time()
+        ready = []
+        for key, h in list(self.held.items()):
+            ts = dask_compat.task(s, key)
+            if ts is None:
+                del self.held[key]
+                continue
+            if dask_compat.state(ts) == "no-worker":
+                ready.append((dask_compat.priority(ts), h.since, key, h, ts))
+        ready.sort(key=lambda e: (e[0], e[1]))
+        rooms: dict = {}
+        blocked: set[str] = set()  # models for which a new session waits (later new ones queue behind)
+        placed = []
+        for _prio, _since, key, h, ts in ready:
+            is_new = (h.session, h.model) not in self.admitted_on
+            w = self._choose(h, now, rooms, is_new and h.model in blocked)
+            if w is None:
+                if is_new:
+                    blocked.add(h.model)
+                continue
+            del self.held[key]
+            self._bind(h, ts, w, rooms)
+            placed.append(key)
+        self._blocked = blocked  # a new session arriving before the next pump queues behind these
+        if placed:
+            dask_compat.reschedule(s, placed, f"dask-agents-admission-{now}")
+        return len(placed)
+
+    def tick(self) -> None:
+        """Periodic: waits past ``max-wait`` and rebinds happen with no event to trigger them."""
+        if self.held:
+            self.pump()
+
+    # -- reporting --------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """For ``agents-control``, ``/metrics`` and the dashboard."""
+        import numpy as np
+
+        waits = np.asarray(self.waits, dtype=float)
+        held_by_model = Counter(h.model for h in self.held.values())
+        return {
+            "enabled": self.enabled, "held": len(self.held), "held_by_model": dict(held_by_model),
+            "counts": dict(self.counts),
+            "wait_p50_s": float(np.percentile(waits, 50)) if waits.size else None,
+            "wait_p99_s": float(np.percentile(waits, 99)) if waits.size else None,
+            "engines": [{"worker": r.worker, "model": r.model, "slots": r.slots, "inflight": len(r.inflight),
+                         "sessions": len(r.sessions), "resident_blocks": self.resident(r),
+                         "capacity_blocks": r.capacity, "used_blocks": r.used, "pinned_blocks": r.pinned,
+                         "free_blocks": r.free} for r in self.engines.values()],
+            "recent": [a.__dict__ for a in list(self.recent)[-20:]],
+        }

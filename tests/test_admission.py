@@ -1,0 +1,239 @@
+"""Admission and late binding of LLM calls (issue 14): the scheduler holds a session's LLM calls
+until an engine has room, so policies order and move them before any engine admits them, and a
+new session is admitted only while the KV working sets of the live sessions fit.
+
+Engines here are EMULATED (64 KV blocks of 16 tokens; ``kv-target`` 0.9 lets 57 blocks be
+claimed): a session with a 400-token prompt and a 100-token budget claims 32 blocks, so one
+such session fits an engine and two do not. An engine's batch slot is taken in some tests by a
+``blocker`` entry in the scheduler's count of calls in flight there: the engine is busy as far
+as the control plane knows, with no timing involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Iterator
+
+from distributed import Client, Scheduler, Worker
+from distributed.utils_test import gen_cluster
+
+import dask_agents as da
+from scheduler_plugin.actions import Migrate, SetPriority
+from scheduler_plugin.admission import HELD
+from scheduler_plugin.plugin import NAME
+from tests.conftest import async_wait_for
+
+EMU = {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte",
+       "emulation": {"time_scale": 0.001, "kv_blocks": 64, "block_size": 16, "max_batch": 1}}
+CONFIG = {"agents.llm.models": {"emu": EMU}, "agents.control.enabled": False}
+LONG = list(range(3, 403))  # 400 prompt tokens: with max_tokens=100, a 32-block working set
+
+
+async def _engines(c: Client, s: Scheduler, n: int):
+    """Install, and wait until every engine reported its KV capacity to the admission."""
+    await da.install(c, models=["emu"])
+    plugin = s.plugins[NAME]
+    await async_wait_for(lambda: len(plugin.model_workers.get("emu", ())) == n)
+    await async_wait_for(lambda: len(plugin.admission.engines) == n
+                         and all(r.capacity == 64 for r in plugin.admission.engines.values()))
+    return plugin
+
+
+def _ended(plugin, sid: str) -> bool:
+    st = plugin.state.sessions.get(sid)
+    return st is not None and st.state == "completed"
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], timeout=60, config=CONFIG)
+async def test_a_new_session_waits_while_its_working_set_does_not_fit(c: Client, s: Scheduler, a: Worker) -> None:
+    plugin = await _engines(c, s, 1)
+    adm = plugin.admission
+    a_in, release_a, b_key = asyncio.Event(), asyncio.Event(), []
+
+    async def first() -> str:
+        async with da.session(c) as sa:
+            await da.llm("emu").generate(LONG, max_tokens=100)
+            a_in.set()
+            await release_a.wait()
+            return sa.id
+
+    async def second() -> tuple[str, object]:
+        async with da.session(c) as sb:
+            fut = da.llm("emu").generate(LONG, max_tokens=100)
+            b_key.append(fut.key)
+            return sb.id, await fut
+
+    ta = asyncio.ensure_future(first())
+    await a_in.wait()
+    tb = asyncio.ensure_future(second())
+    await async_wait_for(lambda: b_key and adm.is_held(b_key[0])
+                         and s.tasks[b_key[0]].state == "no-worker")
+    assert s.tasks[b_key[0]].worker_restrictions == {HELD}
+    assert adm.snapshot()["held"] == 1 and not tb.done()
+    # the control loop's view shows it waiting, with no worker: policies can act on it
+    view = plugin.view_index.build(0.0, 100)
+    assert view.calls[b_key[0]].worker is None and view.calls[b_key[0]].model == "emu"
+    # and operators see it on the Agents page: one call held, A's 32-block working set admitted
+    from scheduler_plugin.dashboard_data import DashboardModel
+
+    (row,) = DashboardModel(plugin).engines()
+    assert row["held"] == 1 and row["bound"] == 0 and row["working_set"] == "32 / 64 blocks (1 sessions)"
+
+    release_a.set()  # session A ends: its working set leaves the engine, B fits
+    sid_a = await ta
+    sid_b, out = await tb
+    assert out.output_tokens == 100 and out.worker == a.address
+    assert _ended(plugin, sid_a)
+    admitted = [x for x in adm.recent if x.session == sid_b]
+    assert admitted and admitted[0].note == ""  # admitted for room, not for waiting out the bound
+    assert admitted[0].time >= plugin.state.sessions[sid_a].completed_at
+    assert adm.counts["waited_out"] == 0 and not adm.held
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], timeout=60,
+             config={**CONFIG, "agents.scheduler.admission.max-wait": "300ms"})
+async def test_no_session_waits_past_the_bound(c: Client, s: Scheduler, a: Worker) -> None:
+    plugin = await _engines(c, s, 1)
+    adm = plugin.admission
+    async with da.session(c) as sa:
+        await da.llm("emu").generate(LONG, max_tokens=100)
+        async with da.session(c) as sb:  # A is still live: B does not fit, and is admitted anyway
+            out = await da.llm("emu").generate(LONG, max_tokens=100)
+        assert not _ended(plugin, sa.id)
+    assert out.output_tokens == 100
+    assert adm.counts["waited_out"] == 1
+    note = [x for x in adm.recent if x.session == sb.id][0]
+    assert note.waited_s >= 0.3 and "max-wait" in note.note
+    events = [e for _t, e in s.get_events("agents-admission")]
+    assert events and events[-1]["session"] == sb.id
+    # visible where operators look: /metrics and agents-control
+    from scheduler_plugin import metrics
+
+    fams = {f.name: f for f in metrics.families(plugin)}
+    decided = {smp.labels["kind"]: smp.value for smp in fams["dask_agents_admission_decisions"].samples
+               if smp.name.endswith("_total")}
+    assert decided["waited_out"] == 1 and decided["admitted"] == 2
+    control = await plugin._control("stats")
+    assert control["admission"]["counts"]["waited_out"] == 1
+    assert control["admission"]["recent"][-1]["note"] == note.note
+
+
+class PreferNewest:
+    """A test policy: the newest held call of model ``emu`` goes first, to engine ``TARGET``."""
+
+    TARGET: str | None = None
+
+    def __call__(self, view) -> Iterator:
+        held = sorted((cv for cv in view.calls.values() if cv.worker is None and cv.model == "emu"),
+                      key=lambda cv: cv.created)
+        if held:
+            yield SetPriority(held[-1].key, (-100,), reason="test: newest first")
+            yield Migrate(held[-1].key, "scheduler", self.TARGET, reason="test: to the target engine")
+
+
+POLICY = {"agents.control.policies": {"newest": {"enabled": True, "class": "tests.test_admission.PreferNewest",
+                                                  "options": {}}}}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4), ("127.0.0.1", 4)], timeout=60, config={**CONFIG, **POLICY})
+async def test_policies_reorder_and_rebind_waiting_calls_before_any_engine_admits_them(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    plugin = await _engines(c, s, 2)
+    adm = plugin.admission
+    for w in (a, b):  # both engines busy: every call waits in the scheduler
+        adm.room(w.address, "emu").inflight.add("blocker")
+    futs: list = []
+
+    async def one(i: int):
+        async with da.session(c):
+            fut = da.llm("emu").generate([3 + i] * 20, max_tokens=4)
+            futs.append(fut)
+            return await fut
+
+    tasks = []
+    for i in range(3):  # one after the other: arrival order is 0, 1, 2
+        tasks.append(asyncio.ensure_future(one(i)))
+        await async_wait_for(lambda: len(futs) == i + 1 and adm.is_held(futs[i].key))
+    await async_wait_for(lambda: all(s.tasks[f.key].state == "no-worker" for f in futs))
+    PreferNewest.TARGET = b.address
+    await plugin._control("run_once")  # the policy sees the held calls and acts on the newest
+    newest = futs[-1]
+    assert adm.held[newest.key].target == b.address
+    assert s.tasks[newest.key].priority == (-100,)
+    assert all(s.tasks[f.key].state == "no-worker" for f in futs)  # nothing bound yet: no room
+
+    adm.room(b.address, "emu").inflight.discard("blocker")  # engine b has a slot now
+    adm.pump()
+    outs = [await t for t in tasks]  # b serves them one at a time (one slot), newest first
+    assert {o.worker for o in outs} == {b.address}
+    await async_wait_for(lambda: all(plugin.state.calls[f.key].started for f in futs))  # reports trail results
+    started = {f.key: plugin.state.calls[f.key].started for f in futs}
+    assert started[newest.key] < started[futs[0].key] < started[futs[1].key]
+    assert adm.counts["policy_targets"] == 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4), ("127.0.0.1", 4)], timeout=60, config=CONFIG)
+async def test_a_call_waiting_on_its_busy_engine_is_rebound_once_and_runs_once(
+        c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    plugin = await _engines(c, s, 2)
+    adm = plugin.admission
+    async with da.session(c) as sess:
+        first = await da.llm("emu").generate([5] * 40, max_tokens=4)
+        home = first.worker
+        other = b.address if home == a.address else a.address
+        adm.room(home, "emu").inflight.add("blocker")  # its engine is busy
+        second = await da.llm("emu").generate([5] * 40 + list(first.token_ids) + [6] * 8, max_tokens=4)
+        assert second.worker == other  # waited longer than recomputing 44 tokens: moved
+        assert plugin.bindings[(sess.id, "llm:emu")] == other  # the session follows it
+        third = await da.llm("emu").generate([7] * 8, max_tokens=4)
+        assert third.worker == other
+    assert adm.counts["rebound"] == 1
+    # each call ran exactly once: the engines saw three requests' prompt tokens, no more
+    served = 0
+    for w in (a, b):
+        host = w.plugins["dask-agents"].engines._hosts["emu"]
+        served += host.stats()["queries"]
+    assert served == 40 + 52 + 8
+    # nothing left behind
+    assert not adm.held and all(not r.inflight - {"blocker"} for r in adm.engines.values())
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4), ("127.0.0.1", 4)], timeout=60, config=CONFIG)
+async def test_a_lazily_loaded_model_gets_engines_where_sessions_arrive(c: Client, s: Scheduler, a: Worker,
+                                                                        b: Worker) -> None:
+    """``da.install(client)`` without ``models=``: the first call starts the engine where it lands;
+    before, every later session went to that engine for good while the other worker idled."""
+    await da.install(c)
+    plugin = s.plugins[NAME]
+    await async_wait_for(lambda: len(plugin.ready_workers) == 2)
+    done = asyncio.Event()
+    served: list[str] = []
+
+    async def one(i: int) -> None:
+        async with da.session(c):
+            served.append((await da.llm("emu").generate([3 + i] * 20, max_tokens=4)).worker)
+            await done.wait()  # stay live: the next session is new demand, not a replacement
+
+    tasks = []
+    for i in range(2):
+        tasks.append(asyncio.ensure_future(one(i)))
+        await async_wait_for(lambda: len(served) == i + 1)
+    done.set()
+    await asyncio.gather(*tasks)
+    assert sorted(served) == sorted([a.address, b.address])  # one engine per worker, none idle
+    await async_wait_for(lambda: plugin.model_workers.get("emu") == {a.address, b.address})
+    assert plugin.admission.counts["engines_started"] == 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4), ("127.0.0.1", 4)], timeout=60,
+             config={**CONFIG, "agents.llm.models": {"emu": {**EMU, "max-replicas": 1}}})
+async def test_lazy_engines_stop_at_max_replicas(c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    await da.install(c)
+    plugin = s.plugins[NAME]
+    await async_wait_for(lambda: len(plugin.ready_workers) == 2)
+    async with da.session(c):
+        first = await da.llm("emu").generate([3] * 20, max_tokens=4)
+        async with da.session(c):
+            second = await da.llm("emu").generate([4] * 20, max_tokens=4)
+    assert first.worker == second.worker
+    assert plugin.admission.counts["engines_started"] == 0
