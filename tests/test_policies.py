@@ -70,6 +70,16 @@ def test_kv_resident_calls_go_first_among_equals():
     assert acts == {"b": priority(0, 0, 2, kv_resident=True)} and acts["b"] < a.priority
 
 
+def test_held_llm_calls_of_sessions_bound_to_an_engine_go_first_among_equals():
+    """Calls the scheduler holds for engine room (worker None): a session already bound to an
+    engine (its KV is there) binds before a new session, all else equal."""
+    new = call("new", worker=None, session="s1", model="coder", arrival=1)
+    bound = call("bound", worker=None, session="s2", model="coder", arrival=2)
+    v = view([worker("A")], [new, bound], [session("s1"), session("s2")], affinity={("s2", "coder"): "A"})
+    acts = {x.key: x.priority for x in Prioritize()(v)}
+    assert acts == {"bound": priority(0, 0, 2, kv_resident=True)} and acts["bound"] < new.priority
+
+
 def test_bad_prioritize_options():
     with pytest.raises(ValueError):
         Prioritize(fair_share_key="planet")

@@ -6,8 +6,9 @@ Priority of a waiting call, as a Dask priority tuple (smaller runs first)::
 
 - progress: completed calls of its session; more progress runs first, so a retry of a nearly
   finished request overtakes newly arrived work.
-- kv_resident: an LLM call waiting on the worker that holds its session's KV goes first
-  among equals (its prefill is cheap there).
+- kv_resident: an LLM call waiting on the worker that holds its session's KV, or held by the
+  scheduler for engine room while its session is bound to an engine, goes first among equals
+  (its prefill is cheap there).
 - starved (Agent Fair Share): a session (or tenant) whose elapsed time exceeds
   ``fair_share_slowdown`` times its expected completion time (from the flattened workflow
   graph: visits x mean duration per component) runs ahead of progress order, so short
@@ -67,8 +68,10 @@ class Prioritize:
         s = view.sessions.get(call.session) if call.session else None
         progress = s.progress if s is not None else 0
         group = call.session if self.key == "session" else call.tenant
-        kv = (call.model is not None and call.worker is not None
-              and view.kv_affinity.get((call.session, call.model)) == call.worker)
+        # its KV is where it will run: on its worker's engine, or (a call the scheduler holds for
+        # engine room, worker None) on the engine its session is bound to, where it binds first
+        bound = view.kv_affinity.get((call.session, call.model)) if call.model is not None else None
+        kv = bound is not None and (call.worker is None or bound == call.worker)
         return priority(call.priority[0], progress, call.priority[-1], group in starved if group else False, kv)
 
     def __call__(self, view: ClusterView) -> Iterator[SetPriority]:
