@@ -94,7 +94,9 @@ class EngineFit:
 
         return EmulationParams(max_batch=max_batch, prefill_s_per_token=self.prefill_s_per_token,
                                decode_s_per_step=self.decode_s_per_step, decode_s_per_seq=self.decode_s_per_seq,
-                               kv_blocks=kv_blocks, block_size=block_size, time_scale=1.0)
+                               kv_blocks=kv_blocks, block_size=block_size, time_scale=1.0,
+                               # the fit has no context term: the emulated default's would add one
+                               decode_s_per_ctx_token=0.0)
 
 
 @dataclass

@@ -151,6 +151,9 @@ class KVManager:
         import dask_agents.config as c
 
         self.kv = kv
+        # the engine internals it reads, through its KV backend's compat layer: vLLM's
+        # (kv/vllm_compat.py), or the emulated engine's (worker_plugin/emulated.py)
+        self.vc = getattr(kv, "compat", vc)
         self.clock = clock
         self.policy = self._policy(policy if policy is not None else str(c.get("kv.policy")))
         self.tick_s = float(tick_s) if tick_s is not None else c.seconds("kv.tick")
@@ -203,7 +206,7 @@ class KVManager:
         now = self.clock() if now is None else now
         self.arrivals += 1
         self._events = True
-        hashes = vc.request_hashes(self.kv.parts, request_id)
+        hashes = self.vc.request_hashes(self.kv.parts, request_id)
         if session is not None and hashes is not None:
             st = self._sessions.get(session)
             if st is None:
@@ -329,7 +332,7 @@ class KVManager:
         """Release the pins of sessions whose queued request now runs (holds its blocks) or is gone."""
         for session, request_id in list(self._unpin_when_running.items()):
             st = self._sessions.get(session)
-            if st is not None and st.live and not vc.allocated_blocks(self.kv.parts, request_id):
+            if st is not None and st.live and not self.vc.allocated_blocks(self.kv.parts, request_id):
                 continue  # still waiting in vLLM's queue: the pin keeps its prefix resident
             del self._unpin_when_running[session]
             if st is not None and self.kv.knows(session):
@@ -351,8 +354,8 @@ class KVManager:
             if actions:
                 self.apply(actions, view)
                 view = self.view(now)
-        if isinstance(self.policy, WALRU) and not (vc.waiting_requests(self.kv.parts)
-                                                   and not vc.running_requests(self.kv.parts)):
+        if isinstance(self.policy, WALRU) and not (self.vc.waiting_requests(self.kv.parts)
+                                                   and not self.vc.running_requests(self.kv.parts)):
             # (while maintain() just released pins so a waiting request can be admitted, re-pinning
             # would undo it: protection resumes once the engine runs again)
             self._pin_protected(view)
@@ -397,8 +400,8 @@ class KVManager:
         """The KV state as a policy sees it, built from the engine's block pool and tiers."""
         now = self.clock() if now is None else now
         parts, kv = self.kv.parts, self.kv
-        cached = vc.cached_free_blocks(parts)  # LRU order
-        used = self._capacity - vc.empty_free_blocks(parts)
+        cached = self.vc.cached_free_blocks(parts)  # LRU order
+        used = self._capacity - self.vc.empty_free_blocks(parts)
         lower = kv.tier_blocks()
         bpb = kv.bytes_per_block
         sessions: dict[str, SessionView] = {}
@@ -421,7 +424,7 @@ class KVManager:
         def stale(tier: str) -> Iterator[int]:
             if tier != ACCELERATOR:
                 return iter(())
-            return (b.block_id for b in cached if self._is_stale(vc.block_hash(b)))
+            return (b.block_id for b in cached if self._is_stale(self.vc.block_hash(b)))
 
         return KVView(now, self._lower(), CostModel(self._geometry),
                       {ACCELERATOR: self._capacity, HOST: kv.tiers.host_bytes // bpb,
@@ -472,14 +475,14 @@ class KVManager:
         want = sum(1 for h in self.kv.blocks_of(session) if self.kv.in_lower_tier(h))
         if not want:
             return 0
-        room = vc.empty_free_blocks(self.kv.parts, at_least=want)
+        room = self.vc.empty_free_blocks(self.kv.parts, at_least=want)
         return self.kv.prefetch(session, room) if room else 0
 
     def _trim(self, a: Trim, tier: str | None) -> None:
-        want = self._capacity - vc.empty_free_blocks(self.kv.parts) - a.target
+        want = self._capacity - self.vc.empty_free_blocks(self.kv.parts) - a.target
         if want <= 0:
             return
-        stale = [h for h in (vc.block_hash(b) for b in vc.cached_free_blocks(self.kv.parts)) if self._is_stale(h)]
+        stale = [h for h in (self.vc.block_hash(b) for b in self.vc.cached_free_blocks(self.kv.parts)) if self._is_stale(h)]
         done = self.kv.offload_blocks(stale[:want], None)
         for sid in a.sessions:
             if done >= want:
@@ -503,13 +506,13 @@ class KVManager:
         restoring more than the device holds and evicting its own restores; the KV of requests
         further back may go a tier down meanwhile. Returns the blocks freed."""
         parts, kv = self.kv.parts, self.kv
-        waiting = vc.waiting(parts)
-        running = vc.running(parts)
+        waiting = self.vc.waiting(parts)
+        running = self.vc.running(parts)
         if not waiting and not running:
             return 0
         t0 = time.perf_counter()
         bs = parts.block_size
-        budget = vc.token_budget(parts)
+        budget = self.vc.token_budget(parts)
         need = 0
         for rid, ntok, done in running:  # vLLM schedules these first
             step = min(ntok - done, budget)
@@ -518,8 +521,8 @@ class KVManager:
             budget -= step
             if step == 1 and done % bs:
                 continue  # a decoded token inside its last block: nothing new
-            need += max(0, -(-(done + step) // bs) - vc.allocated_blocks(parts, rid))
-        free = vc.free_blocks(parts) - need  # empty + cached unreferenced: what vLLM can hand out
+            need += max(0, -(-(done + step) // bs) - self.vc.allocated_blocks(parts, rid))
+        free = self.vc.free_blocks(parts) - need  # empty + cached unreferenced: what vLLM can hand out
         keep: set[bytes] = set()
         plan, admit, taken = [], 0, 0
         held: set[bytes] = set()
@@ -529,12 +532,12 @@ class KVManager:
             hit = restore = 0  # the prefix found on the device or below, and the part below
             touched = []  # resident prefix blocks nobody references yet: admitting takes them off the free pool
             for h in hashes:
-                b = vc.lookup(parts, h)
+                b = self.vc.lookup(parts, h)
                 if b is None:
                     if not kv.in_lower_tier(h):
                         break
                     restore += 1
-                elif vc.ref_count(b) == 0 and h not in held:
+                elif self.vc.ref_count(b) == 0 and h not in held:
                     touched.append(h)
                 hit += 1
             chunk = min(ntok - hit * bs, budget)
@@ -554,11 +557,11 @@ class KVManager:
                 plan.append((hashes, restore))
         need += admit
         freed = 0
-        short = need - vc.empty_free_blocks(parts, at_least=need) if need else 0
+        short = need - self.vc.empty_free_blocks(parts, at_least=need) if need else 0
         if short > 0:
             freed = self._free(short, keep, self.clock() if now is None else now)
         for hashes, r in plan:
-            room = vc.empty_free_blocks(parts, at_least=r)
+            room = self.vc.empty_free_blocks(parts, at_least=r)
             if room:
                 kv.restore(hashes, limit=min(r, room))  # into empty blocks only: nothing cached is lost
         self.stats.room_blocks += freed
@@ -577,7 +580,7 @@ class KVManager:
         processed: set[str] = set()
 
         def take(h: bytes | None, b: Any) -> None:
-            if h is None or h in keep or h in taken or vc.ref_count(b) > 0:
+            if h is None or h in keep or h in taken or self.vc.ref_count(b) > 0:
                 return
             taken.add(h)
             (drop if self._is_stale(h) else down).append(h)
@@ -592,20 +595,20 @@ class KVManager:
                 for h in reversed(kv.blocks_of(item)):
                     if len(taken) >= short:
                         break
-                    b = vc.lookup(parts, h)
+                    b = self.vc.lookup(parts, h)
                     # a block several sessions own goes once every live owner came up in the order
                     if b is not None and all(o in processed or not self._live(o) for o in kv.owners(h)):
                         take(h, b)
             else:
                 b = parts.block_pool.blocks[item]
-                take(vc.block_hash(b), b)
+                take(self.vc.block_hash(b), b)
         if len(taken) < short:  # the order ran out: least recently used next, as vLLM would,
             # except blocks of running sessions (e.g. just prefetched for a session that resumed)
             running = {sid for sid, st in self._sessions.items() if st is not None and st.state == RUNNING}
-            for b in vc.cached_free_blocks(parts):
+            for b in self.vc.cached_free_blocks(parts):
                 if len(taken) >= short:
                     break
-                h = vc.block_hash(b)
+                h = self.vc.block_hash(b)
                 if h is not None and running and not running.isdisjoint(kv.owners(h)):
                     continue
                 take(h, b)

@@ -364,17 +364,23 @@ class Admission:
                 and dask_compat.has_worker(p.scheduler, w)]
 
     def _roomiest(self, h: HeldCall, workers: list[str], rooms: dict) -> str | None:
-        best, best_room = None, -math.inf
+        """Of ``workers``, the engine with a free slot where the session fits with the most KV
+        room left (the fraction of its limit); ties: the fewest live sessions, then calls in
+        flight, then sessions ever sent there (round robin among idle engines). An engine that
+        has not reported its capacity yet counts as large as the model's largest one that has
+        (engines of one model are alike), not as infinite: it must not take every session."""
+        known = [r.capacity for (_w, m), r in self.engines.items() if m == h.model and r.capacity]
+        default = max(known) if known else None
+        best, best_key = None, None
         for w in workers:
             r = self.room(w, h.model)
             if not r.has_slot() or not self._fits(r, h.session, rooms):
                 continue
-            room = r.kv_limit(self.kv_target) - self._resident(r, rooms)
-            # ties (capacity unknown: inf): the fewest live sessions, then the fewest calls in
-            # flight, then the fewest sessions ever sent there (round robin among idle engines)
-            key = (room, -len(r.sessions), -len(r.inflight), -self.plugin.assigned.get(w, 0))
-            if best is None or key > best_room:
-                best, best_room = w, key
+            cap = r.capacity or default
+            free = 1.0 - self._resident(r, rooms) / (self.kv_target * cap) if cap else 1.0
+            key = (round(free, 6), -len(r.sessions), -len(r.inflight), -self.plugin.assigned.get(w, 0))
+            if best_key is None or key > best_key:
+                best, best_key = w, key
         return best
 
     def _least_resident(self, h: HeldCall, workers: list[str], rooms: dict) -> str | None:

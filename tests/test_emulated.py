@@ -202,9 +202,10 @@ def finish(sched: EmulatedScheduler) -> None:
 
 def test_kv_pressure_evicts_lru_prefix_blocks_tail_first():
     sched = EmulatedScheduler(EmulationParams(block_size=4), capacity_blocks=7)
-    a, b = [5] * 9, [6] * 9  # 9 prompt + 3 output = 12 tokens = 3 full blocks each, all cached after
+    # 9 prompt + 4 output tokens: 12 computed (the last sampled token's KV never is) = 3 full blocks each
+    a, b = [5] * 9, [6] * 9
     for rid, prompt in (("a", a), ("b", b), ("a2", a)):  # a2 touches a: b is now least recently used
-        sched.add(Sequence(rid, prompt, 3))
+        sched.add(Sequence(rid, prompt, 4))
         finish(sched)
     assert sched.counters["hits"] == 8 and sched.counters["evictions"] == 0
     assert sched.stats()["used_blocks"] == 6 and sched.stats()["cached_blocks"] == 6
@@ -215,12 +216,12 @@ def test_kv_pressure_evicts_lru_prefix_blocks_tail_first():
     assert not sched.contains(hb[2]) and sched.contains(hb[0]) and sched.contains(hb[1])  # b's tail went first
     for h in block_hashes(a + sched_output(a), 4):
         assert sched.contains(h)  # a was used more recently than b
-    sched.add(Sequence("b2", b, 3))
+    sched.add(Sequence("b2", b, 4))
     finish(sched)
     assert sched.counters["hits"] == 16  # b's prompt prefix survived the eviction
 
 
-def sched_output(prompt: list[int], n: int = 3) -> list[int]:
+def sched_output(prompt: list[int], n: int = 4) -> list[int]:
     """The tokens the engine generates for ``prompt`` (deterministic)."""
     sched = EmulatedScheduler(EmulationParams(), capacity_blocks=100)
     s = Sequence("probe", prompt, n)
@@ -232,20 +233,21 @@ def sched_output(prompt: list[int], n: int = 3) -> list[int]:
 def test_blocks_of_running_sequences_are_never_evicted():
     p = EmulationParams(block_size=4)
     sched = EmulatedScheduler(p, capacity_blocks=6)
-    sched.add(Sequence("old", [5] * 9, 3)); finish(sched)  # 3 cached, unreferenced blocks
-    r = Sequence("r", [6] * 9, 3)
+    sched.add(Sequence("old", [5] * 9, 4)); finish(sched)  # 3 cached, unreferenced blocks
+    r = Sequence("r", [6] * 9, 4)  # 3 blocks at admission, and never more (12 computed tokens)
     sched.add(r); sched.step()
-    assert r in sched.running and sched.used_blocks == 6
-    c = Sequence("c", [7] * 9, 3)
+    assert r in sched.running and sched.used_blocks == 6 and sched.stats()["pinned_blocks"] == 3
+    c = Sequence("c", [7] * 9, 4)
     sched.add(c); sched.step()  # needs 3: evicts the cached ones, not r's
     assert c in sched.running and sched.counters["evictions"] == 3
     assert all(sched.contains(h) for h in block_hashes(r.prompt, 4))
-    d = Sequence("d", [8] * 9, 3)
+    d = Sequence("d", [8] * 9, 4)
     sched.add(d); sched.step()  # nothing evictable: d waits, nothing of r or c is taken
     assert sched.waiting_sequences() == [d] and sched.counters["evictions"] == 3
+    assert sched.stats()["free_blocks"] == 0 and sched.stats()["pinned_blocks"] == 6
     assert all(sched.contains(h) for h in block_hashes(r.prompt, 4) + block_hashes(c.prompt, 4))
     finish(sched)
-    assert len(d.output) == 3 and sched.used_blocks <= 6
+    assert len(d.output) == 4 and sched.used_blocks <= 6 and sched.counters["preemptions"] == 0
 
 
 def test_request_larger_than_kv_fails_clearly(host_factory):

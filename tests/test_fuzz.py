@@ -586,7 +586,7 @@ EMU = {"model": "emulated-fuzz", "engine": "emulated", "tokenizer": "byte", "emu
 
 @pytest.fixture(scope="module")
 def emulated_engines():
-    """A worker's Engines hosting one EMULATED engine (no per-session KV control)."""
+    """A worker's Engines hosting one EMULATED engine (with per-session KV control, as the real one)."""
     with dask.config.set({"agents.llm.models": {"emu": EMU}}):
         eng = Engines("tcp://fuzz:1", ["emu"])
         eng.start("emu").wait_loaded(30)
@@ -603,13 +603,15 @@ hashable_junk = st.one_of(scalars, st.tuples(st.integers()))
        args=st.dictionaries(st.sampled_from(["ttl_s", "tier", "blocks", "max_blocks", "zz"]), junk, max_size=2))
 def test_fuzzed_kv_directives_on_a_worker_are_kv_directive_errors(emulated_engines, model, op, session, args):
     """``Engines.kv_directive`` (what the ``agents_kv`` RPC calls) rejects an unknown op, a
-    missing session, a model not hosted here and an engine without KV control with a
-    KVDirectiveError that names the culprit."""
+    missing session, a model not hosted here, an argument the directive does not take, a bad
+    argument value and a session the engine never saw with a KVDirectiveError that names the
+    culprit (never a bare TypeError from the engine thread)."""
     with pytest.raises(KVDirectiveError) as info:
         emulated_engines.kv_directive(model, op, session, timeout=5, **args)
     msg = str(info.value)
     assert any(w in msg for w in ("unknown KV directive", "needs a session id", "is not hosted",
-                                  "no per-session KV control", "names a model")), msg
+                                  "no per-session KV control", "names a model", "unknown:", "no KV for session",
+                                  "must be", "needs a positive", "tier")), msg
 
 
 @FUZZ

@@ -356,7 +356,15 @@ def test_the_real_engine_reports_slots_queue_and_blocks(host):
     size, queue and KV blocks (16 blocks here, the null block aside)."""
     from worker_plugin.plugin import engine_report
 
+    # earlier tests' callers gave up on requests the engine still finishes: wait for an idle engine
+    wait_for(lambda: host.stats()["running"] == 0 and host.stats()["waiting"] == 0)
+    before = host.stats()
+    prompt = tokens(77, 300)
+    run(host, prompt)
+    cached = run(host, prompt)[1]
     st = host.stats()
+    assert st["queries"] - before["queries"] == 600 and st["hits"] - before["hits"] == cached > 0
+    assert st["prefill_tokens"] - before["prefill_tokens"] == 600 - cached
     assert st["capacity_blocks"] == 15 and st["block_size"] == BLOCK
     assert st["max_batch"] == host._engine.vllm_config.scheduler_config.max_num_seqs
     assert st["running"] == 0 and st["waiting"] == 0

@@ -1,280 +1,338 @@
 """An EMULATED LLM engine: a cost model of a vLLM-like engine, for experiments at scale on CPUs.
 
-It computes nothing. One stepping thread emulates continuous batching: each iteration admits
-waiting requests in FIFO order while batch slots and KV blocks allow, charges prefill time for
-the prompt tokens not found in the prefix cache plus one decode step, gives every running
-sequence one output token, and sleeps the iteration's (scaled) time. KV memory is counted in
-blocks with vLLM-style prefix reuse: full prompt blocks are hashed in a chain (hash of the
-previous block's hash and the block's tokens), kept after their request ends, and evicted LRU
-when capacity is needed; blocks that running sequences reference are never evicted.
+It computes nothing. The cost model (:mod:`worker_plugin.emulated_kv`: continuous batching,
+chunked prefill, paged KV blocks with prefix reuse, preemption and recompute, a host tier with
+its transfer times; the defaults and where each comes from are in that module's docstring)
+is stepped here by one thread, which sleeps each iteration's emulated time times
+``time_scale``. Every number it produces (latencies, cached tokens, KV use, transfers) is
+EMULATED. Settings come from ``agents.llm.models.<name>`` with ``engine: emulated`` and
+parameters under ``emulation`` (:class:`EmulationParams`).
 
-Every number it produces (latencies, cached tokens, KV use) is EMULATED. Settings come from
-``agents.llm.models.<name>`` with ``engine: emulated`` and parameters under ``emulation``
-(:class:`EmulationParams`). The host has exactly the interface :class:`~worker_plugin.engine.Engines`
-uses of :class:`~worker_plugin.engine.EngineHost`; no vLLM import anywhere here.
+The host has the interface :class:`~worker_plugin.engine.Engines` uses of
+:class:`~worker_plugin.engine.EngineHost`, per-session KV control included: ``kv`` is an
+:class:`EmulatedEngineKV` (the methods and attributes of :class:`kv.engine_kv.EngineKV` that
+KV directives and :class:`kv.manager.KVManager` use), and with ``kv-policy`` set on the model
+entry ``kv_manager`` is KVManager itself, which reads the engine's internals through its KV
+backend's ``compat``: :data:`EMULATED_COMPAT` here, :mod:`kv.vllm_compat` on a real engine.
+Unlike EngineHost, the manager runs only when the model entry names a policy (not from
+``agents.kv.policy``): emulated engines are the vLLM baseline of existing experiments, which
+opt in. No vLLM import anywhere here.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import math
 import queue
-import random
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from kv.engine_kv import KVDirectiveError, KVStats, Residency, TierConfig, _count
 from kv.sizing import KVGeometry
+from worker_plugin.emulated_kv import (  # noqa: F401  (the cost model's names are this module's too)
+    H100_KV_BLOCKS,
+    Block,
+    EmulatedCompletion,
+    EmulatedRequestOutput,
+    EmulatedSamplingParams,
+    EmulatedScheduler,
+    EmulationParams,
+    Sequence,
+    block_hashes,
+)
 from worker_plugin.engine import ModelSettings, wait_loaded
-from worker_plugin.tokenizer import OFFSET, ByteTokenizer
+from worker_plugin.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
 
 
-class EmulationParams(BaseModel):
-    """Parameters of the emulated engine (``emulation:`` of a model entry; ``_`` or ``-`` in keys).
+# -- the internals KVManager reads, for the emulated scheduler ---------------------------------------
 
-    Defaults are order-of-magnitude figures for a Llama-3-8B-like model in bf16 on one
-    H100-class GPU, not measurements: set them from a measurement of the engine you emulate.
-    """
+class _BlockPool:
+    """What KVManager reads of vLLM's ``BlockPool``: ``blocks`` by id."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
-                              alias_generator=lambda n: n.replace("_", "-"))
-    max_batch: int = Field(256, ge=1, description="concurrent sequences (vLLM's max_num_seqs)")
-    prefill_s_per_token: float = Field(5e-5, ge=0, description="prefill cost per non-cached prompt token (~20k tok/s)")
-    decode_s_per_step: float = Field(0.01, ge=0, description="fixed cost of one iteration (weights read once)")
-    decode_s_per_seq: float = Field(5e-5, ge=0, description="extra iteration cost per running sequence (its KV reads)")
-    kv_blocks: int | None = Field(None, ge=1, description="KV capacity in blocks; None: kv-cache-memory-bytes / bytes per block")
-    block_size: int = Field(16, ge=1, description="tokens per KV block (vLLM's default)")
-    layers: int = Field(32, ge=1)
-    kv_heads: int = Field(8, ge=1)
-    head_dim: int = Field(128, ge=1)
-    dtype_bytes: int = Field(2, ge=1)
-    time_scale: float | None = Field(None, ge=0, description="wall seconds per emulated second; None: agents.emulation.time-scale (1.0)")
+    def __init__(self, sched: EmulatedScheduler):
+        self.blocks = sched.blocks
+        self.num_gpu_blocks = sched.capacity + 1
 
 
 @dataclass(frozen=True)
-class EmulatedSamplingParams:
-    """What a request asks for. ``temperature`` is recorded, not used: tokens depend on (prompt, seed)."""
+class EmulatedParts:
+    """The emulated counterpart of :class:`kv.vllm_compat.EngineParts` (no KV tensors)."""
 
-    max_tokens: int
-    temperature: float = 0.0
-    seed: int | None = None
-    priority: tuple = ()
-
-
-@dataclass
-class EmulatedCompletion:
-    """Shaped like vLLM's ``CompletionOutput`` (the fields Engines reads)."""
-
-    token_ids: list[int]
-    finish_reason: str = "length"
-
-
-@dataclass
-class EmulatedRequestOutput:
-    """Shaped like vLLM's final ``RequestOutput``; ``emulated`` marks it as such."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[EmulatedCompletion]
-    num_cached_tokens: int
-    finished: bool = True
-    emulated: bool = True
-
-
-def block_hashes(tokens: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of ``tokens`` (a block's hash covers its whole prefix)."""
-    out, parent = [], 0
-    for i in range(0, len(tokens) - block_size + 1, block_size):
-        # hash() of ints and tuples of ints is not salted: identical in every process.
-        parent = hash((parent, tuple(tokens[i:i + block_size])))
-        out.append(parent)
-    return out
-
-
-@dataclass
-class Sequence:
-    """One request inside the emulated engine."""
-
-    request_id: str
-    prompt: list[int]
-    max_tokens: int
-    seed: int | None = None
-    future: Future | None = None
-    output: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
-    held: list[int] = field(default_factory=list)  # hashed blocks it references, in chain order
-    private: int = 0  # blocks it holds that have no hash yet (partial prompt block, output)
-    rng: random.Random | None = None
-    priority: tuple = ()  # smaller is admitted first; FIFO among equals (like vLLM's priority policy)
-
-    def result(self) -> EmulatedRequestOutput:
-        """The final output of a finished sequence."""
-        return EmulatedRequestOutput(self.request_id, self.prompt,
-                                     [EmulatedCompletion(list(self.output))], self.cached_tokens)
-
-
-class EmulatedScheduler:
-    """The cost model itself, with no thread and no clock: ``add`` requests, ``step`` iterations.
-
-    Kept apart from the host so tests (and offline simulators) can step it deterministically.
-    KV accounting: ``_ref`` maps every resident hashed block to the number of running sequences
-    referencing it; ``_lru`` holds the unreferenced ones (the prefix cache), oldest first;
-    ``_private`` counts blocks of running sequences without a hash. used = len(_ref) + _private.
-    A request reserves all the blocks its prompt and ``max_tokens`` will fill when admitted, so
-    it never needs preemption (vLLM allocates as it decodes and preempts instead).
-    """
-
-    def __init__(self, params: EmulationParams, capacity_blocks: int, prefix_caching: bool = True):
-        self.p = params
-        self.capacity = capacity_blocks
-        self.prefix_caching = prefix_caching
-        # (priority, arrival, sequence): a heap, so a retry of an advanced session is admitted
-        # before new work, as the control plane's priorities say; FIFO among equals.
-        self.waiting: list[tuple[tuple, int, Sequence]] = []
-        self._arrivals = itertools.count()
-        self.running: list[Sequence] = []
-        self._ref: dict[int, int] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()
-        self._private = 0
-        self.steps = 0
-        self.counters = dict.fromkeys(("queries", "hits", "prefill_tokens", "decode_tokens", "evictions"), 0)
-        self.emulated_s = 0.0
+    sched: EmulatedScheduler
+    block_pool: _BlockPool
+    block_size: int
+    bytes_per_block_: int
 
     @property
-    def used_blocks(self) -> int:
-        """Blocks in use: referenced by running sequences or kept in the prefix cache."""
-        return len(self._ref) + self._private
+    def num_blocks(self) -> int:
+        """Blocks in the pool, the null block included (as vLLM counts them)."""
+        return self.sched.capacity + 1
 
-    def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
-        """Blocks a request occupies when all its tokens are in."""
-        return math.ceil((prompt_len + max_tokens) / self.p.block_size)
+    def bytes_per_block(self) -> int:
+        """Bytes one block would take (from the emulated geometry)."""
+        return self.bytes_per_block_
 
-    def check(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
-        """ValueError if the request could never fit, even in an empty cache (so it cannot hang)."""
-        need = self.blocks_needed(prompt_len, max_tokens)
-        if need > self.capacity:
-            raise ValueError(
-                f"request {request_id} needs {need} KV blocks ({prompt_len} prompt + {max_tokens} output tokens, "
-                f"{self.p.block_size} tokens per block) but the emulated engine holds only {self.capacity} blocks"
-            )
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a request (by priority, then arrival)."""
-        self.check(seq.request_id, len(seq.prompt), seq.max_tokens)
-        seq.rng = random.Random(hash((tuple(seq.prompt), 0 if seq.seed is None else seq.seed)))
-        heapq.heappush(self.waiting, (tuple(seq.priority), next(self._arrivals), seq))
+class _EmulatedCompat:
+    """The functions of :mod:`kv.vllm_compat` that KVManager calls, on :class:`EmulatedParts`
+    (same names, arguments and meaning; ``tests/test_emulated_kv.py`` checks that every
+    ``vc.<name>`` in kv/manager.py is here)."""
 
-    def waiting_sequences(self) -> list[Sequence]:
-        """Queued requests in admission order."""
-        return [entry[2] for entry in sorted(self.waiting)]
+    @staticmethod
+    def request_hashes(parts: EmulatedParts, request_id: str) -> list | None:
+        seq = parts.sched.requests.get(request_id)
+        return None if seq is None else seq.hashes
 
-    def contains(self, block_hash: int) -> bool:
-        """True if the block is resident (referenced or cached)."""
-        return block_hash in self._ref
+    @staticmethod
+    def lookup(parts: EmulatedParts, block_hash: int) -> Block | None:
+        return parts.sched._cached.get(block_hash)
 
-    def _try_admit(self, seq: Sequence) -> bool:
-        bs = self.p.block_size
-        hashes = block_hashes(seq.prompt, bs) if self.prefix_caching else []
-        # Like vLLM, the last prompt token is always computed, so a hit covers at most len-1 tokens.
-        hits = 0
-        for h in hashes[:(len(seq.prompt) - 1) // bs]:
-            if h not in self._ref:
-                break
-            hits += 1
-        shared = [h for h in hashes if h in self._ref]  # hits, and identical blocks computed elsewhere
-        new = self.blocks_needed(len(seq.prompt), seq.max_tokens) - len(shared)
-        free = self.capacity - self.used_blocks
-        evictable = len(self._lru) - sum(1 for h in shared if h in self._lru)
-        if new > free + evictable:
-            return False
-        for h in shared:  # reference first, so the eviction below cannot take them
-            self._lru.pop(h, None)
-            self._ref[h] += 1
-        while self.capacity - self.used_blocks < new:
-            victim, _ = self._lru.popitem(last=False)
-            del self._ref[victim]
-            self.counters["evictions"] += 1
-        fresh = [h for h in hashes if h not in self._ref]
-        for h in fresh:  # its own full prompt blocks join the cache now: later requests can share them
-            self._ref[h] = 1
-        seq.held = hashes
-        seq.private = new - len(fresh)
-        self._private += seq.private
-        seq.cached_tokens = hits * bs
-        self.counters["queries"] += len(seq.prompt)
-        self.counters["hits"] += seq.cached_tokens
-        self.counters["prefill_tokens"] += len(seq.prompt) - seq.cached_tokens
-        return True
+    @staticmethod
+    def ref_count(block: Block) -> int:
+        return block.ref_cnt
 
-    def _release(self, seq: Sequence) -> None:
-        chain = block_hashes(seq.prompt + seq.output, self.p.block_size) if self.prefix_caching else []
-        for h in chain[len(seq.held):]:  # full blocks of generated tokens are cached too, as in vLLM
-            if h not in self._ref:
-                self._ref[h] = 1
-                seq.held.append(h)
-                seq.private -= 1
-                self._private -= 1
-        held = set(seq.held)
-        # Tail first, so the LRU evicts a prefix's tail before its head (a head-less tail is
-        # useless); blocks it used that someone else computed are touched too.
-        for h in reversed(chain):
-            if h in held:
-                self._ref[h] -= 1
-            if self._ref[h] == 0:
-                self._lru[h] = None
-                self._lru.move_to_end(h)
-        self._private -= seq.private
-        seq.held, seq.private = [], 0
+    @staticmethod
+    def block_hash(block: Block) -> int | None:
+        return block.block_hash
 
-    def step(self) -> tuple[float, list[Sequence]]:
-        """One iteration: admit, then one token for every running sequence.
+    @staticmethod
+    def cached_free_blocks(parts: EmulatedParts) -> list[Block]:
+        return list(parts.sched._lru.values())
 
-        Returns the iteration's emulated duration (seconds, unscaled) and the sequences that
-        finished in it (released from the KV; their futures are left to the caller).
-        """
-        admitted = []
-        while self.waiting and len(self.running) < self.p.max_batch and self._try_admit(self.waiting[0][2]):
-            seq = heapq.heappop(self.waiting)[2]
-            self.running.append(seq)
-            admitted.append(seq)
-        if not self.running:
-            return 0.0, []
-        cost = self.p.prefill_s_per_token * sum(len(s.prompt) - s.cached_tokens for s in admitted)
-        cost += self.p.decode_s_per_step + self.p.decode_s_per_seq * len(self.running)
-        for s in self.running:  # ids 3..258: the byte tokenizer decodes every one of them
-            s.output.append(s.rng.randrange(OFFSET, 256 + OFFSET))
-        self.counters["decode_tokens"] += len(self.running)
-        done = [s for s in self.running if len(s.output) >= s.max_tokens]
-        for s in done:
-            self.running.remove(s)
-            self._release(s)
-        self.steps += 1
-        self.emulated_s += cost
-        return cost, done
+    @staticmethod
+    def empty_free_blocks(parts: EmulatedParts, at_least: int | None = None) -> int:
+        n = len(parts.sched._empty)
+        return n if at_least is None else min(n, at_least)
 
-    def drain(self) -> list[Sequence]:
-        """Drop every running (KV released) and waiting sequence; return them."""
-        out = self.running + self.waiting_sequences()
-        for s in self.running:
-            self._release(s)
-        self.running, self.waiting = [], []
-        return out
+    @staticmethod
+    def free_blocks(parts: EmulatedParts) -> int:
+        return parts.sched.free_blocks
 
-    def stats(self) -> dict[str, Any]:
-        """Counters (tokens for queries/hits/prefill/decode, blocks for the rest)."""
-        return {**self.counters, "used_blocks": self.used_blocks, "capacity_blocks": self.capacity,
-                "cached_blocks": len(self._lru), "running": len(self.running), "waiting": len(self.waiting),
-                "steps": self.steps, "emulated_s": self.emulated_s}
+    @staticmethod
+    def used_blocks(parts: EmulatedParts) -> int:
+        return parts.sched.used_blocks
 
+    @staticmethod
+    def token_budget(parts: EmulatedParts) -> int:
+        return parts.sched.p.max_num_batched_tokens
+
+    @staticmethod
+    def running(parts: EmulatedParts) -> list[tuple[str, int, int]]:
+        return [(s.request_id, s.length, s.num_computed) for s in parts.sched.running]
+
+    @staticmethod
+    def allocated_blocks(parts: EmulatedParts, request_id: str) -> int:
+        seq = parts.sched.requests.get(request_id)
+        return len(seq.blocks) if seq is not None else 0
+
+    @staticmethod
+    def waiting(parts: EmulatedParts) -> list[tuple[str, int, list]]:
+        return [(s.request_id, s.length, s.hashes) for s in parts.sched.waiting_sequences()]
+
+    @staticmethod
+    def waiting_requests(parts: EmulatedParts) -> int:
+        return len(parts.sched.waiting)
+
+    @staticmethod
+    def running_requests(parts: EmulatedParts) -> int:
+        return len(parts.sched.running)
+
+
+EMULATED_COMPAT = _EmulatedCompat()
+
+
+# -- per-session KV control -------------------------------------------------------------------------
+
+class EmulatedEngineKV:
+    """:class:`kv.engine_kv.EngineKV`'s interface on the emulated engine: the same directives
+    (inspect, retain, release, offload, evict, prefetch, invalidate) with the same sharing
+    rules, acting on :class:`EmulatedScheduler`'s blocks and host tier.
+
+    Differences, and why: there is no disk tier (the cost model has one lower tier; ``disk``
+    is refused as on an engine without one); ``prefetch`` starts transfers that complete over
+    emulated time (:meth:`EmulatedScheduler.prefetch`) instead of copying at once; restores
+    on admission happen in the scheduler itself (charged to the step), so ``on_admit`` has
+    nothing to restore. Session tracking is the scheduler's (from each sequence's session).
+    Transfer seconds are reported in wall seconds (emulated x ``time_scale``), the clock the
+    manager measures pauses with. Runs on the stepping thread between steps."""
+
+    def __init__(self, sched: EmulatedScheduler, bytes_per_block: int, pin_fraction: float = 0.5,
+                 pin_ttl_s: float = 30.0, time_scale: float = 1.0):
+        self.sched = sched
+        self.compat = EMULATED_COMPAT  # what KVManager calls in place of kv.vllm_compat
+        self.parts = EmulatedParts(sched, _BlockPool(sched), sched.p.block_size, bytes_per_block)
+        self.bytes_per_block = bytes_per_block
+        self.tiers = TierConfig(host_bytes=sched.host_capacity * bytes_per_block, pin_fraction=pin_fraction,
+                                pin_ttl_s=pin_ttl_s)
+        self.time_scale = time_scale
+        self._expires: dict[str, float] = {}  # session -> monotonic expiry of its pin
+        self._pins_expired = 0
+        self._pins_released = 0
+        self.snapshot: dict[str, int] = {"device": 0, "host": 0, "disk": 0}
+        self._snapshot_at = -math.inf
+
+    @property
+    def stats(self) -> KVStats:
+        """EngineKV's counters, from the scheduler's (a fresh copy per read)."""
+        c, bpb, scale = self.sched.counters, self.bytes_per_block, self.time_scale
+        return KVStats(offloaded_bytes=int(c["offloaded_blocks"]) * bpb,
+                       restored_bytes=int(c["restored_blocks"]) * bpb,
+                       restored_on_demand_bytes=int(c["restored_blocks"] - c["prefetched_blocks"]) * bpb,
+                       restore_seconds=c["restore_s"] * scale, offload_seconds=c["offload_s"] * scale,
+                       dropped_blocks=int(c["dropped_blocks"] + c["host_evictions"]),
+                       pins_expired=self._pins_expired,
+                       pins_released_for_admission=self._pins_released + int(c["pins_released"]))
+
+    # -- tracking ------------------------------------------------------------------------------
+
+    def on_admit(self, session: str | None, request_id: str, restore: bool = True) -> None:
+        """Nothing to do: the scheduler tracks the request's blocks for its session, and restores
+        its prefix from the host when it admits it."""
+
+    def on_finish(self, session: str | None, request_id: str) -> None:
+        """Nothing to do: a request's blocks belong to its session from the start."""
+
+    def restore(self, hashes: list, limit: int | None = None) -> int:
+        """Restore the prefix ``hashes`` from the host (see :meth:`EmulatedScheduler.restore`)."""
+        return self.sched.restore(list(hashes), limit)
+
+    def sessions(self) -> list[str]:
+        """Sessions this engine holds KV for."""
+        return list(self.sched.sessions)
+
+    def knows(self, session: str) -> bool:
+        """Whether this engine tracks KV for ``session``."""
+        return self.sched.knows(session)
+
+    def _known(self, session: str) -> None:
+        if not self.sched.knows(session):
+            raise KVDirectiveError(f"no KV for session {session!r} on this engine")
+
+    def blocks_of(self, session: str) -> list[int]:
+        """The session's block hashes in prefix order."""
+        self._known(session)
+        return self.sched.session_blocks(session)
+
+    def owners(self, block_hash: int) -> frozenset[str]:
+        """Sessions that own ``block_hash``."""
+        return self.sched.owners(block_hash)
+
+    def pinned(self, session: str) -> int:
+        """Blocks the session has pinned."""
+        return self.sched.pinned(session)
+
+    def pinned_blocks(self) -> int:
+        """Blocks pinned across sessions."""
+        return self.sched.retained_blocks()
+
+    def tier_blocks(self) -> dict[str, int]:
+        """Blocks held in the host and disk tiers."""
+        return {"host": len(self.sched.host), "disk": 0}
+
+    def in_lower_tier(self, block_hash: int) -> str | None:
+        """"host" if the host tier holds ``block_hash``, else None."""
+        return "host" if self.sched.on_host(block_hash) else None
+
+    # -- directives ------------------------------------------------------------------------------
+
+    def inspect(self, session: str) -> Residency:
+        """Where the session's blocks are now."""
+        self._known(session)
+        r = self.sched.residency(session)
+        return Residency(session, r["blocks"], r["device"], r["host"], 0, r["pinned"],
+                         self.bytes_per_block, self.sched.p.block_size)
+
+    def retain(self, session: str, ttl_s: float | None = None) -> int:
+        """Pin the session's resident blocks for ``ttl_s`` (default ``pin_ttl_s``) within the pin
+        budget; returns how many are pinned. Re-retaining renews the TTL."""
+        self._known(session)
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float))):
+            raise KVDirectiveError(f"retain's ttl_s must be a number of seconds, got {ttl_s!r}")
+        ttl = self.tiers.pin_ttl_s if ttl_s is None else float(ttl_s)
+        if not 0 < ttl < math.inf:
+            raise KVDirectiveError(f"retain needs a positive, finite TTL, got {ttl_s!r}")
+        self.release(session)
+        budget = int(self.tiers.pin_fraction * self.parts.num_blocks) - self.pinned_blocks()
+        n = self.sched.retain(session, max(budget, 0))
+        if n:
+            self._expires[session] = time.monotonic() + ttl
+        return n
+
+    def release(self, session: str) -> int:
+        """Drop the session's pin (its blocks stay cached, evictable)."""
+        self._expires.pop(session, None)
+        return self.sched.release(session)
+
+    def _check_tier(self, tier: str) -> None:
+        if tier not in ("host", "disk"):
+            raise KVDirectiveError(f"offload tier must be 'host' or 'disk', got {tier!r}")
+        if tier == "disk":
+            raise KVDirectiveError("offload to disk: the emulated engine has no disk tier")
+        if not self.sched.host_capacity:
+            raise KVDirectiveError("offload to host: this engine has no host tier (emulation host_kv_blocks = 0)")
+
+    def offload(self, session: str, tier: str = "host", blocks: int | None = None) -> int:
+        """Move the session's device blocks to the host, tail first, at most ``blocks``, except
+        blocks another session owns or a running request uses; drops its pin."""
+        self._check_tier(tier)
+        blocks = _count("blocks", blocks)
+        self._known(session)
+        self._expires.pop(session, None)
+        return self.sched.offload(session, blocks, copy=True)
+
+    def evict(self, session: str, blocks: int | None = None) -> int:
+        """Free the session's device blocks without a copy (as :meth:`offload` otherwise)."""
+        blocks = _count("blocks", blocks)
+        self._known(session)
+        self._expires.pop(session, None)
+        return self.sched.offload(session, blocks, copy=False)
+
+    def offload_blocks(self, hashes: list, tier: str | None) -> int:
+        """Move the device blocks ``hashes`` to ``tier`` (None: free them); returns how many left."""
+        if tier is not None:
+            self._check_tier(tier)
+        return self.sched.offload_blocks(list(hashes), copy=tier is not None)
+
+    def prefetch(self, session: str, max_blocks: int | None = None) -> int:
+        """Start restoring the session's host blocks (they arrive over emulated time)."""
+        max_blocks = _count("max_blocks", max_blocks)
+        self._known(session)
+        return self.sched.prefetch(session, max_blocks)
+
+    def invalidate(self, session: str) -> int:
+        """Drop the session's pin and every block no other session owns, on both tiers (an
+        unknown session is a no-op: 0)."""
+        self._expires.pop(session, None)
+        return self.sched.invalidate(session)
+
+    # -- housekeeping ----------------------------------------------------------------------------
+
+    def maintain(self, now: float | None = None) -> None:
+        """Expire pins; release every pin if they keep the engine from admitting anything."""
+        now = time.monotonic() if now is None else now
+        if now - self._snapshot_at >= 0.5:
+            self.snapshot, self._snapshot_at = self.tier_bytes(), now
+        for sid, expires in list(self._expires.items()):
+            if expires <= now:
+                self.release(sid)
+                self._pins_expired += 1
+        if self._expires and self.sched.waiting and not self.sched.running:
+            for sid in sorted(self._expires, key=self._expires.__getitem__):
+                self.release(sid)
+                self._pins_released += 1
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes held per tier (device: every block holding KV)."""
+        bpb = self.bytes_per_block
+        return {"device": self.sched.used_blocks * bpb, "host": len(self.sched.host) * bpb, "disk": 0}
+
+
+# -- the host ---------------------------------------------------------------------------------------
 
 class EmulatedEngineHost:
     """An emulated engine and the thread that steps it; the interface of ``EngineHost``."""
@@ -290,8 +348,6 @@ class EmulatedEngineHost:
         self.steps = 0
         self.started_at: float | None = None
         self.crashed: BaseException | None = None  # why the stepping thread died (the host restarts it)
-        self.kv_control = False  # no KV directives: its KV is counted, not held
-        self.kv_control_reason = "emulated engine"
         try:  # a bad config is reported like a failed load: to every caller, not at worker start
             self.params = EmulationParams(**settings.emulation)
         except Exception as e:
@@ -299,7 +355,12 @@ class EmulatedEngineHost:
             self.params = EmulationParams()
         p = self.params
         self.geometry = KVGeometry(p.layers, p.kv_heads, p.head_dim, p.dtype_bytes, p.block_size)
-        capacity = p.kv_blocks if p.kv_blocks is not None else max(1, settings.kv_bytes() // self.geometry.bytes_per_block)
+        if p.kv_blocks is not None:
+            capacity = p.kv_blocks
+        elif settings.kv_bytes():
+            capacity = max(1, settings.kv_bytes() // self.geometry.bytes_per_block)
+        else:  # no KV bytes given: a whole 80 GB H100's worth
+            capacity = H100_KV_BLOCKS
         self._sched = EmulatedScheduler(p, capacity, settings.enable_prefix_caching)
         if p.time_scale is not None:
             self.time_scale = p.time_scale
@@ -307,8 +368,22 @@ class EmulatedEngineHost:
             import dask_agents.config as agents_config
 
             self.time_scale = float(agents_config.get("emulation.time-scale", 1.0))
-        self._lock = threading.Lock()  # guards _sched between the stepping thread and stats()
+        # Per-session KV control: directives always work with prefix caching (a host tier is
+        # optional); the KV manager runs when the model entry names a policy.
+        self.kv: EmulatedEngineKV | None = None
+        self.kv_manager: Any = None
+        self._manager_failures = 0
+        if settings.enable_prefix_caching:
+            self.kv = EmulatedEngineKV(self._sched, self.geometry.bytes_per_block, settings.kv_pin_fraction,
+                                       time_scale=self.time_scale)
+            self.kv_control, self.kv_control_reason = True, None
+        else:
+            self.kv_control = False
+            self.kv_control_reason = "prefix caching is off (enable-prefix-caching: false)"
+        # guards _sched between the stepping thread and readers (stats, kv_report)
+        self._lock = threading.RLock()
         self._inbox: queue.SimpleQueue[Sequence | None] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Any, Future]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._finishing: list[Sequence] = []  # done in the current iteration, resolved after its sleep
         self._thread = threading.Thread(target=self._run, name=f"dask-agents-emulated-{name}", daemon=True)
@@ -318,8 +393,21 @@ class EmulatedEngineHost:
         if self.started_at is None:
             self.started_at = time.time()
             if self.load_error is None:
+                self.kv_manager = self._make_manager()
                 self._thread.start()
             self.loaded.set()
+
+    def _make_manager(self) -> Any:
+        name = self.settings.kv_policy
+        if self.kv is None or name in (None, "none"):
+            return None
+        try:
+            from kv.manager import KVManager
+
+            return KVManager(self.kv, name)
+        except Exception as e:  # optional: KV directives still work without a policy
+            logger.warning("emulated engine %s: KV policy %r is off: %s: %s", self.name, name, type(e).__name__, e)
+            return None
 
     def wait_loaded(self, timeout: float | None = None) -> None:
         """Block until started; re-raise a configuration error."""
@@ -342,40 +430,193 @@ class EmulatedEngineHost:
             fut.set_exception(e)
             return fut
         self._inbox.put(Sequence(request_id, list(token_ids), params.max_tokens, params.seed, fut,
-                                 priority=tuple(params.priority)))
+                                 session=session, priority=tuple(params.priority)))
         return fut
 
+    def abort(self, request_id: str) -> None:
+        """Stop a request its caller gave up on: its blocks and batch slot are freed, its future
+        fails with RuntimeError (between steps, on the stepping thread)."""
+        def drop() -> None:
+            seq = self._sched.abort(request_id)
+            if seq is not None:
+                self._finished(seq)
+                if seq.future is not None and not seq.future.done():
+                    seq.future.set_exception(RuntimeError(f"request {request_id} aborted"))
+
+        if not self._stop.is_set():
+            self._calls.put((drop, Future()))
+            self._inbox.put(None)
+
+    # -- KV control (EngineHost's interface) ----------------------------------------------------
+
+    def kv_call(self, fn: Any, *args: Any) -> Future:
+        """Run ``fn(self.kv, *args)`` on the stepping thread between two steps; the future holds
+        its result or exception."""
+        fut: Future = Future()
+        if self._stop.is_set():
+            fut.set_exception(self._stopped_error())
+        elif self.load_error is not None:
+            fut.set_exception(RuntimeError(f"engine {self.name!r} failed to load: {self.load_error}"))
+        else:
+            self._calls.put((lambda: fn(self._kv_or_raise(), *args), fut))
+            self._inbox.put(None)  # wake the thread if it is idle
+            if self._stop.is_set():  # raced with close: nobody would answer
+                self._fail_all(self._stopped_error())
+        return fut
+
+    def _kv_or_raise(self) -> EmulatedEngineKV:
+        if self.kv is None:
+            raise KVDirectiveError(f"engine {self.name!r} has no per-session KV control ({self.kv_control_reason})")
+        return self.kv
+
+    def kv_hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
+                at: float | None = None) -> Future | None:
+        """Tell the KV manager the workflow state of ``session`` (``EngineHost.kv_hint``): the
+        future of the hint on the stepping thread, or None without a manager or when it never
+        saw the session. Raises KVDirectiveError for an unknown state."""
+        from kv.manager import STATES
+
+        if state not in STATES:
+            raise KVDirectiveError(f"unknown session state {state!r} (known: {', '.join(STATES)})")
+        manager = self.kv_manager
+        if manager is None or not manager.knows(session):
+            return None
+        mono = None if at is None else time.monotonic() - max(0.0, time.time() - float(at))
+        return self.kv_call(lambda kv: manager.hint(session, state, node, wait_key, mono))
+
+    def kv_report(self) -> dict | None:
+        """``EngineHost.kv_report``'s shape: policy, its actions, bytes and capacity per tier
+        (the host tier only when there is one), cumulative traffic; None without KV control."""
+        kv = self.kv
+        if kv is None:
+            return None
+        manager = self.kv_manager
+        actions: dict = {}
+        for _ in range(3):  # the stepping thread may be counting meanwhile: retry a torn copy
+            try:
+                actions = dict(manager.stats.actions) if manager is not None else {}
+                break
+            except RuntimeError:
+                continue
+        with self._lock:
+            held, st = kv.tier_bytes(), kv.stats
+        bpb = kv.bytes_per_block
+        tiers = ("device", "host") if self._sched.host_capacity else ("device",)
+        capacity = {"device": self._sched.capacity * bpb, "host": kv.tiers.host_bytes}
+        return {"kv_policy": manager.policy.name if manager is not None else "none",
+                "kv_actions": actions,
+                "kv_bytes": {t: held[t] for t in tiers},
+                "kv_capacity_bytes": {t: capacity[t] for t in tiers},
+                "kv_traffic_bytes": {"offloaded": st.offloaded_bytes, "spilled": st.spilled_bytes,
+                                     "restored": st.restored_bytes}}
+
     def stats(self) -> dict[str, Any]:
-        """EMULATED counters: queries, hits, prefill_tokens, decode_tokens (tokens), evictions,
-        used_blocks, capacity_blocks, cached_blocks (blocks), running, waiting, steps, emulated_s."""
+        """EMULATED counters and KV state (:meth:`EmulatedScheduler.stats`): tokens (queries,
+        hits, prefill_tokens, decode_tokens, recomputed_tokens, host_hits, ...), blocks
+        (used/pinned/free/cached/capacity, host_used/host_capacity, evictions, preemptions,
+        restored/offloaded, ...), running, waiting, steps, emulated seconds."""
         with self._lock:
             return {**self._sched.stats(), "emulated": True}
 
-    def _take(self, item: Sequence | None) -> None:
-        if item is None:
-            return
+    # -- the stepping thread ----------------------------------------------------------------------
+
+    def _admit(self, seq: Sequence) -> None:
+        if seq.future is not None and not seq.future.set_running_or_notify_cancel():
+            return  # its caller gave up before the engine saw it
         try:
-            with self._lock:
-                self._sched.add(item)
+            self._sched.add(seq)
         except Exception as e:  # a bad request fails that call only
-            if item.future is not None:
-                item.future.set_exception(e)
+            if seq.future is not None:
+                seq.future.set_exception(e)
+            return
+        if self.kv is not None:
+            try:
+                if self.kv_manager is not None:
+                    self.kv_manager.on_admit(seq.session, seq.request_id)
+                else:
+                    self.kv.on_admit(seq.session, seq.request_id)
+            except Exception:  # KV bookkeeping must never fail a call
+                logger.exception("emulated engine %s: KV tracking of %s failed", self.name, seq.request_id)
+
+    def _finished(self, seq: Sequence) -> None:
+        if self.kv is not None:
+            try:
+                if self.kv_manager is not None:
+                    self.kv_manager.on_finish(seq.session, seq.request_id)
+                else:
+                    self.kv.on_finish(seq.session, seq.request_id)
+            except Exception:
+                logger.exception("emulated engine %s: KV tracking of %s failed", self.name, seq.request_id)
+
+    def _take(self, item: Sequence | None) -> None:
+        if item is not None:
+            with self._lock:
+                self._admit(item)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                with self._lock:
+                    result = fn()
+                fut.set_result(result)
+            except BaseException as e:  # a bad directive fails its caller, not the engine
+                fut.set_exception(e)
+
+    def _kv_poll(self) -> None:
+        """Between steps: the KV manager's look, else the pins' housekeeping. A manager that keeps
+        failing is switched off (logged), as on EngineHost."""
+        if self.kv_manager is not None:
+            try:
+                with self._lock:
+                    self.kv_manager.poll()
+                self._manager_failures = 0
+            except Exception:
+                logger.exception("emulated engine %s: KV manager look failed", self.name)
+                self._manager_failures += 1
+                if self._manager_failures >= 5:
+                    logger.error("emulated engine %s: KV manager switched off after repeated failures", self.name)
+                    self.kv_manager = None
+        elif self.kv is not None:
+            try:
+                with self._lock:
+                    self.kv.maintain()
+            except Exception:
+                logger.exception("emulated engine %s: KV housekeeping failed", self.name)
+
+    def _idle_wait(self) -> float:
+        """How long an idle loop sleeps: a manager's paused sessions need looks while idle."""
+        return min(0.5, max(0.005, self.kv_manager.tick_s)) if self.kv_manager is not None else 0.5
 
     def _run(self) -> None:
         sched = self._sched
         while not self._stop.is_set():
-            if not sched.running and not sched.waiting:
-                try:  # idle: sleep until a request (or close) arrives
-                    self._take(self._inbox.get(timeout=0.5))
-                except queue.Empty:
-                    continue
+            # Requests first, then calls: an abort that follows its request finds it.
             while True:  # everything that arrived joins this iteration's admission
                 try:
                     self._take(self._inbox.get_nowait())
                 except queue.Empty:
                     break
+            self._run_calls()
+            self._kv_poll()
             if self._stop.is_set():
                 break
+            if not sched.running and not sched.waiting:
+                t0 = time.monotonic()
+                try:  # idle: sleep until a request, a KV call or close arrives
+                    item = self._inbox.get(timeout=self._idle_wait())
+                except queue.Empty:
+                    item = None
+                with self._lock:  # idle time passes for transfers in flight too
+                    idle = time.monotonic() - t0
+                    sched.advance(idle / self.time_scale if self.time_scale > 0 else math.inf)
+                self._take(item)
+                continue  # the rest of what arrived, the calls and a look, then the step
             try:
                 with self._lock:
                     before = sched.steps
@@ -386,7 +627,7 @@ class EmulatedEngineHost:
                 self.crashed = e
                 self._stop.set()
                 break
-            if sched.steps == before:  # nothing could run (cannot happen: check() bounds requests); don't spin
+            if sched.steps == before:  # nothing could run (check() and the pin release prevent it); don't spin
                 try:
                     self._take(self._inbox.get(timeout=0.05))
                 except queue.Empty:
@@ -396,6 +637,8 @@ class EmulatedEngineHost:
             if cost > 0 and self._stop.wait(cost * self.time_scale):
                 break
             for s in self._finishing:
+                with self._lock:
+                    self._finished(s)
                 if s.future is not None and not s.future.done():
                     s.future.set_result(s.result())
             self._finishing = []
@@ -422,6 +665,13 @@ class EmulatedEngineHost:
         for s in seqs:
             if s.future is not None and not s.future.done():
                 s.future.set_exception(exc)
+        while True:
+            try:
+                _fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if not fut.done():
+                fut.set_exception(exc)
 
     def close(self) -> None:
         """Stop the stepping thread; in-flight and queued requests fail with a clear error."""

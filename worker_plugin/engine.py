@@ -164,6 +164,7 @@ class EngineHost:
         self._closed = False
         self.crashed: BaseException | None = None  # why the engine died (restart it), None while healthy
         self.steps = 0
+        self.counters = dict.fromkeys(("queries", "hits", "prefill_tokens", "decode_tokens"), 0)
         self.started_at: float | None = None
         self.geometry: Any = None  # kv.KVGeometry once loaded (None for models without a local config)
         self.vocab_size: int | None = None  # the model's, once loaded: token ids are checked against it
@@ -344,11 +345,23 @@ class EngineHost:
         mono = None if at is None else time.monotonic() - max(0.0, time.time() - float(at))
         return self.kv_call(lambda kv: manager.hint(session, state, node, wait_key, mono))
 
+    def _count(self, out: Any) -> None:
+        """Token counters of a finished request (the engine thread's; ``stats`` reads them)."""
+        prompt = len(out.prompt_token_ids or ())
+        cached = int(out.num_cached_tokens or 0)
+        c = self.counters
+        c["queries"] += prompt
+        c["hits"] += cached
+        c["prefill_tokens"] += prompt - cached
+        c["decode_tokens"] += sum(len(o.token_ids) for o in out.outputs)
+
     def stats(self) -> dict[str, Any]:
-        """Running and waiting requests, batch slots and KV blocks (used = referenced; free
-        includes cached, evictable blocks), read as counts from another thread; only ``steps``
-        before the engine has per-session KV control (its parts are not known then)."""
-        out: dict[str, Any] = {"steps": self.steps}
+        """Token counters of finished requests (``queries``: prompt tokens, ``hits``: of them
+        served from the prefix cache, ``prefill_tokens``: computed, ``decode_tokens``), and
+        with per-session KV control also running and waiting requests, batch slots and KV blocks
+        (used = referenced; free includes cached, evictable blocks), read as counts from another
+        thread (the parts are not known without KV control)."""
+        out: dict[str, Any] = {"steps": self.steps, **self.counters}
         kv = self.kv
         if kv is None:
             return out
@@ -608,6 +621,7 @@ class EngineHost:
                         req = self._pending.pop(out.request_id, None)
                         if req is not None:
                             self._finished(req)
+                            self._count(out)
                             _resolve(req.future, result=out)
         self._run_calls()  # directives queued before close still get an answer
 
@@ -622,6 +636,10 @@ class EngineHost:
 
 
 KV_OPS = ("inspect", "retain", "release", "offload", "prefetch", "invalidate")
+# the keyword arguments each directive takes (EngineKV's signatures): anything else is refused
+# before it reaches an engine, where it would raise a bare TypeError on the stepping thread
+KV_OP_ARGS = {"inspect": (), "retain": ("ttl_s",), "release": (), "offload": ("tier", "blocks"),
+              "prefetch": ("max_blocks",), "invalidate": ()}
 
 
 def _resolve(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
@@ -1012,6 +1030,10 @@ class Engines:
             raise KVDirectiveError(f"a KV directive needs a session id, got {session!r}")
         if not isinstance(model, str):
             raise KVDirectiveError(f"a KV directive names a model, got {model!r}")
+        unknown = sorted(map(repr, set(args) - set(KV_OP_ARGS[op])))
+        if unknown:
+            raise KVDirectiveError(f"KV directive {op!r} takes {', '.join(KV_OP_ARGS[op]) or 'no arguments'}; "
+                                   f"unknown: {', '.join(unknown)}")
         host = self._hosts.get(model)
         if host is None or model not in self.hosted:
             raise KVDirectiveError(f"model {model!r} is not hosted on worker {self.worker_address}")

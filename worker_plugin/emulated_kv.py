@@ -1,0 +1,801 @@
+"""The cost model of the EMULATED engine: continuous batching, paged KV blocks and a host tier,
+stepped deterministically (no thread, no clock). :mod:`worker_plugin.emulated` runs it on a
+thread and gives it the interfaces of a real engine host.
+
+Everything it produces (latencies, cached tokens, KV use, transfers) is EMULATED: nothing is
+computed, only counted. It follows what vLLM v1 does (``vllm/v1/core/sched/scheduler.py``,
+``kv_cache_manager.py``, ``block_pool.py``):
+
+- **Blocks.** KV is paged in blocks of ``block_size`` tokens. A block full of computed tokens
+  is registered in the prefix cache under a chained hash (its parent's hash and its tokens),
+  so requests with a common prefix share blocks. A block nobody references stays cached and is
+  evicted least recently used first when a new block is needed; a request's blocks are freed
+  tail first, so a chain loses its tail before its head. The last sampled token's KV is never
+  computed (its block is not full of computed tokens), as in vLLM.
+- **Admission and growth.** A waiting request is admitted (priority, then arrival) while batch
+  slots and the step's token budget allow and all the blocks of its prompt fit in the free ones
+  (empty, or cached and unreferenced), prefix hits shared; the last prompt token is always
+  computed. (vLLM allocates a long prompt chunk by chunk; allocating the whole prompt at once
+  keeps a half-prefilled prompt from being preempted by its own later chunks.) Afterwards a
+  sequence gets one more block each time it crosses a block boundary.
+- **Preemption and recompute.** When a running sequence needs a block and none is free, the
+  running sequence with the lowest priority (latest arrival among equals: vLLM's priority
+  policy) is preempted: its blocks are freed (its full blocks stay in the prefix cache,
+  unreferenced and evictable) and it goes back to the waiting queue with its output so far.
+  Readmitted, its prompt and output so far are prefilled again minus prefix hits
+  (``recomputed_tokens``). A step that preempts admits nothing new (as vLLM), unless the
+  preemption left nothing to run. If nothing runs and retained (pinned) blocks keep the next
+  request out, the pins are dropped, so retention never wedges the engine.
+- **Chunked prefill.** A step schedules at most ``max_num_batched_tokens`` tokens: running
+  sequences first (one token each when decoding, the next chunk of a long prompt otherwise),
+  then waiting ones; a long prompt is prefilled over several steps. The step that computes a
+  sequence's last pending token samples its next token.
+- **Step cost** (emulated seconds)::
+
+      restore stall + prefill_s_per_token * prefill tokens + decode_s_per_step
+        + decode_s_per_seq * sequences in the step + decode_s_per_ctx_token * context tokens read
+
+  where a sequence's context read is every token whose KV the step reads (its tokens so far).
+- **Host tier** (``host_kv_blocks`` > 0). ``host_policy: lru``: every block leaving the device
+  (evicted, offloaded) is copied to the host, which evicts LRU: workflow-blind, what vLLM's
+  native CPU offloading and LMCache give. ``directed``: only what KV directives offload goes
+  there; a block restored from it leaves it. Copies to the host run beside the steps (not
+  charged). A prefix block missing on the device but on the host is restored when its request
+  is admitted, over one link at ``host_restore_s_per_block``: the step waits for it (a
+  synchronous load stalls the batch) unless it arrived earlier, prefetched; an admission that
+  waits on a prefetch still in flight pays only the rest.
+- **Sessions.** A sequence's blocks belong to its session; per-session operations (retain,
+  release, offload, prefetch, invalidate) are those of :class:`kv.engine_kv.EngineKV`.
+
+Defaults (:class:`EmulationParams`) are for a Llama-3-8B-class model in bf16 on one 80 GB H100,
+derived from first principles, not measured:
+
+- KV per token = 2 (K, V) x 32 layers x 8 KV heads x 128 head dim x 2 bytes = 128 KiB;
+  a block of 16 tokens = 2 MiB.
+- HBM ~3 TB/s: a step reads the 16 GB of weights once, 16e9 / 3e12 = 5.3 ms
+  (``decode_s_per_step``), and each token of context, 131072 / 3e12 = 4.4e-8 s
+  (``decode_s_per_ctx_token``).
+- Compute ~400 TFLOP/s effective, 2 x 8e9 FLOP per token: 4e-5 s per prefilled token
+  (``prefill_s_per_token``) and per decoded sequence (``decode_s_per_seq``).
+- ``max_batch`` 256 and ``max_num_batched_tokens`` 8192: vLLM's defaults.
+- KV capacity: an 80 GB card leaves ~60 GB for KV, ~480k tokens, ~30k blocks
+  (:data:`H100_KV_BLOCKS`); used only when the model entry gives no KV bytes (the host uses
+  ``kv_blocks`` or ``kv-cache-memory-bytes`` otherwise).
+- PCIe Gen5 x16 ~25 GB/s one way: 2 MiB / 25 GB/s = 8.4e-5 s per block each way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from worker_plugin.tokenizer import OFFSET
+
+H100_KV_BLOCKS = 30_000
+"""~60 GB of KV on an 80 GB H100 in 2 MiB blocks (16 tokens of a Llama-3-8B-class model)."""
+
+
+class EmulationParams(BaseModel):
+    """Parameters of the emulated engine (``emulation:`` of a model entry; ``_`` or ``-`` in keys).
+
+    Defaults: a Llama-3-8B-class model in bf16 on one 80 GB H100, from the arithmetic in the
+    module docstring, not measurements: set them from a measurement of the engine you emulate.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
+                              alias_generator=lambda n: n.replace("_", "-"))
+    max_batch: int = Field(256, ge=1, description="concurrent sequences (vLLM's max_num_seqs)")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="tokens one step schedules at most (chunked prefill)")
+    prefill_s_per_token: float = Field(4e-5, ge=0, description="prefill cost per computed prompt token (2*8e9 FLOP at 400 TFLOP/s)")
+    decode_s_per_step: float = Field(5.3e-3, ge=0, description="fixed cost of one step (16 GB of weights at 3 TB/s)")
+    decode_s_per_seq: float = Field(4e-5, ge=0, description="extra step cost per sequence in it (its token's FLOPs)")
+    decode_s_per_ctx_token: float = Field(4.4e-8, ge=0, description="step cost per context token read (128 KiB at 3 TB/s)")
+    kv_blocks: int | None = Field(None, ge=1, description="KV capacity in blocks; None: kv-cache-memory-bytes / bytes per block")
+    block_size: int = Field(16, ge=1, description="tokens per KV block (vLLM's default)")
+    layers: int = Field(32, ge=1)
+    kv_heads: int = Field(8, ge=1)
+    head_dim: int = Field(128, ge=1)
+    dtype_bytes: int = Field(2, ge=1)
+    host_kv_blocks: int = Field(0, ge=0, description="host-memory KV tier in blocks (0: none)")
+    host_restore_s_per_block: float = Field(8.4e-5, ge=0, description="host -> device per block (2 MiB at 25 GB/s)")
+    host_offload_s_per_block: float = Field(8.4e-5, ge=0, description="device -> host per block (2 MiB at 25 GB/s)")
+    host_policy: Literal["lru", "directed"] = Field(
+        "lru", description="lru: every block leaving the device goes to the host (vLLM native offloading, "
+                           "LMCache); directed: only what KV directives offload")
+    time_scale: float | None = Field(None, ge=0, description="wall seconds per emulated second; None: agents.emulation.time-scale (1.0)")
+
+
+@dataclass(frozen=True)
+class EmulatedSamplingParams:
+    """What a request asks for. ``temperature`` is recorded, not used: tokens depend on (prompt, seed)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+    priority: tuple = ()
+
+
+@dataclass
+class EmulatedCompletion:
+    """Shaped like vLLM's ``CompletionOutput`` (the fields Engines reads)."""
+
+    token_ids: list[int]
+    finish_reason: str = "length"
+
+
+@dataclass
+class EmulatedRequestOutput:
+    """Shaped like vLLM's final ``RequestOutput``; ``emulated`` marks it as such."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[EmulatedCompletion]
+    num_cached_tokens: int
+    finished: bool = True
+    emulated: bool = True
+
+
+def _chain(parent: int, tokens: Iterable[int]) -> int:
+    # hash() of ints and tuples of ints is not salted: identical in every process.
+    return hash((parent, tuple(tokens)))
+
+
+def block_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of ``tokens`` (a block's hash covers its whole prefix)."""
+    out, parent = [], 0
+    for i in range(0, len(tokens) - block_size + 1, block_size):
+        parent = _chain(parent, tokens[i:i + block_size])
+        out.append(parent)
+    return out
+
+
+@dataclass(eq=False)
+class Block:
+    """One device KV block (the fields ``kv.vllm_compat`` reads of vLLM's ``KVCacheBlock``)."""
+
+    block_id: int
+    block_hash: int | None = None  # set while it is in the prefix cache
+    ref_cnt: int = 0  # running sequences and pins referencing it
+    ready_at: float = 0.0  # emulated time its KV is on the device (later: a restore in flight)
+    from_host: bool = False  # restored from the host and not hit since (a hit on it is a host hit)
+    is_null: bool = False
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the emulated engine (compared by identity)."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    seed: int | None = None
+    future: Future | None = None
+    session: str | None = None
+    priority: tuple = ()  # smaller is admitted first; FIFO among equals (like vLLM's priority policy)
+    output: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prefix hit at its first admission (vLLM's num_cached_tokens)
+    hashes: list[int] = field(default_factory=list)  # full blocks of prompt + output so far (a live list)
+    blocks: list[Block] = field(default_factory=list)  # device blocks it holds, in chain order
+    num_computed: int = 0  # tokens whose KV is computed
+    prefill_target: int = 0  # tokens so far when last admitted: the ones below are prefill
+    num_hashed: int = 0  # leading blocks already registered in the prefix cache
+    preemptions: int = 0
+    status: str = "new"  # waiting, running, done, aborted
+    key: tuple = ()  # (priority, arrival): its place in the waiting queue
+    tracked: bool = True  # its blocks are recorded for its session (False once that was invalidated)
+    rng: random.Random | None = None
+    ready_at: float = 0.0  # its prefix blocks' arrival when last admitted (restores)
+    length: int = 0  # prompt and output tokens so far (kept by the scheduler: read every step)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens so far."""
+        return len(self.prompt) + len(self.output)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output, without copying both."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        if start >= n:
+            return self.output[start - n:end - n]
+        return self.prompt[start:] + self.output[:end - n]
+
+    def result(self) -> EmulatedRequestOutput:
+        """The final output of a finished sequence."""
+        return EmulatedRequestOutput(self.request_id, self.prompt,
+                                     [EmulatedCompletion(list(self.output))], self.cached_tokens)
+
+
+COUNTERS = ("queries", "hits", "prefill_tokens", "decode_tokens", "evictions", "preemptions",
+            "recomputed_tokens", "preempted_queries", "preempted_hits", "host_hits", "restored_blocks",
+            "prefetched_blocks", "offloaded_blocks", "host_evictions", "dropped_blocks", "pins_released")
+SECONDS = ("restore_s", "offload_s", "stall_s")
+
+
+def _rank(seq: Sequence) -> tuple:
+    return seq.key
+
+
+class EmulatedScheduler:
+    """The cost model itself (see the module docstring): ``add`` requests, ``step`` iterations.
+
+    Kept apart from the host so tests (and offline simulators) can step it deterministically.
+    Device KV: ``blocks`` (the pool, id 0 a null block as in vLLM), ``_empty`` (free blocks
+    holding nothing), ``_lru`` (cached blocks nobody references, least recently used first),
+    ``_cached`` (every block in the prefix cache by hash). Host KV: ``host`` (hashes, LRU).
+    ``now`` is the emulated clock: steps advance it by their cost, :meth:`advance` by idle time.
+    """
+
+    def __init__(self, params: EmulationParams, capacity_blocks: int, prefix_caching: bool = True):
+        self.p = params
+        self.capacity = capacity_blocks
+        self.prefix_caching = prefix_caching
+        self.blocks: list[Block] = [Block(0, is_null=True)] + [Block(i) for i in range(1, capacity_blocks + 1)]
+        self._empty: list[Block] = self.blocks[:0:-1]  # a stack: lowest ids handed out first
+        self._lru: OrderedDict[int, Block] = OrderedDict()
+        self._cached: dict[int, Block] = {}
+        self.host: OrderedDict[int, None] = OrderedDict()
+        self.host_capacity = params.host_kv_blocks
+        # (priority, arrival, sequence): a heap, so a retry of an advanced session is admitted
+        # before new work, as the control plane's priorities say; FIFO among equals.
+        self.waiting: list[tuple[tuple, int, Sequence]] = []
+        self._arrivals = itertools.count()
+        self.running: list[Sequence] = []  # in (priority, arrival) order: the last one is preempted first
+        self.requests: dict[str, Sequence] = {}  # added and not finished
+        # session -> its block hashes (first use first) -> tokens up to that block's end
+        self.sessions: dict[str, OrderedDict[int, int]] = {}
+        self._owners: dict[int, set[str]] = {}
+        self._pins: dict[str, list[Block]] = {}
+        self.now = 0.0
+        self._link_free_at = 0.0  # host -> device transfers run one after another
+        self.steps = 0
+        self.emulated_s = 0.0  # busy time: the sum of the steps' costs
+        self.counters: dict[str, float] = {**dict.fromkeys(COUNTERS, 0), **dict.fromkeys(SECONDS, 0.0)}
+
+    # -- sizes -------------------------------------------------------------------------------
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks holding KV: referenced (running sequences, pins) or cached."""
+        return self.capacity - len(self._empty)
+
+    @property
+    def pinned_blocks(self) -> int:
+        """Blocks referenced by running sequences or retained by directives (never evicted)."""
+        return self.capacity - len(self._empty) - len(self._lru)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks an allocation may take now: empty ones and cached unreferenced ones."""
+        return len(self._empty) + len(self._lru)
+
+    def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks a request holds at most: the last sampled token's KV is never computed."""
+        return math.ceil(max(1, prompt_len + max_tokens - 1) / self.p.block_size)
+
+    def check(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
+        """ValueError if the request could never fit, even in an empty cache (so it cannot hang)."""
+        need = self.blocks_needed(prompt_len, max_tokens)
+        if need > self.capacity:
+            raise ValueError(
+                f"request {request_id} needs {need} KV blocks ({prompt_len} prompt + {max_tokens} output tokens, "
+                f"{self.p.block_size} tokens per block) but the emulated engine holds only {self.capacity} blocks"
+            )
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request (by priority, then arrival)."""
+        self.check(seq.request_id, len(seq.prompt), seq.max_tokens)
+        if seq.request_id in self.requests:
+            raise ValueError(f"request {seq.request_id} is already in the emulated engine")
+        seq.rng = random.Random(hash((tuple(seq.prompt), 0 if seq.seed is None else seq.seed)))
+        if self.prefix_caching:
+            seq.hashes = block_hashes(seq.prompt, self.p.block_size)
+            self._own(seq, 0)
+        seq.key = (tuple(seq.priority), next(self._arrivals))
+        seq.length = len(seq.prompt) + len(seq.output)
+        seq.status = "waiting"
+        self.requests[seq.request_id] = seq
+        heapq.heappush(self.waiting, (*seq.key, seq))
+
+    def waiting_sequences(self) -> list[Sequence]:
+        """Queued requests in admission order."""
+        return [entry[2] for entry in sorted(self.waiting, key=lambda e: e[:2])]
+
+    def contains(self, block_hash: int) -> bool:
+        """True if the block is on the device (referenced or cached)."""
+        return block_hash in self._cached
+
+    def on_host(self, block_hash: int) -> bool:
+        """True if the host tier holds the block."""
+        return block_hash in self.host
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever it is (its blocks freed); the sequence, or None if unknown."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.status == "running":
+            self.running.remove(seq)
+            self._release_blocks(seq)
+        elif seq.status == "waiting":
+            self.waiting = [e for e in self.waiting if e[2] is not seq]
+            heapq.heapify(self.waiting)
+        seq.status = "aborted"
+        return seq
+
+    def drain(self) -> list[Sequence]:
+        """Drop every running (KV released) and waiting sequence; return them."""
+        out = self.running + self.waiting_sequences()
+        for s in self.running:
+            self._release_blocks(s)
+        self.running, self.waiting = [], []
+        self.requests.clear()
+        return out
+
+    # -- the block pool ------------------------------------------------------------------------
+
+    def _allocate(self) -> Block | None:
+        """A block holding nothing: an empty one, else the least recently used cached one."""
+        if self._empty:
+            return self._empty.pop()
+        if not self._lru:
+            return None
+        _, b = self._lru.popitem(last=False)
+        self.counters["evictions"] += 1
+        self._uncache(b, to_host=self.p.host_policy == "lru")
+        return b
+
+    def _uncache(self, b: Block, to_host: bool) -> None:
+        """Take an unreferenced block (already out of ``_lru``) out of the prefix cache."""
+        del self._cached[b.block_hash]
+        if to_host:
+            self._host_put(b.block_hash)
+        b.block_hash, b.ready_at, b.from_host = None, 0.0, False
+
+    def _drop(self, b: Block, to_host: bool) -> None:
+        """Free a cached unreferenced block now (a directive), first in line for reuse."""
+        self._lru.pop(b.block_hash)
+        self._uncache(b, to_host)
+        self._empty.append(b)
+
+    def _ref(self, b: Block) -> None:
+        if b.ref_cnt == 0 and b.block_hash is not None:
+            self._lru.pop(b.block_hash, None)
+        b.ref_cnt += 1
+
+    def _unref(self, b: Block) -> None:
+        b.ref_cnt -= 1
+        if b.ref_cnt == 0:
+            if b.block_hash is not None:
+                self._lru[b.block_hash] = b  # most recently used end
+            else:
+                self._empty.append(b)
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        # Tail first, as vLLM frees them: the LRU takes a chain's tail before its head.
+        for b in reversed(seq.blocks):
+            self._unref(b)
+        seq.blocks, seq.num_hashed = [], 0
+
+    def _cache_full(self, seq: Sequence) -> None:
+        """Register the sequence's blocks that are full of computed tokens in the prefix cache."""
+        if not self.prefix_caching:
+            return
+        full = min(seq.num_computed // self.p.block_size, len(seq.hashes))
+        for i in range(seq.num_hashed, full):
+            b, h = seq.blocks[i], seq.hashes[i]
+            if b.block_hash is not None:
+                continue
+            twin = self._cached.get(h)
+            if twin is not None and twin.ref_cnt == 0:
+                # An unreferenced copy of the same KV (its tokens could not be a hit: the block
+                # ends past the prompt): the fresh copy replaces it (vLLM keeps both until
+                # evicted; one entry keeps the LRU order what reuse made it).
+                self._drop(twin, to_host=False)
+                twin = None
+            if twin is None:  # (a referenced twin keeps the entry; this copy stays private)
+                b.block_hash = h
+                self._cached[h] = b
+        seq.num_hashed = max(seq.num_hashed, full)
+
+    def _extend_hashes(self, seq: Sequence) -> None:
+        """Hash the blocks the new output token completed (vLLM's request.block_hashes grows too)."""
+        if not self.prefix_caching:
+            return
+        bs, start = self.p.block_size, len(seq.hashes)
+        while (len(seq.hashes) + 1) * bs <= seq.length:
+            i = len(seq.hashes)
+            seq.hashes.append(_chain(seq.hashes[-1] if seq.hashes else 0, seq.tokens(i * bs, (i + 1) * bs)))
+        self._own(seq, start)
+
+    # -- the host tier --------------------------------------------------------------------------
+
+    def _host_keep(self, h: int) -> bool:
+        """Put ``h`` at the host's most recent end, evicting LRU to make room; False without a host tier."""
+        if self.host_capacity < 1:
+            return False
+        if h in self.host:
+            self.host.move_to_end(h)
+            return True
+        while len(self.host) >= self.host_capacity:
+            self.host.popitem(last=False)
+            self.counters["host_evictions"] += 1
+        self.host[h] = None
+        return True
+
+    def _host_put(self, h: int) -> bool:
+        """Copy a device block to the host (beside the steps: not charged); False without a host tier."""
+        if h in self.host:
+            return self._host_keep(h)  # the copy is there already
+        if not self._host_keep(h):
+            return False
+        self.counters["offloaded_blocks"] += 1
+        self.counters["offload_s"] += self.p.host_offload_s_per_block
+        return True
+
+    def _transfer(self) -> float:
+        """Book one block on the host -> device link; returns when it arrives."""
+        start = max(self.now, self._link_free_at)
+        self._link_free_at = start + self.p.host_restore_s_per_block
+        self.counters["restore_s"] += self.p.host_restore_s_per_block
+        self.counters["restored_blocks"] += 1
+        return self._link_free_at
+
+    def _restore_block(self, h: int, prefetch: bool, held: bool = False) -> Block | None:
+        """A device block holding host block ``h`` (arriving over the link), unreferenced and
+        out of ``_lru``; None if no block can be had. Under ``directed`` it leaves the host.
+        ``held``: the caller took ``h`` off the host already."""
+        if not held:
+            self.host.pop(h)  # held aside: the allocation below may push blocks to the host
+        b = self._allocate()
+        if b is None:
+            self.host[h] = None
+            return None
+        if self.p.host_policy == "lru":
+            self._host_keep(h)
+        b.block_hash, b.from_host, b.ready_at = h, True, self._transfer()
+        self._cached[h] = b
+        if prefetch:
+            self.counters["prefetched_blocks"] += 1
+        return b
+
+    def restore(self, hashes: list[int], limit: int | None = None, prefetch: bool = False) -> int:
+        """Bring the prefix ``hashes`` from the host onto the device as cached blocks, in chain
+        order: resident ones are skipped, it stops at the first block held nowhere, at ``limit``
+        blocks, or when only its own restores could make room. They arrive over the link in the
+        background (``ready_at``); an admission that needs one before then waits for it."""
+        done: set[int] = set()
+        for h in hashes:
+            if limit is not None and len(done) >= limit:
+                break
+            if h in self._cached:
+                continue
+            if h not in self.host:
+                break
+            if not self._empty and (not self._lru or next(iter(self._lru)) in done):
+                break
+            b = self._restore_block(h, prefetch)
+            if b is None:
+                break
+            self._lru[h] = b
+            done.add(h)
+        return len(done)
+
+    def advance(self, seconds: float) -> None:
+        """Idle time passes (no step runs); infinite: every transfer in flight completes."""
+        if math.isinf(seconds):
+            self.now = max(self.now, self._link_free_at)
+        elif seconds > 0:
+            self.now += seconds
+
+    # -- admission, preemption, the step -------------------------------------------------------
+
+    def _try_admit(self, seq: Sequence) -> bool:
+        """Admit ``seq`` if all its tokens' blocks fit: take its prefix hits (device, or host:
+        restored now), allocate the rest. False (nothing changed) if they do not fit."""
+        bs, ntok = self.p.block_size, seq.length
+        total = math.ceil(ntok / bs)
+        plan: list[Block | None] = []  # per prefix block: the device block, or None (on the host)
+        if self.prefix_caching:
+            for h in seq.hashes[:(ntok - 1) // bs]:  # the last token is always computed
+                b = self._cached.get(h)
+                if b is None and h not in self.host:
+                    break
+                plan.append(b)
+        device = [b for b in plan if b is not None]
+        touched = sum(1 for b in device if b.ref_cnt == 0)  # taken off the free pool by admitting
+        if total - len(device) > self.free_blocks - touched:
+            return False
+        for b in device:  # referenced first: the allocations below cannot evict them
+            self._ref(b)
+        for h, b in zip(seq.hashes, plan):  # held aside too: evictions push blocks to the host
+            if b is None:
+                self.host.pop(h)
+        blocks: list[Block] = []
+        for h, b in zip(seq.hashes, plan):
+            if b is None:
+                b = self._restore_block(h, prefetch=False, held=True)
+                b.ref_cnt = 1
+            blocks.append(b)
+        while len(blocks) < total:
+            b = self._allocate()
+            b.ref_cnt = 1
+            blocks.append(b)
+        hit = len(plan) * bs
+        for b in blocks[:len(plan)]:
+            if b.from_host:  # restored for this admission, or prefetched earlier and not hit since
+                self.counters["host_hits"] += bs
+                b.from_host = False
+        seq.blocks, seq.num_computed, seq.num_hashed, seq.prefill_target = blocks, hit, len(plan), ntok
+        seq.ready_at = max((b.ready_at for b in blocks[:len(plan)]), default=0.0)
+        if seq.preemptions:
+            self.counters["preempted_queries"] += ntok
+            self.counters["preempted_hits"] += hit
+            self.counters["recomputed_tokens"] += ntok - hit
+        else:
+            seq.cached_tokens = hit
+            self.counters["queries"] += ntok
+            self.counters["hits"] += hit
+        return True
+
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        """Blocks for ``tokens`` computed tokens of ``seq``; False (nothing taken) if too few are free."""
+        need = math.ceil(tokens / self.p.block_size) - len(seq.blocks)
+        if need > self.free_blocks:
+            return False
+        for _ in range(need):
+            b = self._allocate()
+            b.ref_cnt = 1
+            seq.blocks.append(b)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """vLLM's recompute preemption: free its blocks, back to the waiting queue, output kept."""
+        self.running.remove(seq)
+        self._release_blocks(seq)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        seq.status = "waiting"
+        self.counters["preemptions"] += 1
+        heapq.heappush(self.waiting, (*seq.key, seq))
+
+    def _release_pins_for_admission(self) -> bool:
+        """Nothing runs and retained blocks keep the next request out: drop the pins (as
+        ``EngineKV.maintain`` does), so retention can never wedge the engine."""
+        if self.running or not self._pins:
+            return False
+        for session in list(self._pins):
+            self.release(session)
+            self.counters["pins_released"] += 1
+        return True
+
+    def step(self) -> tuple[float, list[Sequence]]:
+        """One iteration: schedule running sequences, then admit waiting ones, within the token
+        budget; every sequence whose pending tokens are all computed samples one token.
+
+        Returns the iteration's emulated duration (seconds, unscaled) and the sequences that
+        finished in it (released from the KV; their futures are left to the caller)."""
+        p, bs = self.p, self.p.block_size
+        budget = p.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status != "running":  # preempted for an earlier one in this step
+                continue
+            n = min(seq.length - seq.num_computed, budget)
+            if seq.num_computed + n > len(seq.blocks) * bs:  # (most steps: inside its last block)
+                while not self._grow(seq, seq.num_computed + n):
+                    victim = self.running[-1]  # lowest priority, latest arrival
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+            if seq.status == "running":
+                scheduled.append((seq, n))
+                budget -= n
+        admitted: list[Sequence] = []
+        if not preempted or not scheduled:  # (vLLM admits nothing in a step that preempted)
+            while self.waiting and len(self.running) < p.max_batch and budget > 0:
+                seq = self.waiting[0][2]
+                if not self._try_admit(seq) and not (self._release_pins_for_admission() and self._try_admit(seq)):
+                    break
+                heapq.heappop(self.waiting)
+                seq.status = "running"
+                bisect.insort(self.running, seq, key=_rank)
+                admitted.append(seq)
+                n = min(seq.length - seq.num_computed, budget)
+                scheduled.append((seq, n))
+                budget -= n
+        if not scheduled:
+            return 0.0, []
+        stall = max(0.0, max((s.ready_at for s in admitted), default=0.0) - self.now)
+        prefill = ctx = decoded = 0
+        done: list[Sequence] = []
+        caching = self.prefix_caching
+        for seq, n in scheduled:
+            c = seq.num_computed
+            if c < seq.prefill_target:
+                prefill += min(n, seq.prefill_target - c)
+            c += n
+            seq.num_computed = c
+            ctx += c
+            if caching and c // bs > seq.num_hashed:
+                self._cache_full(seq)
+            if c >= seq.length:  # ids 3..258: the byte tokenizer decodes every one
+                seq.output.append(seq.rng.randrange(OFFSET, 256 + OFFSET))
+                seq.length += 1
+                decoded += 1
+                if caching and seq.length % bs == 0:
+                    self._extend_hashes(seq)
+                if len(seq.output) >= seq.max_tokens:
+                    done.append(seq)
+        cost = (stall + p.prefill_s_per_token * prefill + p.decode_s_per_step
+                + p.decode_s_per_seq * len(scheduled) + p.decode_s_per_ctx_token * ctx)
+        self.counters["prefill_tokens"] += prefill
+        self.counters["decode_tokens"] += decoded
+        self.counters["stall_s"] += stall
+        for seq in done:
+            self.running.remove(seq)
+            self._release_blocks(seq)
+            seq.status = "done"
+            self.requests.pop(seq.request_id, None)
+        self.steps += 1
+        self.emulated_s += cost
+        self.now += cost
+        return cost, done
+
+    # -- sessions (the per-session operations of kv.engine_kv.EngineKV) --------------------------
+
+    def _own(self, seq: Sequence, start: int) -> None:
+        if seq.session is None or not seq.tracked:
+            return
+        blocks = self.sessions.setdefault(seq.session, OrderedDict())
+        bs = self.p.block_size
+        for i in range(start, len(seq.hashes)):
+            h = seq.hashes[i]
+            if h not in blocks:
+                blocks[h] = (i + 1) * bs
+                self._owners.setdefault(h, set()).add(seq.session)
+
+    def knows(self, session: str) -> bool:
+        """Whether the engine tracks blocks for ``session``."""
+        return session in self.sessions
+
+    def session_blocks(self, session: str) -> list[int]:
+        """The session's block hashes in prefix order (first use first); [] if unknown."""
+        return list(self.sessions.get(session, ()))
+
+    def owners(self, block_hash: int) -> frozenset[str]:
+        """Sessions whose requests used the block (and were not invalidated)."""
+        return frozenset(self._owners.get(block_hash, ()))
+
+    def residency(self, session: str) -> dict[str, int]:
+        """Where the session's blocks are: ``blocks`` (all), ``device``, ``host``, ``pinned``."""
+        hs = self.sessions.get(session, {})
+        return {"blocks": len(hs), "device": sum(1 for h in hs if h in self._cached),
+                "host": sum(1 for h in hs if h in self.host), "pinned": len(self._pins.get(session, ()))}
+
+    def pinned(self, session: str) -> int:
+        """Blocks ``session`` has retained."""
+        return len(self._pins.get(session, ()))
+
+    def retained_blocks(self) -> int:
+        """Blocks retained across sessions."""
+        return sum(len(v) for v in self._pins.values())
+
+    def retain(self, session: str, max_blocks: int | None = None) -> int:
+        """Pin the session's device blocks (a reference each: never evicted), at most
+        ``max_blocks``; re-retaining replaces the pin. Returns the blocks pinned."""
+        self.release(session)
+        blocks = [b for b in (self._cached.get(h) for h in self.sessions.get(session, ())) if b is not None]
+        if max_blocks is not None:
+            blocks = blocks[:max(0, max_blocks)]
+        for b in blocks:
+            self._ref(b)
+        if blocks:
+            self._pins[session] = blocks
+        return len(blocks)
+
+    def release(self, session: str) -> int:
+        """Drop the session's pin (its blocks stay cached, evictable)."""
+        blocks = self._pins.pop(session, None) or []
+        for b in blocks:
+            self._unref(b)
+        return len(blocks)
+
+    def movable(self, session: str, limit: int | None = None) -> list[int]:
+        """The session's device blocks that may leave, tail first: unreferenced and owned by no
+        other session; at most ``limit``."""
+        out: list[int] = []
+        for h in reversed(self.sessions.get(session, ())):
+            if limit is not None and len(out) >= limit:
+                break
+            b = self._cached.get(h)
+            if b is None or b.ref_cnt > 0 or self._owners.get(h, set()) - {session}:
+                continue
+            out.append(h)
+        return out
+
+    def offload_blocks(self, hashes: list[int], copy: bool) -> int:
+        """Free the device blocks ``hashes`` (unreferenced ones; others skipped), copied to the
+        host first when ``copy`` (stops when it has no host tier) or the host policy is ``lru``.
+        Returns the number freed."""
+        n = 0
+        for h in hashes:
+            b = self._cached.get(h)
+            if b is None or b.ref_cnt > 0:
+                continue
+            if copy and self.host_capacity < 1:
+                break
+            to_host = copy or self.p.host_policy == "lru"
+            self._drop(b, to_host)
+            if not (to_host and self.host_capacity):
+                self.counters["dropped_blocks"] += 1
+            n += 1
+        return n
+
+    def offload(self, session: str, blocks: int | None = None, copy: bool = True) -> int:
+        """Move the session's device blocks to the host (``copy``) or free them, tail first, at
+        most ``blocks``, except blocks another session owns or a running request uses; drops
+        the session's pin. Returns the number moved off the device."""
+        self.release(session)
+        return self.offload_blocks(self.movable(session, blocks), copy)
+
+    def prefetch(self, session: str, max_blocks: int | None = None) -> int:
+        """Start bringing the session's host blocks back (prefix order), at most ``max_blocks``:
+        they arrive over the link in the background, not charged to any step."""
+        return self.restore(self.session_blocks(session), max_blocks, prefetch=True)
+
+    def invalidate(self, session: str) -> int:
+        """The session ended: drop its pin and every block no other session owns, on both tiers
+        (a block a running request uses is freed when that request ends). Returns the number dropped."""
+        hs = self.sessions.pop(session, None)
+        self.release(session)
+        if hs is None:
+            return 0
+        for seq in self.requests.values():  # its requests still in flight stop recording blocks for it
+            if seq.session == session:
+                seq.tracked = False
+        dropped = []
+        for h in hs:
+            owners = self._owners.get(h)
+            if owners is not None:
+                owners.discard(session)
+                if owners:
+                    continue
+                del self._owners[h]
+            dropped.append(h)
+        for h in dropped:
+            b = self._cached.get(h)
+            if b is not None and b.ref_cnt == 0:
+                self._drop(b, to_host=False)
+            self.host.pop(h, None)
+        self.counters["dropped_blocks"] += len(dropped)
+        return len(dropped)
+
+    # -- reports --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (tokens: queries, hits, prefill/decode/recomputed tokens, host_hits; blocks
+        for the rest; ``*_s`` emulated seconds) and the KV state now."""
+        return {**self.counters, "used_blocks": self.used_blocks, "pinned_blocks": self.pinned_blocks,
+                "free_blocks": self.free_blocks, "cached_blocks": len(self._lru), "capacity_blocks": self.capacity,
+                "retained_blocks": self.retained_blocks(), "host_used_blocks": len(self.host),
+                "host_capacity_blocks": self.host_capacity, "running": len(self.running),
+                "waiting": len(self.waiting), "max_batch": self.p.max_batch, "block_size": self.p.block_size,
+                "steps": self.steps, "emulated_s": self.emulated_s, "clock_s": self.now}
