@@ -2,7 +2,9 @@
 
 Three workflows (``--workflow swe`` (default), ``finance``, ``router``, or ``all``: swe, finance,
 router in that order): Open-SWE (below), Financial Analyst and Router (their sections further
-down); each has its own summary entry (``summary.<workflow>``), table and plot.
+down); each has its own summary entry, table and plots. Open-SWE runs under arrival scenarios
+(``--scenarios``, below) with seeds and paired ratios: ``summary.swe.<scenario>``; finance and
+router keep their single scenario and seed: ``summary.finance``, ``summary.router``.
 
 Every number this prints or stores is EMULATED: the LLM engines are the cost model of
 ``worker_plugin/emulated.py`` and the tools sleep latencies drawn from ``kv/tool_latency``'s
@@ -13,16 +15,52 @@ What is measured
 ----------------
 Open-loop load: requests (one Open-SWE session each: planner -> developers in parallel with
 doc-search and code-exec tools -> tester -> seeded retries; ``benchmarks/e2e_swe.py``) arrive by
-a seeded Poisson process at each offered load of a sweep. Per variant and load: mean, P50,
-P95, P99 request latency (arrival to completion), throughput, whether the load was sustained,
-the engines' prefix-cache hit rate (token-weighted) and how the decode work split between the
-two replicas (``busiest_engine_share``: 0.5 is even); per variant the highest load sustained.
+a seeded arrival process (the scenario's) at each offered load. Per variant, scenario, seed and
+load: mean, P50, P95, P99 request latency (arrival to completion), throughput, whether the load
+was sustained, the engines' prefix-cache hit rate (token-weighted, ``kv_hit_rate``), the prompt
+tokens they computed per request (``prefill_tokens_per_request``: not served from their prefix
+cache), how the decode work split between the two replicas (``busiest_engine_share``: 0.5 is
+even), and for dask-agents the admission's counters and waits during the run (``admission``:
+``counts`` (admitted, held, bound, rebound, waited_out, ...), ``wait_p50_s``/``wait_p99_s`` of
+the sessions admitted in the run; the variant entry's ``admission`` has
+``da.control(client).stats()["admission"]`` over the cluster's life), for the cap baseline its
+driver-side waits for an engine slot (``cap_stats``); per variant and seed the highest load
+sustained.
+
+Scenarios, seeds and paired ratios (Open-SWE)
+---------------------------------------------
+``--scenarios`` (comma list; default all three), every variant on the same requests and arrivals:
+
+- ``stationary``: Poisson arrivals at the offered load (the unit-rate gaps of
+  ``e2e_swe.poisson_arrivals`` scaled by the load).
+- ``bursty``: a two-state Markov-modulated Poisson process (``e2e_swe.mmpp_arrivals``): the rate
+  alternates between 2x and 0.5x the offered load, each state held for an exponential time of
+  mean 1.5 s (2x) and 3 s (0.5x) in --quick, 5 s and 10 s in the full run; 1:2, so the
+  time-average rate is the offered load. Seeded; the first state is drawn from the stationary
+  distribution.
+- ``phase``: a phase shift of the requests (``e2e_swe.phase_specs``): Poisson arrivals, the first
+  half of the requests as drawn, the second half with their repository context 2x longer (the
+  same seeded text, longer; cut back only where a prompt would not fit ``max_model_len``): ~6k
+  instead of ~4k fresh prompt tokens per request and ~1.5x the KV working set from mid-run on.
+
+``--seeds N`` (default 1 in --quick, 3 in the full run; seeds ``--seed``, ``--seed``+1, ...): each
+seed draws new requests (``make_specs(n, seed)``) and arrivals. The summary's ratios are paired:
+per scenario, load and seed, dask-agents against a baseline on that seed's requests and
+arrivals; reported as the median over seeds (``<key>``) with the spread (``<key>_spread``:
+``min``, ``max``, ``n``, ``per_seed``), never the best seed; ``by_load`` has them at every load.
+
+Capacity: the derived capacity (``results.swe.capacity_rps``, printed) is the highest stationary
+load the best static configuration (``dask``) sustains (median over seeds), or the calibration
+load when that is the only stationary load of the run; every load is printed as below / at /
+above it. --quick runs stationary at 1.5 and 3 requests/s (below, at) and bursty and phase at 3
+(at; bursty's 2x phases are above it); the full run runs every scenario at 1.5, 3 and 4
+(below, at, above).
 
 Workload: every LLM prompt carries its session's history, as agent prompts do (details and
 statistics in ``e2e_swe``'s docstring): the system prompt, the issue's repository context
 (1.5k-3k tokens, seeded), the plan, the developer's subtask, doc-search answer, earlier
 attempt and failure log, or the tester's view of every current patch. ~5.8 LLM calls and
-~3,050 prompt tokens per call (quick run), of which 77% are reusable from the session's
+~3,050 prompt tokens per call (quick run, 16 requests), of which 77% are reusable from the session's
 earlier calls and the shared system prompt (a perfect cache's hit rate; Copilot's coding
 agent: 86% cached), and ~18.5 output tokens per call. So an engine that already holds a
 session's KV prefills ~0.02-0.05 s of a call instead of ~0.3 s: where each call runs matters
@@ -58,22 +96,42 @@ Variants
                    worker, chosen at the request's start as the one with the fewest requests
                    pinned, via ``workers=[addr], allow_other_workers=False``: the KV-reuse rule
                    the peers get under the same name) is chosen by a sweep at the calibration
-                   load and reported (``results.swe.sweeps.dask``, ``results.swe.variants.dask
-                   .best_config``). Sweep entries differing only in ``routing`` share a cluster.
+                   load and reported (``results.swe.sweeps.dask``, ``results.swe.scenarios
+                   .<scenario>.variants.dask.best_config``). Sweep entries differing only in
+                   ``routing`` share a cluster. The sweep runs once (stationary, first seed); its
+                   best configuration runs every scenario, seed and load on one fresh cluster.
+``dask-capped``    the hand-tuned cap baseline: the best static configuration's cluster (the
+                   same one, after ``dask``'s runs) with ``session_sticky`` routing plus a cap on
+                   the requests live per engine (``e2e_baselines.CappedPinner``): a request starts
+                   only once an engine worker has fewer than ``cap`` requests live, holds that
+                   slot until it ends (released on error too), and waits FIFO for the first engine
+                   with a free slot (its wait counts in its latency). ``cap`` is swept (2, 4, 6, 8
+                   in --quick; 2, 4, 6, 8, 12 in the full run) at each scenario's reference load on
+                   every seed, and the best by the static sweep's score (requests lost, then runs
+                   not sustained, then the median mean latency) is kept for that scenario, chosen
+                   AFTER THE FACT on the very requests it is scored on: a cap no user could tune in
+                   advance (``summary.swe.<scenario>.tuned_cap``, ``results.swe.sweeps
+                   .dask-capped.<scenario>``).
 ``dask-agents``    the Open-SWE components (``e2e_swe.py``: examples/swe/workflow.py's agents
                    reading the pre-drawn spec) with ``da.install(client, models=["coder"])``,
-                   every default control policy on, 16 threads per worker (not tuned).
+                   every default control policy on, admission and late binding of LLM calls on
+                   (``agents.scheduler.admission``, defaults), 16 threads per worker (not tuned).
+``dask-agents-no-admission``  the same with ``agents.scheduler.admission.enabled: False`` (LLM
+                   calls go to an engine as soon as Dask places them).
 ``dask-agents-no-<policy>``  the same with one policy off (prioritize, balance, reallocate,
                    batching). This workflow has one model and no batchable component, so
                    ``reallocate`` and ``batching`` have nothing to act on: those two ablations
-                   show the run-to-run noise.
+                   show the run-to-run noise. Not in the default variant set (``--variants``).
 ``ray``            Ray 2.x async engine actors + threaded tool actors, agents as coroutines in
                    the driver (``e2e_peers.py``); best engine-routing rule of a small sweep.
 ``langgraph``      LangGraph StateGraph with Send for the parallel developers, engines as
                    in-process objects; best engine-routing rule of a small sweep.
-Peers that are not importable are skipped, and the output and JSON say so. A swept variant's
-number at the calibration load is its sweep run (same procedure: warm-up, then the load); its
-other loads run afterwards on a fresh cluster (Dask) or on the same instance (peers).
+Peers that are not importable are skipped, and the output and JSON say so; unless ``--no-peers``
+(skip them on purpose) is given, a peer that was asked for and did not run makes the benchmark
+exit non-zero (3) at the end, after writing the JSON. A swept variant's number at the
+calibration load of the stationary scenario's first seed is its sweep run (same procedure:
+warm-up, then the load); its other points run afterwards on a fresh cluster (Dask) or on the
+same instance (peers).
 
 Cluster shape and why: Dask variants use ``LocalCluster(n_workers=2, processes=True)``. On
 2 cores, in-process workers (``processes=False``) would put the scheduler, both workers, both
@@ -112,7 +170,16 @@ Definitions
 - summary ratios are taken at the reference load (the calibration load; ``summary.swe
   .reference_load_rps``): mean_speedup_vs_X = mean(X) / mean(dask-agents); p99_reduction_vs_X
   = 1 - P99(dask-agents) / P99(X); sustained_load_ratio_vs_X = highest sustained load of
-  dask-agents / that of X (null when X sustained none of the loads, or X was skipped).
+  dask-agents / that of X (null when X sustained none of the loads, or X was skipped). Open-SWE
+  (``summary.swe.<scenario>``), each per seed then the median with its spread: X =
+  ``best_static`` (``dask``), ``tuned_cap`` (``dask-capped``), ``ray``, ``langgraph``, e.g.
+  ``mean_speedup_vs_best_static``, ``p99_reduction_vs_tuned_cap``; a null comparison says why
+  in ``null_reasons`` (peer not installed, failed, or ``--no-peers``). Beside them:
+  ``tuned_cap``, ``ablations`` (``mean_ratio_off_vs_on`` = mean(ablation) / mean(dask-agents)),
+  ``admission`` (dask-agents' admission at the reference load: counters summed over seeds,
+  waits the median over seeds), ``at_reference`` (per variant the medians of mean and P99
+  latency, KV hit rate and prefilled tokens per request). Finance and router: the same keys
+  with X = ``dask``, ``ray``, ``langgraph``, one seed (``summary.<workflow>``).
 
 Financial Analyst workflow (``--workflow finance``)
 --------------------------------------------------
@@ -174,18 +241,30 @@ Reproduce
 ::
 
     .venv/bin/python benchmarks/e2e.py --quick --json benchmarks/results/e2e-quick.json
+    .venv/bin/python benchmarks/e2e.py --quick --no-peers --workflow swe --scenarios stationary,bursty,phase \
+        --json /tmp/e2e-quick-scen.json
     .venv/bin/python benchmarks/e2e.py --json benchmarks/results/e2e.json
+    .venv/bin/python benchmarks/e2e.py --json e2e-bursty.json --scenarios bursty --seeds 5 --caps 4,6,8 \
+        --variants dask,dask-capped,dask-agents,dask-agents-no-admission --no-peers
     .venv/bin/python benchmarks/e2e.py --quick --workflow finance --json benchmarks/results/e2e-finance-quick.json
     .venv/bin/python benchmarks/e2e.py --quick --workflow router --json benchmarks/results/e2e-router-quick.json
     .venv/bin/python benchmarks/e2e.py --quick --workflow all --json benchmarks/results/e2e-all-quick.json
 
-On 2 cores --quick takes about 5 minutes per workflow (router: ~7; all three: ~17); the full
-runs take much longer (the sweeps: 12 plain-Dask configurations per Poisson workflow).
+Quick vs full (Open-SWE): --quick: 24 requests per point, 1 seed, stationary at 1.5 and 3
+requests/s, bursty and phase at 3, a 5-entry static sweep, caps 2/4/6/8, variants dask,
+dask-capped, dask-agents, dask-agents-no-admission (+ ray, langgraph unless --no-peers): 29 runs,
+~6-7 minutes on 2 cores with --no-peers. Full: 300 requests per point, 3 seeds, every scenario at
+1.5, 3 and 4 requests/s, the 12-entry static sweep, caps 2/4/6/8/12, the same variants (the
+policy ablations through --variants): several hours (~6 h without peers). Finance takes about
+5 minutes in --quick, router ~7 (their presets in their modules).
 
-Noise: one run per point on a shared 2-core machine; the ablations of policies that cannot
-act (reallocate, batching in Open-SWE) show how large run-to-run differences are. With 16-20
-requests per quick run the completion-slope throughput is noisy (it can read well above the
-offered load); the latency percentiles and the sustained verdict are the figures to read.
+Noise: one run per point and seed on a shared 2-core machine; with one seed (--quick) the
+spread is a single value and says nothing about noise: differences of 10-20% in mean latency
+between variants that should tie (e.g. the reallocate/batching ablations in Open-SWE) are
+usual at 16-24 requests per run; the full run's three seeds and 300 requests are the figures
+to quote. The completion-slope throughput of a short or bursty run is noisy (it can read well
+above the offered load: a burst's backlog that clears within the window); the latency
+percentiles and the sustained verdict are the figures to read.
 """
 
 from __future__ import annotations
@@ -234,17 +313,29 @@ EMULATED_NOTE = ("EMULATED: LLM engines are a cost model (worker_plugin/emulated
 # quick run's higher (reference) load is at saturation, its lower one at about half of it.
 # Sweep entries that differ only in ``routing`` share one cluster (adjacent entries, as the peers'
 # routings share one instance): warm-up before the first only.
-QUICK = {"loads": [1.5, 3.0], "requests": 16, "calibration_load": 3.0, "warmup": 4,
+# Scenarios (--scenarios): ``scenario_loads`` overrides ``loads`` per scenario (the reference load
+# is always added); ``caps``: the cap baseline's sweep (requests live per engine); ``seeds``: the
+# default of --seeds; ``variants``: the default variant set of the Open-SWE workflow.
+SCENARIOS = ("stationary", "bursty", "phase")
+PEERS = ("ray", "langgraph")
+CORE_VARIANTS = ["dask", "dask-capped", "dask-agents", "dask-agents-no-admission"]
+QUICK = {"loads": [1.5, 3.0], "requests": 24, "calibration_load": 3.0, "warmup": 4,
          "dask_sweep": [{"threads": 16, "llm_slots": None, "routing": "none"},
                         {"threads": 16, "llm_slots": None, "routing": "session_sticky"},
                         {"threads": 16, "llm_slots": 8, "routing": "none"},
                         {"threads": 32, "llm_slots": None, "routing": "none"},
                         {"threads": 32, "llm_slots": None, "routing": "session_sticky"}],
-         "peer_sweep": ["least_loaded", "session_sticky"]}
-FULL = {"loads": [1.0, 1.5, 2.0, 2.5, 3.0, 4.0], "requests": 60, "calibration_load": 3.0, "warmup": 8,
+         "peer_sweep": ["least_loaded", "session_sticky"],
+         "scenario_loads": {"bursty": [3.0], "phase": [3.0]}, "caps": [2, 4, 6, 8], "seeds": 1,
+         "mmpp_hold_s": list(swe.MMPP_HOLD_QUICK), "phase_context_factor": swe.PHASE_CONTEXT_FACTOR,
+         "variants": CORE_VARIANTS + list(PEERS)}
+FULL = {"loads": [1.5, 3.0, 4.0], "requests": 300, "calibration_load": 3.0, "warmup": 8,
         "dask_sweep": [{"threads": t, "llm_slots": s, "routing": r} for t in (8, 16, 32) for s in (None, 8)
                        for r in ("none", "session_sticky")],
-        "peer_sweep": ["round_robin", "least_loaded", "session_sticky"]}
+        "peer_sweep": ["round_robin", "least_loaded", "session_sticky"],
+        "scenario_loads": {}, "caps": [2, 4, 6, 8, 12], "seeds": 3,
+        "mmpp_hold_s": list(swe.MMPP_HOLD_FULL), "phase_context_factor": swe.PHASE_CONTEXT_FACTOR,
+        "variants": CORE_VARIANTS + list(PEERS)}
 
 
 def close_quietly(*things: Any) -> None:
@@ -448,15 +539,19 @@ class DaskBackend:
     kind = "dask"
 
     def __init__(self, threads: int = 16, llm_slots: int | None = None, workers: int = 2, routing: str = "none",
-                 engine: dict | None = None, solve: Callable | None = None):
+                 engine: dict | None = None, solve: Callable | None = None, cap: int | None = None):
         from benchmarks.e2e_baselines import ROUTINGS
 
         if routing not in ROUTINGS:
             raise ValueError(f"unknown routing {routing!r} (known: {', '.join(ROUTINGS)})")
         self.threads, self.llm_slots, self.workers, self.routing = threads, llm_slots, workers, routing
         self.engine, self.solve = engine, solve
+        # dask-capped: at most ``cap`` requests live per engine worker (session-sticky; driver-side,
+        # so it can change between runs on one cluster, as ``routing`` does)
+        self.cap = cap
         self.cluster = self.client = None
         self.worker_addrs: list[str] = []
+        self._pinner = None
 
     def describe(self) -> dict:
         return {"framework": f"dask/distributed {distributed.__version__}, no dask-agents",
@@ -465,10 +560,14 @@ class DaskBackend:
                 "llm_placement": (f"LLM tasks need resource LLM=1; each worker has LLM={self.llm_slots}"
                                   if self.llm_slots else "LLM tasks on any worker thread"),
                 "routing": self.routing,
-                "llm_routing": ("session_sticky: a request's LLM tasks pinned to one engine worker (fewest requests "
+                "llm_routing": (f"session_sticky, capped: a request starts only once an engine worker has fewer "
+                                f"than {self.cap} requests live (FIFO wait in the driver, slot held for the "
+                                f"request's life), then its LLM tasks are pinned there"
+                                if self.cap else
+                                "session_sticky: a request's LLM tasks pinned to one engine worker (fewest requests "
                                 "pinned at its start), workers=[addr], allow_other_workers=False"
                                 if self.routing == "session_sticky" else "none: Dask places every LLM task"),
-                "stealing": "Dask default (on)"}
+                "cap": self.cap, "stealing": "Dask default (on)"}
 
     def __enter__(self) -> "DaskBackend":
         from distributed import Client, LocalCluster
@@ -493,14 +592,58 @@ class DaskBackend:
         return [s for s in self.client.run(engine_stats).values() if s is not None]
 
     def run(self, specs, arrivals, timeout: float) -> list[dict]:
-        from benchmarks.e2e_baselines import SessionPinner, solve_dask
+        from benchmarks.e2e_baselines import CappedPinner, SessionPinner, solve_dask
 
-        pinner = SessionPinner(self.worker_addrs) if self.routing == "session_sticky" else None
+        if self.cap:
+            pinner = CappedPinner(self.worker_addrs, self.cap)
+        else:
+            pinner = SessionPinner(self.worker_addrs) if self.routing == "session_sticky" else None
+        self._pinner = pinner
         solve = self.solve or solve_dask
-        return drive_threads(lambda s: solve(self.client, s, self.llm_slots, pinner), specs, arrivals, timeout)
+        try:
+            return drive_threads(lambda s: solve(self.client, s, self.llm_slots, pinner), specs, arrivals, timeout)
+        finally:
+            if isinstance(pinner, CappedPinner):
+                pinner.close()  # a run that timed out: requests still waiting for a slot give up
+
+    def probe(self) -> None:
+        return None
+
+    def run_extra(self, probe: Any = None) -> dict:
+        """Per-run extras: the cap baseline's driver-side waits for an engine slot."""
+        from benchmarks.e2e_baselines import CappedPinner
+
+        return {"cap_stats": self._pinner.stats()} if isinstance(self._pinner, CappedPinner) else {}
 
     def extra(self) -> dict:
         return {}
+
+
+def _admission_state(dask_scheduler) -> dict | None:
+    """``run_on_scheduler`` helper: the admission's counters and the waits of its latest
+    admissions (one per admitted session, oldest first; at most the last 1000)."""
+    from scheduler_plugin.plugin import NAME
+
+    adm = getattr(dask_scheduler.plugins.get(NAME), "admission", None)
+    if adm is None:
+        return None
+    return {"enabled": bool(adm.enabled), "counts": dict(adm.counts), "waits": list(adm.waits)}
+
+
+def admission_delta(before: dict | None, after: dict | None) -> dict:
+    """One run's admission: counters (after - before) and the admitted sessions' waits."""
+    import numpy as np
+
+    if after is None:
+        return {"error": "no admission state on the scheduler"}
+    b = (before or {}).get("counts", {})
+    counts = {k: v - b.get(k, 0) for k, v in after["counts"].items() if v - b.get(k, 0)}
+    k = counts.get("admitted", 0)
+    waits = np.asarray(after["waits"][-k:] if k else [], dtype=float)
+    return {"enabled": after["enabled"], "counts": counts,
+            "wait_p50_s": float(np.percentile(waits, 50)) if waits.size else None,
+            "wait_p99_s": float(np.percentile(waits, 99)) if waits.size else None,
+            "wait_max_s": float(waits.max()) if waits.size else None}
 
 
 def _agents_engine_stats(dask_worker) -> dict | None:
@@ -528,7 +671,9 @@ class AgentsBackend:
 
     def settings(self) -> dict:
         out: dict = {"agents.llm.models": {swe.MODEL: self.entry or swe.model_entry()}}
-        if self.disabled:
+        if self.disabled == "admission":  # dask-agents-no-admission: LLM calls go to engines at once
+            out["agents.scheduler.admission.enabled"] = False
+        elif self.disabled:
             out[f"agents.control.policies.{self.disabled}.enabled"] = False
         return out
 
@@ -538,7 +683,8 @@ class AgentsBackend:
         return {"framework": f"dask-agents {da.__version__} on dask/distributed {distributed.__version__}",
                 "cluster": f"LocalCluster(n_workers={self.workers}, threads_per_worker={self.threads}, processes=True)",
                 "threads": self.threads, "install": f"da.install(client, models=[{swe.MODEL!r}])",
-                "policies_off": [self.disabled] if self.disabled else []}
+                "policies_off": [self.disabled] if self.disabled and self.disabled != "admission" else [],
+                "admission": self.disabled != "admission"}
 
     def __enter__(self) -> "AgentsBackend":
         from distributed import Client, LocalCluster
@@ -564,13 +710,29 @@ class AgentsBackend:
         solve = self.solve or swe.solve_agents
         return drive_threads(lambda s: solve(self.client, s), specs, arrivals, timeout)
 
+    def probe(self) -> dict | None:
+        try:
+            return self.client.run_on_scheduler(_admission_state)
+        except Exception:  # stats are a nice-to-have
+            return None
+
+    def run_extra(self, probe: Any = None) -> dict:
+        """Per-run extras: the admission's counters and waits during the run."""
+        try:
+            return {"admission": admission_delta(probe, self.client.run_on_scheduler(_admission_state))}
+        except Exception as e:
+            return {"admission": {"error": repr(e)}}
+
     def extra(self) -> dict:
+        """The control loop's and the admission's counters over the cluster's life (warm-up included)."""
         import dask_agents as da
 
         try:
             st = da.control(self.client).stats()
+            adm = st.get("admission") or {}
             return {"control": {k: st.get(k) for k in ("policies", "ticks", "tick_seconds_p50", "tick_seconds_p99",
-                                                           "policy_errors", "applied", "rejected")}}
+                                                           "policy_errors", "applied", "rejected")},
+                    "admission": {k: adm.get(k) for k in ("enabled", "counts", "wait_p50_s", "wait_p99_s")}}
         except Exception as e:  # stats are a nice-to-have
             return {"control": {"error": repr(e)}}
 
@@ -601,7 +763,8 @@ class Workflow:
     Dask with a sweep entry's configuration; ``agents_backend(disabled)``: dask-agents with one
     policy off (None: all on); ``make_peer(name, tool_threads, routing)``: a peer backend;
     ``policies``: the policies whose ablations run; ``run_metrics(records, specs)``: extra
-    metrics of one run (or None)."""
+    metrics of one run (or None); ``phase_specs(specs, factor)``: the ``phase`` scenario's
+    requests (None: the workflow has no phase scenario)."""
 
     name: str
     make_specs: Callable
@@ -612,6 +775,7 @@ class Workflow:
     make_peer: Callable
     policies: tuple = POLICIES
     run_metrics: Callable | None = None
+    phase_specs: Callable | None = None
 
 
 def _swe_peer(name: str, tool_threads: int = PEER_TOOL_THREADS, routing: str = "least_loaded"):
@@ -622,7 +786,8 @@ def _swe_peer(name: str, tool_threads: int = PEER_TOOL_THREADS, routing: str = "
 
 def swe_workflow() -> Workflow:
     return Workflow("swe", swe.make_specs, specs_for, swe.poisson_arrivals, DaskBackend,
-                    lambda disabled=None: AgentsBackend(disabled=disabled), _swe_peer)
+                    lambda disabled=None: AgentsBackend(disabled=disabled), _swe_peer,
+                    phase_specs=swe.phase_specs)
 
 
 def run_loads(backend, base: list[swe.RequestSpec], loads: list[float], seed: int, warmup: int,
@@ -637,29 +802,56 @@ def run_loads(backend, base: list[swe.RequestSpec], loads: list[float], seed: in
     if not loads:
         return out
     if warmup:
-        warm = wf.specs_for(wf.make_specs(warmup, seed + 10_000), f"{tag}-warm")
-        backend.run(warm, [0.25 * i for i in range(len(warm))], timeout=120)
+        warm_up(backend, wf, warmup, seed, tag)
     for rate in sorted(loads):
-        specs = wf.specs_for(base, f"{tag}-L{load_key(rate)}")
-        arrivals = wf.arrivals(len(specs), rate, seed)
-        before = backend.engine_stats()
-        t = time.perf_counter()
-        records = backend.run(specs, arrivals, timeout=max(60.0, 10 * len(specs) / rate))
-        wall = time.perf_counter() - t
-        m = load_metrics(records, specs, rate)
-        m["wall_s"] = wall
-        m.update(cache_delta(before, backend.engine_stats()))
-        if wf.run_metrics is not None:
-            m.update(wf.run_metrics(records, specs))
-        out[load_key(rate)] = m
-        growth = window_stats(records, specs, m["offered_realized_rps"])["latency_growth"]
-        fu = (f" follow-up kv {m['followup_kv_hit_rate']:.0%}"
-              if isinstance(m.get("followup_kv_hit_rate"), float) and math.isfinite(m["followup_kv_hit_rate"]) else "")
-        log(f"    {tag:36s} load {rate:4g}/s: mean {m['mean_s']:.2f}s p99 {m['p99_s']:.2f}s "
-            f"thr {m['throughput_rps']:.2f}/s growth x{growth:.2f} kv {m.get('kv_hit_rate', float('nan')):.0%}{fu} "
-            f"{'sustained' if m['sustained'] else 'NOT sustained'} "
-            f"({m['completed']}/{m['requests']} done, {wall:.1f}s)")
+        out[load_key(rate)] = run_point(backend, wf, base, wf.arrivals(len(base), rate, seed), rate,
+                                        f"{tag}-L{load_key(rate)}", log, label=tag)
     return out
+
+
+def warm_up(backend, wf: Workflow, n: int, seed: int, tag: str) -> None:
+    """``n`` requests of their own (seed + 10000), 0.25 s apart: engines, caches of the shared
+    system prompt and the clients warm before anything is measured."""
+    warm = wf.specs_for(wf.make_specs(n, seed + 10_000), f"{tag}-warm")
+    backend.run(warm, [0.25 * i for i in range(len(warm))], timeout=120)
+
+
+def run_point(backend, wf: Workflow, base: list, arrivals: list[float], rate: float, tag: str,
+              log: Callable[[str], None], label: str | None = None) -> dict:
+    """One measured run: ``base``'s requests (ids made unique by ``tag``) at ``arrivals``.
+
+    Metrics of :func:`load_metrics`, the engines' counters during the run (:func:`cache_delta`;
+    ``prefill_tokens_per_request``: prompt tokens the engines computed, i.e. not served from
+    their prefix cache, per request), the backend's per-run extras (dask-agents: ``admission``;
+    the cap baseline: ``cap_stats``) and the workflow's own run metrics."""
+    specs = wf.specs_for(base, tag)
+    before = backend.engine_stats()
+    probe = backend.probe() if hasattr(backend, "probe") else None
+    t = time.perf_counter()
+    records = backend.run(specs, arrivals, timeout=max(60.0, 10 * len(specs) / rate))
+    wall = time.perf_counter() - t
+    m = load_metrics(records, specs, rate)
+    m["wall_s"] = wall
+    m.update(cache_delta(before, backend.engine_stats()))
+    m["prefill_tokens_per_request"] = m["prefill_tokens"] / len(specs) if specs else float("nan")
+    if hasattr(backend, "run_extra"):
+        m.update(backend.run_extra(probe))
+    if wf.run_metrics is not None:
+        m.update(wf.run_metrics(records, specs))
+    growth = window_stats(records, specs, m["offered_realized_rps"])["latency_growth"]
+    fu = (f" follow-up kv {m['followup_kv_hit_rate']:.0%}"
+          if isinstance(m.get("followup_kv_hit_rate"), float) and math.isfinite(m["followup_kv_hit_rate"]) else "")
+    more = ""
+    if isinstance(m.get("admission"), dict) and m["admission"].get("wait_p99_s") is not None:
+        more = f" adm wait p99 {m['admission']['wait_p99_s']:.2f}s"
+    elif isinstance(m.get("cap_stats"), dict) and m["cap_stats"].get("wait_p99_s") is not None:
+        more = f" cap wait p99 {m['cap_stats']['wait_p99_s']:.2f}s"
+    log(f"    {label or tag:36s} load {rate:4g}/s: mean {m['mean_s']:.2f}s p99 {m['p99_s']:.2f}s "
+        f"thr {m['throughput_rps']:.2f}/s growth x{growth:.2f} kv {m.get('kv_hit_rate', float('nan')):.0%}{fu} "
+        f"prefill/req {m['prefill_tokens_per_request']:.0f}{more} "
+        f"{'sustained' if m['sustained'] else 'NOT sustained'} "
+        f"({m['completed']}/{m['requests']} done, {wall:.1f}s)")
+    return m
 
 
 def max_sustained(loads: dict[str, dict]) -> float:
@@ -751,6 +943,463 @@ def run_peer(name: str, preset: dict, base, loads, seed, warmup, log,
     res["max_sustained_rps"] = max_sustained(res["loads"])
     res["wall_s"] = time.perf_counter() - t
     return res, sweep
+
+
+# -- scenarios, seeds, the cap baseline (the Open-SWE workflow's main path) ------------------------
+
+def scenario_loads(preset: dict, scenario: str) -> list[float]:
+    """The offered loads of ``scenario``: ``preset["scenario_loads"][scenario]`` or ``loads``, with
+    the reference (calibration) load always among them."""
+    loads = (preset.get("scenario_loads") or {}).get(scenario) or preset["loads"]
+    return sorted(set(loads) | {preset["calibration_load"]})
+
+
+def scenario_specs(wf: Workflow, preset: dict, scenario: str, seed: int) -> list:
+    """The requests of ``scenario`` for ``seed`` (the phase scenario: the second half's context longer)."""
+    base = wf.make_specs(preset["requests"], seed)
+    if scenario == "phase":
+        if wf.phase_specs is None:
+            raise ValueError(f"the {wf.name} workflow has no phase scenario")
+        base = wf.phase_specs(base, preset.get("phase_context_factor", swe.PHASE_CONTEXT_FACTOR))
+    elif scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r} (known: {', '.join(SCENARIOS)})")
+    return base
+
+
+def scenario_arrivals(wf: Workflow, preset: dict, scenario: str, n: int, rate: float, seed: int) -> list[float]:
+    """Arrival offsets of ``scenario``: Poisson (stationary, phase) or the two-state MMPP (bursty)."""
+    if scenario == "bursty":
+        return swe.mmpp_arrivals(n, rate, seed, tuple(preset.get("mmpp_hold_s", swe.MMPP_HOLD_QUICK)))
+    if scenario in SCENARIOS:
+        return wf.arrivals(n, rate, seed)
+    raise ValueError(f"unknown scenario {scenario!r} (known: {', '.join(SCENARIOS)})")
+
+
+class Points:
+    """Every measured point of a scenario run (scenario x seed x load), its requests drawn once:
+    every variant runs exactly these requests at exactly these arrivals."""
+
+    def __init__(self, wf: Workflow, preset: dict, scenarios: list[str], seeds: list[int]):
+        self.wf, self.preset, self.scenarios, self.seeds = wf, preset, list(scenarios), list(seeds)
+        self.loads = {sc: scenario_loads(preset, sc) for sc in self.scenarios}
+        self.specs = {(sc, seed): scenario_specs(wf, preset, sc, seed) for sc in self.scenarios for seed in self.seeds}
+
+    def arrivals(self, sc: str, seed: int, rate: float) -> list[float]:
+        return scenario_arrivals(self.wf, self.preset, sc, len(self.specs[(sc, seed)]), rate, seed)
+
+    def each(self):
+        for sc in self.scenarios:
+            for seed in self.seeds:
+                for rate in self.loads[sc]:
+                    yield sc, seed, rate
+
+
+def _slot(store: dict, sc: str, name: str, seed: int) -> dict:
+    return store[sc].setdefault(name, {}).setdefault("seeds", {}).setdefault(str(seed), {"loads": {}})["loads"]
+
+
+def _run_points(name: str, backend, pts: Points, store: dict, log, only: Callable | None = None,
+                measured: dict | None = None, tag: str | None = None) -> None:
+    """Run ``backend`` at every point (``only(sc, seed, rate)``: a subset) not measured yet;
+    ``measured``: {(scenario, seed, load key): metrics} already measured (a sweep's run)."""
+    for sc, seed, rate in pts.each():
+        if only is not None and not only(sc, seed, rate):
+            continue
+        slot, key = _slot(store, sc, name, seed), load_key(rate)
+        if key in slot:
+            continue
+        if measured and (sc, seed, key) in measured:
+            slot[key] = measured[(sc, seed, key)]
+            continue
+        t = f"{tag or name}-{sc}-s{seed}"
+        slot[key] = run_point(backend, pts.wf, pts.specs[(sc, seed)], pts.arrivals(sc, seed, rate), rate,
+                              f"{t}-L{key}", log, label=t)
+
+
+def multi_score(ms: list[dict]) -> tuple:
+    """:func:`sweep_score` over seeds: requests lost, then runs not sustained, then the median mean latency."""
+    means = [m["mean_s"] if math.isfinite(m["mean_s"]) else float("inf") for m in ms]
+    return (sum(m["completed"] < m["requests"] for m in ms), sum(not m["sustained"] for m in ms),
+            statistics.median(means) if means else float("inf"))
+
+
+def _tune_cap(b, pts: Points, sc: str, caps: list[int], store: dict, log) -> tuple[int, list[dict]]:
+    """The cap baseline's sweep at the reference load of ``sc`` (every seed), the best cap by
+    :func:`multi_score`; the chosen cap's runs become the variant's runs there."""
+    cal, rows = pts.preset["calibration_load"], []
+    key = load_key(cal)
+    for cap in caps:
+        b.cap = cap
+        row = {"cap": cap, "seeds": {}}
+        for seed in pts.seeds:
+            t = f"dask-cap{cap}-{sc}-s{seed}"
+            row["seeds"][str(seed)] = run_point(b, pts.wf, pts.specs[(sc, seed)], pts.arrivals(sc, seed, cal), cal,
+                                                f"{t}-L{key}", log, label=t)
+        rows.append(row)
+    best = min(rows, key=lambda r: multi_score(list(r["seeds"].values())))
+    for seed in pts.seeds:
+        _slot(store, sc, "dask-capped", seed)[key] = best["seeds"][str(seed)]
+    return best["cap"], rows
+
+
+def run_scenarios(preset: dict, variants: list[str], scenarios: list[str], seeds: list[int],
+                  log: Callable[[str], None] = print, wf: Workflow | None = None) -> dict:
+    """Every selected variant at every point (scenario x seed x load) of ``preset``, on the same
+    requests and arrivals; returns ``{"capacity_rps", "capacity_note", "scenarios": {scenario:
+    {"loads_rps", "seeds", "variants": {name: {..., "seeds": {seed: {"loads", "max_sustained_rps"}}}}}},
+    "sweeps"}``. Order: plain Dask's static sweep (stationary, first seed, calibration load), its
+    best configuration at every point, the cap baseline on that cluster (caps swept at each
+    scenario's reference load, the best kept), then each dask-agents variant and each peer on a
+    cluster (instance) of its own, warmed up once."""
+    wf = wf or swe_workflow()
+    pts = Points(wf, preset, scenarios, seeds)
+    cal, warmup, key = preset["calibration_load"], preset["warmup"], load_key(preset["calibration_load"])
+    store: dict[str, dict] = {sc: {} for sc in scenarios}
+    sweeps: dict[str, Any] = {}
+    extras: dict[str, dict] = {}
+    stationary = scenario_specs(wf, preset, "stationary", seeds[0])
+    t_start = time.perf_counter()
+
+    if {"dask", "dask-capped"} & set(variants):
+        if not preset["dask_sweep"]:
+            raise ValueError("plain Dask needs a non-empty dask_sweep")
+        log(f"  plain Dask: static-configuration sweep (stationary, seed {seeds[0]}, {cal:g} requests/s)")
+        sweeps["dask"] = run_dask_sweep(preset["dask_sweep"], stationary, cal, seeds[0], warmup, log, wf)
+        chosen = min(sweeps["dask"], key=lambda r: sweep_score(r["metrics"]))
+        best = chosen["config"]
+        log(f"  plain Dask: best static configuration {best}")
+        measured = {("stationary", seeds[0], key): chosen["metrics"]} if "stationary" in scenarios else {}
+        t = time.perf_counter()
+        with wf.dask_backend(**best) as b:
+            warm_up(b, wf, warmup, seeds[0], "dask")
+            if "dask" in variants:
+                _run_points("dask", b, pts, store, log, measured=measured)
+                for sc in scenarios:
+                    store[sc]["dask"].update(description=b.describe(), best_config=best)
+            if "dask-capped" in variants:
+                caps = [int(c) for c in preset.get("caps") or [4]]
+                sweeps["dask-capped"] = {}
+                b.routing = "session_sticky"  # a per-engine cap needs the request's engine
+                for sc in scenarios:
+                    log(f"  dask-capped ({sc}): caps {caps} at {cal:g} requests/s")
+                    cap, rows = _tune_cap(b, pts, sc, caps, store, log)
+                    sweeps["dask-capped"][sc] = rows
+                    log(f"  dask-capped ({sc}): tuned cap {cap} requests live per engine")
+                    b.cap = cap
+                    _run_points("dask-capped", b, pts, store, log, only=lambda s, seed, rate, sc=sc: s == sc)
+                    store[sc]["dask-capped"].update(description=b.describe(), tuned_cap=cap,
+                                                    best_config={**best, "routing": "session_sticky", "cap": cap})
+                b.cap, b.routing = None, best.get("routing", "none")
+        extras["dask+dask-capped"] = {"wall_s": time.perf_counter() - t}  # one cluster
+
+    agents = [v for v in variants if v == "dask-agents" or v.startswith("dask-agents-no-")]
+    for name in agents:
+        off = None if name == "dask-agents" else name[len("dask-agents-no-"):]
+        if off is not None and off not in (*wf.policies, "admission"):
+            log(f"  {name}: skipped (not an ablation of the {wf.name} workflow)")
+            continue
+        t = time.perf_counter()
+        with wf.agents_backend(disabled=off) as b:
+            warm_up(b, wf, warmup, seeds[0], name)
+            _run_points(name, b, pts, store, log)
+            desc, extra = b.describe(), b.extra()
+        for sc in scenarios:
+            store[sc][name].update(description=desc, **extra)
+        extras[name] = {"wall_s": time.perf_counter() - t}
+
+    for peer in PEERS:
+        if peer not in variants:
+            continue
+        ok, info = peer_available(peer)
+        if not ok:
+            log(f"  {peer}: SKIPPED, {info}")
+            for sc in scenarios:
+                store[sc][peer] = {"skipped": info}
+            sweeps[peer] = []
+            continue
+        try:
+            with wf.make_peer(peer, tool_threads=PEER_TOOL_THREADS) as b:
+                rows = []
+                for routing in preset["peer_sweep"]:
+                    b.routing = routing
+                    if not rows:
+                        warm_up(b, wf, warmup, seeds[0], peer)
+                    m = run_point(b, wf, stationary, wf.arrivals(len(stationary), cal, seeds[0]), cal,
+                                  f"{peer}-sweep-{routing}-L{key}", log, label=f"{peer}-sweep-{routing}")
+                    rows.append({"config": {"routing": routing}, "metrics": m})
+                chosen = min(rows, key=lambda r: sweep_score(r["metrics"]))
+                b.routing = chosen["config"]["routing"]
+                sweeps[peer] = rows
+                measured = {("stationary", seeds[0], key): chosen["metrics"]} if "stationary" in scenarios else {}
+                _run_points(peer, b, pts, store, log, measured=measured)
+                for sc in scenarios:
+                    store[sc][peer].update(description=b.describe(), best_config=chosen["config"], version=info)
+        except Exception as e:  # a broken peer install must not lose the other results
+            log(f"  {peer}: FAILED ({type(e).__name__}: {e}); reported as skipped")
+            for sc in scenarios:
+                store[sc][peer] = {"skipped": f"failed: {type(e).__name__}: {e}"[:300]}
+            sweeps[peer] = []
+
+    for sc in scenarios:
+        for v in store[sc].values():
+            for per in (v.get("seeds") or {}).values():
+                per["max_sustained_rps"] = max_sustained(per["loads"])
+    cap_rps, note = derive_capacity(store, seeds, cal)
+    return {"capacity_rps": cap_rps, "capacity_note": note, "wall_s": time.perf_counter() - t_start,
+            "variant_wall_s": {k: v["wall_s"] for k, v in extras.items()},
+            "scenarios": {sc: {"loads_rps": pts.loads[sc], "seeds": list(seeds), "variants": store[sc]}
+                          for sc in scenarios},
+            "sweeps": sweeps}
+
+
+def derive_capacity(store: dict, seeds: list[int], cal: float) -> tuple[float | None, str]:
+    """The derived capacity: the highest load the best static configuration (``dask``) sustains in
+    the stationary scenario (median over seeds); the calibration load when that is the only
+    stationary load it ran; None when it did not run there."""
+    v = (store.get("stationary") or {}).get("dask")
+    if not v or v.get("skipped") or not v.get("seeds"):
+        return None, "not derived: plain Dask did not run the stationary scenario"
+    per = [p["max_sustained_rps"] for p in v["seeds"].values()]
+    loads = {k for p in v["seeds"].values() for k in p["loads"]}
+    if loads == {load_key(cal)}:
+        return cal, "the calibration load (the only stationary load of this run)"
+    med = statistics.median(per)
+    if med <= 0:
+        return 0.0, "plain Dask's best static configuration sustained none of the stationary loads"
+    return med, (f"highest stationary load plain Dask's best static configuration sustained "
+                 f"(median over {len(per)} seed(s))")
+
+
+def load_position(rate: float, capacity: float | None) -> str:
+    """``below``, ``at`` or ``above`` the derived capacity (``?`` when it is unknown)."""
+    if not capacity:
+        return "?"
+    return "at" if abs(rate - capacity) < 1e-9 else ("below" if rate < capacity else "above")
+
+
+# -- paired ratios over seeds --------------------------------------------------------------------
+
+def _finite(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def spread(xs: list[float | None]) -> dict:
+    """The median of the paired ratios and their spread: ``{"median", "min", "max", "n",
+    "per_seed"}`` (non-finite values are kept in ``per_seed`` as None and left out of the rest;
+    never a best-of)."""
+    per = [_finite(x) for x in xs]
+    vals = [x for x in per if x is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "n": 0, "per_seed": per}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals), "per_seed": per}
+
+
+def _point(v: dict | None, seed: str, key: str) -> dict | None:
+    return (((v or {}).get("seeds") or {}).get(seed) or {}).get("loads", {}).get(key)
+
+
+def paired_ratios(ours: dict, other: dict, key: str, seeds: list) -> dict[str, dict]:
+    """Per seed (the same requests and arrivals in both), at load ``key``: mean speedup
+    mean(other) / mean(ours) and P99 reduction 1 - P99(ours) / P99(other); :func:`spread` of each."""
+    mean, p99 = [], []
+    for seed in map(str, seeds):
+        a, b = _point(ours, seed, key), _point(other, seed, key)
+        if a is None or b is None:
+            mean.append(None)
+            p99.append(None)
+            continue
+        am, bm, ap, bp = (_finite(a.get("mean_s")), _finite(b.get("mean_s")),
+                          _finite(a.get("p99_s")), _finite(b.get("p99_s")))
+        mean.append(bm / am if am and bm is not None else None)
+        p99.append(1.0 - ap / bp if bp and ap is not None else None)
+    return {"mean_speedup": spread(mean), "p99_reduction": spread(p99)}
+
+
+def paired_sustained(ours: dict, other: dict, seeds: list) -> dict:
+    """Per seed: highest load sustained by ``ours`` / that of ``other`` (None where other sustained none)."""
+    out = []
+    for seed in map(str, seeds):
+        a, b = ((ours.get("seeds") or {}).get(seed) or {}), ((other.get("seeds") or {}).get(seed) or {})
+        so, sb = a.get("max_sustained_rps"), b.get("max_sustained_rps")
+        out.append(so / sb if so is not None and sb else None)
+    return spread(out)
+
+
+BASELINES = {"best_static": "dask", "tuned_cap": "dask-capped", "ray": "ray", "langgraph": "langgraph"}
+
+
+def _baseline_reason(variants: dict, name: str, no_peers: bool) -> str | None:
+    """Why a comparison with ``name`` is null (None: it is not)."""
+    if "dask-agents" not in variants:
+        return "dask-agents did not run"
+    v = variants.get(name)
+    if v is None:
+        if name in PEERS and no_peers:
+            return "not run: --no-peers (peers skipped on purpose)"
+        return f"{name} was not among the variants run"
+    if v.get("skipped"):
+        return f"skipped: {v['skipped']}"
+    return None
+
+
+def summarize_scenario(sc_res: dict, ref_load: float, no_peers: bool = False) -> dict:
+    """One scenario's summary: dask-agents vs each baseline (medians of paired per-seed ratios at
+    the reference load, their spread beside them as ``<key>_spread``, every load under
+    ``by_load``), the tuned cap, the ablations, the admission counters, and per variant the
+    medians of mean/P99 latency, KV hit rate and prefilled tokens per request at the reference load."""
+    variants, seeds, ref = sc_res["variants"], sc_res["seeds"], load_key(ref_load)
+    loads = [load_key(x) for x in sc_res["loads_rps"]]
+    ours = variants.get("dask-agents")
+    out: dict[str, Any] = {"reference_load_rps": ref_load, "loads_rps": sc_res["loads_rps"], "seeds": seeds,
+                           "emulated": True, "null_reasons": {}}
+    by_load: dict[str, dict] = {k: {} for k in loads}
+    for label, name in BASELINES.items():
+        reason = _baseline_reason(variants, name, no_peers)
+        if reason:
+            out["null_reasons"][label] = reason
+            for m in ("mean_speedup", "p99_reduction", "sustained_load_ratio"):
+                out[f"{m}_vs_{label}"] = None
+                out[f"{m}_vs_{label}_spread"] = None
+            continue
+        other = variants[name]
+        for k in loads:
+            r = paired_ratios(ours, other, k, seeds)
+            by_load[k][f"mean_speedup_vs_{label}"] = r["mean_speedup"]
+            by_load[k][f"p99_reduction_vs_{label}"] = r["p99_reduction"]
+        r = paired_ratios(ours, other, ref, seeds)
+        sus = paired_sustained(ours, other, seeds)
+        for m, sp in (("mean_speedup", r["mean_speedup"]), ("p99_reduction", r["p99_reduction"]),
+                      ("sustained_load_ratio", sus)):
+            out[f"{m}_vs_{label}"] = sp["median"]
+            out[f"{m}_vs_{label}_spread"] = {k: sp[k] for k in ("min", "max", "n", "per_seed")}
+    out["by_load"] = by_load
+    capped = variants.get("dask-capped") or {}
+    out["tuned_cap"] = capped.get("tuned_cap")
+    abl = {}
+    for name, v in variants.items():
+        if not name.startswith("dask-agents-no-") or v.get("skipped") or ours is None:
+            continue
+        r = paired_ratios(ours, v, ref, seeds)  # mean(ablation) / mean(dask-agents) = off / on
+        abl[name[len("dask-agents-no-"):]] = {
+            "mean_ratio_off_vs_on": r["mean_speedup"]["median"], "mean_ratio_spread": r["mean_speedup"],
+            "p99_ratio_off_vs_on": _p99_ratio(v, ours, ref, seeds),
+            "sustained_load_ratio_on_vs_off": paired_sustained(ours, v, seeds)["median"]}
+    out["ablations"] = abl
+    at_ref: dict[str, dict] = {}
+    for name, v in variants.items():
+        if v.get("skipped"):
+            continue
+        ms = [m for m in (_point(v, str(s), ref) for s in seeds) if m is not None]
+        if not ms:
+            continue
+        at_ref[name] = {k: spread([m.get(k) for m in ms])["median"]
+                        for k in ("mean_s", "p99_s", "kv_hit_rate", "prefill_tokens_per_request")}
+        at_ref[name]["sustained_runs"] = f"{sum(bool(m.get('sustained')) for m in ms)}/{len(ms)}"
+        at_ref[name]["max_sustained_rps"] = spread([p.get("max_sustained_rps")
+                                                    for p in v.get("seeds", {}).values()])["median"]
+    out["at_reference"] = at_ref
+    out["admission"] = admission_summary(ours, ref, seeds) if ours else None
+    out["max_sustained_rps"] = {k: v2["max_sustained_rps"] for k, v2 in at_ref.items()}
+    out["skipped"] = {k: v["skipped"] for k, v in variants.items() if v.get("skipped")}
+    return out
+
+
+def _p99_ratio(off: dict, on: dict, key: str, seeds: list) -> float | None:
+    xs = []
+    for seed in map(str, seeds):
+        a, b = _point(off, seed, key), _point(on, seed, key)
+        xs.append(a["p99_s"] / b["p99_s"] if a and b and _finite(a.get("p99_s")) and _finite(b.get("p99_s"))
+                  and b["p99_s"] else None)
+    return spread(xs)["median"]
+
+
+def admission_summary(v: dict, key: str, seeds: list) -> dict:
+    """dask-agents' admission at the reference load: counters summed over seeds, waits (p50, p99
+    of the admitted sessions' waits per run) as the median over seeds."""
+    counts: dict[str, int] = {}
+    p50, p99 = [], []
+    for seed in map(str, seeds):
+        a = (_point(v, seed, key) or {}).get("admission") or {}
+        for k, n in (a.get("counts") or {}).items():
+            counts[k] = counts.get(k, 0) + n
+        p50.append(a.get("wait_p50_s"))
+        p99.append(a.get("wait_p99_s"))
+    return {"counts": counts, "wait_p50_s": spread(p50)["median"], "wait_p99_s": spread(p99)["median"],
+            "enabled": (v.get("admission") or {}).get("enabled")}
+
+
+def summarize_scenarios(wres: dict, ref_load: float, no_peers: bool = False) -> dict:
+    """``summary.<workflow>``: run-wide fields, then one entry per scenario (:func:`summarize_scenario`)."""
+    out: dict[str, Any] = {"reference_load_rps": ref_load, "capacity_rps": wres.get("capacity_rps"),
+                           "capacity_note": wres.get("capacity_note"), "scenarios": list(wres["scenarios"]),
+                           "seeds": next(iter(wres["scenarios"].values()))["seeds"] if wres["scenarios"] else [],
+                           "emulated": True}
+    for sc, r in wres["scenarios"].items():
+        out[sc] = summarize_scenario(r, ref_load, no_peers)
+    return out
+
+
+def print_scenarios(workflow: str, wres: dict, summary: dict) -> None:
+    """The tables of a scenario run: per scenario, every variant x seed x load, the cap sweep, the summary."""
+    cap_rps = wres.get("capacity_rps")
+    print()
+    print(f"EMULATED results, workflow {workflow!r}, by scenario (latency in s, throughput in requests/s; KV hit: "
+          "prefix-cache hit rate, token-weighted; prefill/req: prompt tokens computed per request; wait p99: "
+          "dask-agents' admission wait, or the cap baseline's wait for an engine slot)")
+    print(f"  derived capacity: {fmt(cap_rps, 'g')} requests/s ({wres.get('capacity_note')})")
+    for sc, r in wres["scenarios"].items():
+        print()
+        print(f"  scenario {sc!r}: loads {', '.join(f'{x:g} ({load_position(x, cap_rps)})' for x in r['loads_rps'])}"
+              f", seeds {r['seeds']}")
+        hdr = (f"    {'variant':26s} {'seed':>4s} {'load':>5s} {'mean':>7s} {'p50':>7s} {'p99':>7s} {'thr':>6s} "
+               f"{'done':>7s} {'KV hit':>6s} {'prefill/req':>11s} {'wait p99':>8s} {'sustained':>9s}")
+        print(hdr)
+        print("    " + "-" * (len(hdr) - 4))
+        for name, v in r["variants"].items():
+            if v.get("skipped"):
+                print(f"    {name:26s} skipped: {v['skipped']}")
+                continue
+            label = name + (f" (cap {v['tuned_cap']})" if v.get("tuned_cap") else "")
+            for seed, per in v.get("seeds", {}).items():
+                for key, m in sorted(per["loads"].items(), key=lambda kv: float(kv[0])):
+                    w = (m.get("admission") or m.get("cap_stats") or {}).get("wait_p99_s")
+                    print(f"    {label:26s} {seed:>4s} {key:>5s} {fmt(m.get('mean_s')):>7s} "
+                          f"{fmt(m.get('p50_s')):>7s} {fmt(m.get('p99_s')):>7s} {fmt(m.get('throughput_rps')):>6s} "
+                          f"{m.get('completed', 0):>3d}/{m.get('requests', 0):<3d} "
+                          f"{fmt(m.get('kv_hit_rate'), '.0%'):>6s} "
+                          f"{fmt(m.get('prefill_tokens_per_request'), '.0f'):>11s} {fmt(w):>8s} "
+                          f"{'yes' if m.get('sustained') else 'no':>9s}")
+        rows = (wres.get("sweeps", {}).get("dask-capped") or {}).get(sc) or []
+        if rows:
+            print(f"    cap sweep (requests live per engine) at {summary['reference_load_rps']:g} requests/s:")
+            for row in rows:
+                ms = list(row["seeds"].values())
+                print(f"      cap {row['cap']:>3d}: mean {', '.join(fmt(m['mean_s']) for m in ms)} "
+                      f"p99 {', '.join(fmt(m['p99_s']) for m in ms)} "
+                      f"sustained {sum(bool(m['sustained']) for m in ms)}/{len(ms)}")
+        s = summary[sc]
+        print(f"    summary (EMULATED; at {summary['reference_load_rps']:g} requests/s; median of paired per-seed "
+              "ratios [min, max]):")
+        for label in BASELINES:
+            if label in s["null_reasons"]:
+                print(f"      vs {label:12s} null: {s['null_reasons'][label]}")
+                continue
+            parts = []
+            for m in ("mean_speedup", "p99_reduction", "sustained_load_ratio"):
+                sp = s[f"{m}_vs_{label}_spread"]
+                parts.append(f"{m} {fmt(s[f'{m}_vs_{label}'], '.3f')} "
+                             f"[{fmt(sp['min'], '.3f')}, {fmt(sp['max'], '.3f')}]")
+            print(f"      vs {label:12s} " + "; ".join(parts))
+        if s.get("tuned_cap") is not None:
+            print(f"      tuned cap (chosen after the fact): {s['tuned_cap']} requests live per engine")
+        for p, a in s["ablations"].items():
+            print(f"      without {p:12s} mean x{fmt(a['mean_ratio_off_vs_on'], '.3f')}, "
+                  f"p99 x{fmt(a['p99_ratio_off_vs_on'], '.3f')}")
+        if s.get("admission"):
+            a = s["admission"]
+            print(f"      dask-agents admission: counts {a['counts']}, wait p50 {fmt(a['wait_p50_s'], '.3f')}s "
+                  f"p99 {fmt(a['wait_p99_s'], '.3f')}s")
+    print()
 
 
 # -- summary, table, plots -----------------------------------------------------------------------
@@ -948,12 +1597,12 @@ def run_benchmark(preset: dict, variants: list[str], seed: int = 0,
     if "dask-agents" in variants:
         out["dask-agents"] = run_variant("dask-agents", wf.agents_backend, base, loads, seed, preset["warmup"], log,
                                          wf=wf)
-    for p in wf.policies:
+    for p in (*wf.policies, "admission"):
         name = f"dask-agents-no-{p}"
         if name in variants:
             out[name] = run_variant(name, lambda p=p: wf.agents_backend(disabled=p), base, loads, seed,
                                     preset["warmup"], log, wf=wf)
-    for peer in ("ray", "langgraph"):
+    for peer in PEERS:
         if peer not in variants:
             continue
         ok, info = peer_available(peer)
@@ -972,11 +1621,29 @@ def run_benchmark(preset: dict, variants: list[str], seed: int = 0,
     return out, sweeps
 
 
-ALL_VARIANTS = ["dask", "dask-agents"] + [f"dask-agents-no-{p}" for p in POLICIES] + ["ray", "langgraph"]
+ALL_VARIANTS = (["dask", "dask-capped", "dask-agents", "dask-agents-no-admission"]
+                + [f"dask-agents-no-{p}" for p in POLICIES] + list(PEERS))
 
 
-def build_config(preset: dict, mode: str, seed: int, variants: list[str]) -> dict:
+def build_config(preset: dict, mode: str, seed: int, variants: list[str], scenarios: list[str] | None = None,
+                 seeds: list[int] | None = None) -> dict:
     base = swe.make_specs(preset["requests"], seed)
+    scenarios = list(scenarios or ["stationary"])
+    seeds = list(seeds or [seed])
+    desc = {"stationary": "Poisson arrivals at the offered load",
+            "bursty": (f"two-state MMPP: {swe.MMPP_FACTORS[0]:g}x / {swe.MMPP_FACTORS[1]:g}x the offered load, "
+                       f"exponential holding times of mean {preset.get('mmpp_hold_s', swe.MMPP_HOLD_QUICK)} s "
+                       "(time-average = the offered load)"),
+            "phase": (f"Poisson; the second half of the requests with their repository context "
+                      f"{preset.get('phase_context_factor', swe.PHASE_CONTEXT_FACTOR):g}x longer (capped to fit "
+                      f"max_model_len)")}
+    sc_cfg = {}
+    for sc in scenarios:
+        sc_cfg[sc] = {"arrivals": desc.get(sc, "?"), "loads_rps": scenario_loads(preset, sc)}
+        if sc == "phase":
+            ph = swe.phase_specs(base, preset.get("phase_context_factor", swe.PHASE_CONTEXT_FACTOR))
+            half = len(ph) // 2
+            sc_cfg[sc]["second_half"] = swe.describe_specs(ph[half:]) if ph[half:] else None
     return {
         "emulated": True, "note": EMULATED_NOTE, "mode": mode, "workflow": "swe", "seed": seed,
         "python": sys.version.split()[0], "dask": dask.__version__, "distributed": distributed.__version__,
@@ -984,6 +1651,7 @@ def build_config(preset: dict, mode: str, seed: int, variants: list[str]) -> dic
         "variants": variants, "loads_rps": sorted(preset["loads"]), "requests_per_load": preset["requests"],
         "warmup_requests": preset["warmup"], "calibration_load_rps": preset["calibration_load"],
         "reference_load_rps": preset["calibration_load"],
+        "scenarios": sc_cfg, "seeds": seeds, "caps": preset.get("caps"),
         "engine": {"replicas": 2, "model": swe.MODEL, **swe.ENGINE, "max_model_len": swe.MAX_MODEL_LEN,
                    "prefix_caching": True, "class": "worker_plugin.emulated.EmulatedEngineHost"},
         "tools": {"doc_search": "file_io prior (P50/P95/P99 45/320/1200 ms)",
@@ -1032,48 +1700,89 @@ def base_config(mode: str, seed: int, workflow: str) -> dict:
 WORKFLOWS = ("swe", "finance", "router")  # --workflow all: in this order
 
 
+def missing_peers(all_results: dict) -> dict[str, str]:
+    """Peers that were asked for but did not run (``{"<workflow>/<peer>": reason}``)."""
+    out = {}
+    for w, r in all_results.items():
+        if "scenarios" in r:
+            for sc, sr in r["scenarios"].items():
+                for peer in PEERS:
+                    v = sr["variants"].get(peer)
+                    if v is not None and v.get("skipped"):
+                        out.setdefault(f"{w}/{peer}", v["skipped"])
+        else:
+            for peer in PEERS:
+                v = r["variants"].get(peer)
+                if v is not None and v.get("skipped"):
+                    out[f"{w}/{peer}"] = v["skipped"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks import e2e_finance as finance
     from benchmarks import e2e_router as router
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="PATH", required=True, help="write the results as JSON to PATH (plots beside it)")
-    p.add_argument("--quick", action="store_true", help="fewer loads and requests (a few minutes on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="fewer loads, requests, caps and seeds (minutes on 2 cores)")
     p.add_argument("--workflow", default="swe", choices=[*WORKFLOWS, "all"],
                    help="workflow to run: swe (default), finance (parallel analysts, summary, delayed follow-ups), "
                         "router (skewed phases, 2 models on 4 engine workers), all (swe, finance, router)")
-    p.add_argument("--variants", help=f"comma-separated subset of {','.join(ALL_VARIANTS)}")
-    p.add_argument("--loads", help="comma-separated offered loads in requests/s (overrides the preset)")
+    p.add_argument("--variants", help=f"comma-separated subset of {','.join(ALL_VARIANTS)} (default: the preset's)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help=f"comma-separated arrival scenarios of the swe workflow, of {','.join(SCENARIOS)} "
+                        "(default: all three; finance and router run their own single scenario)")
+    p.add_argument("--seeds", type=int, help="seeds per point (new requests and arrivals each; default 1 with "
+                                             "--quick, 3 otherwise); ratios are paired per seed")
+    p.add_argument("--caps", help="comma-separated caps (requests live per engine) of the dask-capped sweep")
+    p.add_argument("--no-peers", action="store_true",
+                   help="skip Ray and LangGraph on purpose (without it a peer that cannot run fails the exit code)")
+    p.add_argument("--loads", help="comma-separated offered loads in requests/s (overrides the preset, every scenario)")
     p.add_argument("--requests", type=int, help="requests per load (overrides the preset)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the first seed")
     args = p.parse_args(argv)
 
     workflows = list(WORKFLOWS) if args.workflow == "all" else [args.workflow]
+    scenarios = [x for x in args.scenarios.split(",") if x]
+    bad = [x for x in scenarios if x not in SCENARIOS]
+    if bad or not scenarios:
+        p.error(f"unknown scenarios {bad} (known: {', '.join(SCENARIOS)})")
     presets = {"swe": dict(QUICK if args.quick else FULL),
                "finance": dict(finance.QUICK if args.quick else finance.FULL),
                "router": dict(router.QUICK if args.quick else router.FULL)}
     for preset in presets.values():
         if args.loads:
             preset["loads"] = [float(x) for x in args.loads.split(",")]
+            preset["scenario_loads"] = {}
             if preset["calibration_load"] not in preset["loads"]:
                 preset["calibration_load"] = max(preset["loads"])
         if args.requests:
             preset["requests"] = args.requests
+    if args.caps:
+        presets["swe"]["caps"] = [int(x) for x in args.caps.split(",")]
+    n_seeds = args.seeds if args.seeds is not None else presets["swe"].get("seeds", 1)
+    if n_seeds < 1:
+        p.error("--seeds must be >= 1")
+    seeds = [args.seed + i for i in range(n_seeds)]
     per_workflow = {"swe": ALL_VARIANTS, "finance": finance.VARIANTS, "router": router.VARIANTS}
     known = set().union(*per_workflow.values())
     asked = args.variants.split(",") if args.variants else None
     unknown = set(asked or ()) - known
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}")
-    variants = {w: [v for v in (asked or vs) if v in vs] for w, vs in per_workflow.items()}
+    defaults = {"swe": presets["swe"].get("variants", ALL_VARIANTS), "finance": finance.VARIANTS,
+                "router": router.VARIANTS}
+    variants = {w: [v for v in (asked or defaults[w]) if v in vs and not (args.no_peers and v in PEERS)]
+                for w, vs in per_workflow.items()}
 
     t0 = time.perf_counter()
     mode = "quick" if args.quick else "full"
     if "swe" in workflows:
-        config = build_config(presets["swe"], mode, args.seed, variants["swe"])
+        config = build_config(presets["swe"], mode, args.seed, variants["swe"], scenarios, seeds)
         config["workflow"] = args.workflow
     else:
         config = base_config(mode, args.seed, args.workflow)
+    config["no_peers"] = args.no_peers
     if "finance" in workflows:
         config["finance"] = finance.build_config(presets["finance"], args.seed, variants["finance"])
     if "router" in workflows:
@@ -1084,37 +1793,65 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda s: print(s, flush=True)  # noqa: E731
     for w in workflows:
         if w == "swe":
-            results, sweeps = run_benchmark(presets["swe"], variants["swe"], args.seed, log=log)
-        elif w == "finance":
-            log("finance workflow (parallel analysts, summary, delayed follow-ups; EMULATED engines and db_query)")
+            log(f"swe workflow: scenarios {scenarios}, seeds {seeds}, variants {variants['swe']}")
+            all_results[w] = run_scenarios(presets["swe"], variants["swe"], scenarios, seeds, log=log)
+            summary[w] = summarize_scenarios(all_results[w], presets["swe"]["calibration_load"], args.no_peers)
+            log(f"  derived capacity: {fmt(all_results[w]['capacity_rps'], 'g')} requests/s "
+                f"({all_results[w]['capacity_note']})")
+            continue
+        if w == "finance":
+            log("finance workflow (parallel analysts, summary, delayed follow-ups; EMULATED engines and db_query; "
+                f"stationary arrivals, seed {args.seed} only)")
             results, sweeps = finance.run_benchmark(presets["finance"], variants["finance"], args.seed, log=log)
         else:
-            log("router workflow (skewed phases, EMULATED chat + coder engines on 4 workers)")
+            log(f"router workflow (skewed phases, EMULATED chat + coder engines on 4 workers; seed {args.seed} only)")
             results, sweeps = router.run_benchmark(presets["router"], variants["router"], args.seed, log=log)
         all_results[w] = {"variants": results, "sweeps": sweeps}
         summary[w] = summarize(results, presets[w]["calibration_load"])
+        if args.no_peers:
+            for peer in PEERS:
+                summary[w]["skipped"].setdefault(peer, "not run: --no-peers (peers skipped on purpose)")
     config["wall_s"] = time.perf_counter() - t0
     summary["wall_s"] = config["wall_s"]
     summary["emulated"] = True
     for w in workflows:
-        print_table(w, all_results[w]["variants"], all_results[w]["sweeps"], summary[w])
+        if "scenarios" in all_results[w]:
+            print_scenarios(w, all_results[w], summary[w])
+        else:
+            print_table(w, all_results[w]["variants"], all_results[w]["sweeps"], summary[w])
 
     path = os.path.abspath(args.json)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     stem = os.path.splitext(path)[0]
     plots: list[str] = []
     for w in workflows:
-        files, note = plot(stem, w, all_results[w]["variants"])
-        plots += files
-        if note:
-            config["plots_note"] = note
-            print(f"  {note}")
+        if "scenarios" in all_results[w]:  # one figure per scenario, the first seed's runs
+            views = {sc: (f"{w}_{sc}", {name: {"loads": v["seeds"][str(seeds[0])]["loads"]}
+                                        if not v.get("skipped") else {"skipped": v["skipped"]}
+                                        for name, v in r["variants"].items()})
+                     for sc, r in all_results[w]["scenarios"].items()}
+        else:
+            views = {w: (w, all_results[w]["variants"])}
+        for name, vs in views.values():
+            files, note = plot(stem, name, vs)
+            plots += files
+            if note:
+                config["plots_note"] = note
+                print(f"  {note}")
     config["plots"] = [os.path.basename(f) for f in plots]
     doc = jsonable({"config": config, "results": all_results, "summary": summary})
     with open(path, "w") as f:
         json.dump(doc, f, indent=2, default=str, allow_nan=False)
     print(f"wrote {path}" + (f" and {', '.join(plots)}" if plots else ""))
     print(f"wall {config['wall_s']:.0f}s")
+    missing = missing_peers(all_results) if not args.no_peers else {}
+    if missing:
+        print("ERROR: peer frameworks were asked for but did not run (the JSON above records them as skipped):",
+              file=sys.stderr)
+        for k, why in missing.items():
+            print(f"  {k}: {why}", file=sys.stderr)
+        print("  install them, or pass --no-peers to skip the peers on purpose", file=sys.stderr)
+        return 3
     return 0
 
 

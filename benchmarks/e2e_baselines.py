@@ -19,12 +19,20 @@ name: at a request's start the driver picks the worker with the fewest requests 
 ties rotating, and every LLM task of that request is submitted with ``workers=[addr],
 allow_other_workers=False``, so the session's prompt prefix stays cached on that engine; agent
 and tool tasks stay unpinned).
+
+The hand-tuned cap baseline (``dask-capped`` in e2e.py): ``session_sticky`` plus a cap on the
+requests live per engine (:class:`CappedPinner`): a request starts its work only once an engine
+worker has fewer than ``cap`` requests pinned, holds that slot for its whole life (released
+when it ends, also on error), and waits FIFO for the first engine with a free slot. It is the
+static admission control a user would write by hand; e2e.py tunes ``cap`` after the fact.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
+from collections import deque
 
 from distributed import WorkerPlugin, get_worker, worker_client
 
@@ -102,6 +110,87 @@ class SessionPinner:
             self.active[addr] -= 1
 
 
+class PinnerClosed(RuntimeError):
+    """The run ended while the request still waited for an engine slot."""
+
+
+class CappedPinner:
+    """``session_sticky`` with at most ``cap`` requests live per engine worker (the hand-tuned
+    cap baseline). :meth:`acquire` blocks until an engine has a free slot; waiting requests are
+    served first come, first served (a later request never overtakes an earlier one, even when
+    a slot frees up just as it arrives); among the engines with a free slot it takes the one with
+    the fewest requests live, ties rotating (as :class:`SessionPinner`). :meth:`release` frees the
+    slot (the driver calls it in a ``finally``, so a failing request frees it too); :meth:`close`
+    wakes every waiter with :class:`PinnerClosed` (the end of a run that timed out)."""
+
+    def __init__(self, workers: list[str], cap: int):
+        if not workers:
+            raise ValueError("no workers to pin to")
+        if int(cap) < 1:
+            raise ValueError(f"cap must be >= 1, not {cap!r}")
+        self.workers, self.cap = list(workers), int(cap)
+        self.active = dict.fromkeys(self.workers, 0)
+        self.peak = dict.fromkeys(self.workers, 0)  # most requests live at once, per engine
+        self.turn = 0
+        self.cond = threading.Condition()
+        self.queue: deque = deque()  # tickets of the waiting requests, in arrival order
+        self.waits: list[float] = []  # seconds each admitted request waited for its slot
+        self.order: list[object] = []  # the tickets in the order they got a slot
+        self.closed = False
+
+    def _free(self) -> list[int]:
+        return [j for j, w in enumerate(self.workers) if self.active[w] < self.cap]
+
+    def acquire(self, ticket: object | None = None) -> str:
+        """The engine worker this request is pinned to, once one has a free slot (FIFO)."""
+        me = object() if ticket is None else ticket
+        t0 = time.perf_counter()
+        with self.cond:
+            self.queue.append(me)
+            try:
+                while not self.closed and not (self.queue[0] is me and self._free()):
+                    self.cond.wait()
+                if self.closed:
+                    raise PinnerClosed("the run ended while this request waited for an engine slot")
+            finally:
+                if self.queue and self.queue[0] is me:
+                    self.queue.popleft()
+                elif me in self.queue:
+                    self.queue.remove(me)
+                self.cond.notify_all()  # the next in line may fit too
+            self.turn += 1
+            n = len(self.workers)
+            i = min(self._free(), key=lambda j: (self.active[self.workers[j]], (j - self.turn) % n))
+            addr = self.workers[i]
+            self.active[addr] += 1
+            self.peak[addr] = max(self.peak[addr], self.active[addr])
+            self.waits.append(time.perf_counter() - t0)
+            self.order.append(me)
+            return addr
+
+    def release(self, addr: str) -> None:
+        with self.cond:
+            if self.active.get(addr, 0) <= 0:
+                raise ValueError(f"release of {addr!r} without a live request there")
+            self.active[addr] -= 1
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def stats(self) -> dict:
+        """Driver-side waits for a slot (p50, p99, how many waited > 1 ms) and peak live requests."""
+        import numpy as np
+
+        w = np.asarray(self.waits, dtype=float)
+        return {"cap": self.cap, "requests": int(w.size),
+                "wait_p50_s": float(np.percentile(w, 50)) if w.size else None,
+                "wait_p99_s": float(np.percentile(w, 99)) if w.size else None,
+                "waited": int((w > 1e-3).sum()), "peak_live_per_engine": max(self.peak.values(), default=0)}
+
+
 def _llm(c, prompt: str, max_tokens: int, llm_slots: int | None, worker: str | None = None) -> dict:
     kw: dict = {"resources": {"LLM": 1}} if llm_slots else {}
     if worker is not None:  # session_sticky: this request's engine only
@@ -138,9 +227,10 @@ def tester_task(spec: swe.RequestSpec, patches: list[swe.Patch], rnd: int, llm_s
 
 
 def solve_dask(client, spec: swe.RequestSpec, llm_slots: int | None = None,
-               pinner: SessionPinner | None = None) -> dict:
+               pinner: SessionPinner | CappedPinner | None = None) -> dict:
     """Drive one request with plain Dask futures (the same control flow as ``solve_agents``);
-    with ``pinner`` (routing ``session_sticky``) all its LLM tasks run on one engine worker."""
+    with ``pinner`` (routing ``session_sticky``, or the capped form) all its LLM tasks run on
+    one engine worker, whose slot the request holds until it ends (errors included)."""
     worker = pinner.acquire() if pinner is not None else None
     try:
         return _solve(client, spec, llm_slots, worker)

@@ -131,20 +131,24 @@ TOOL_TIME_SCALE = 0.1  # wall seconds per emulated tool second (SAGA priors x 0.
 
 
 def model_entry(engine: dict | None = None) -> dict:
-    """The ``agents.llm.models.coder`` entry of the EMULATED engine (also used to build it by hand)."""
+    """The ``agents.llm.models.coder`` entry of the EMULATED engine (also used to build it by hand);
+    ``engine`` a whole model entry (it has ``model``, e.g. a real vLLM engine's): that entry."""
+    if engine is not None and "model" in engine:
+        return dict(engine)
     return {"model": "emulated-swe", "engine": "emulated", "tokenizer": "byte",
             "max-model-len": MAX_MODEL_LEN, "enable-prefix-caching": True,
             "emulation": dict(ENGINE if engine is None else engine)}
 
 
 def make_engine(name: str = MODEL, engine: dict | None = None):
-    """One EMULATED engine host, started: the same class dask-agents' worker plugin hosts."""
-    from worker_plugin.emulated import EmulatedEngineHost
-    from worker_plugin.engine import ModelSettings
+    """One engine host, started and loaded: the class dask-agents' worker plugin hosts for the
+    entry (EMULATED by default; a real vLLM engine for a real model entry, see ``model_entry``)."""
+    from worker_plugin.engine import ModelSettings, make_host
 
-    host = EmulatedEngineHost(name, ModelSettings(**model_entry(engine)))
+    entry = model_entry(engine)
+    host = make_host(name, ModelSettings(**entry))
     host.start()
-    host.wait_loaded(10)
+    host.wait_loaded(10 if entry.get("engine") == "emulated" else 600)
     return host
 
 
@@ -229,6 +233,74 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     for _ in range(n):
         out.append(t)
         t += rng.expovariate(1.0) / rate
+    return out
+
+
+# -- scenarios: the arrival process and the requests' shape (benchmarks/e2e.py --scenarios) ---
+
+MMPP_FACTORS = (2.0, 0.5)  # the bursty scenario's rates, x the nominal rate: high state, low state
+# Mean state holding times (s), high and low: 1 : 2, so the time-average rate is the nominal one
+# (2 x 1/3 + 0.5 x 2/3 = 1).
+MMPP_HOLD_QUICK = (1.5, 3.0)
+MMPP_HOLD_FULL = (5.0, 10.0)
+PHASE_CONTEXT_FACTOR = 2.0  # the phase scenario: the second half's repository context, x the drawn length
+
+
+def mmpp_arrivals(n: int, rate: float, seed: int, hold_s: tuple = MMPP_HOLD_QUICK, factors: tuple = MMPP_FACTORS,
+                  with_states: bool = False):
+    """Arrival offsets (s) of ``n`` requests from a two-state Markov-modulated Poisson process
+    (the ``bursty`` scenario): the rate alternates between ``factors[0]`` and ``factors[1]`` x
+    ``rate``, each state held for an exponential time of mean ``hold_s[0]`` / ``hold_s[1]`` s;
+    the first state is drawn from the stationary distribution (high with probability
+    hold_high / (hold_high + hold_low)). With the defaults (2x for 1:2 of the time, 0.5x the
+    rest) the time-average rate is ``rate``. Seeded (``random.Random(f"e2e-mmpp-{seed}")``); the
+    first arrival is at 0. ``with_states``: also return the state segments ``[(start, end,
+    factor)]`` (the last one ends after the last arrival)."""
+    if rate <= 0 or n < 0 or min(hold_s) <= 0 or min(factors) <= 0:
+        raise ValueError(f"bad MMPP parameters: n={n} rate={rate} hold_s={hold_s} factors={factors}")
+    rng = random.Random(f"e2e-mmpp-{seed}")
+    state = 0 if rng.random() < hold_s[0] / (hold_s[0] + hold_s[1]) else 1
+    t, start = 0.0, 0.0
+    end = rng.expovariate(1.0 / hold_s[state])
+    out: list[float] = []
+    segments: list[tuple[float, float, float]] = []
+    while len(out) < n:
+        gap = rng.expovariate(rate * factors[state])
+        if t + gap < end:
+            t += gap
+            out.append(t)
+            continue
+        # Memoryless: the state ends before the next arrival; draw afresh in the next state.
+        segments.append((start, end, factors[state]))
+        t = start = end
+        state = 1 - state
+        end = t + rng.expovariate(1.0 / hold_s[state])
+    segments.append((start, end, factors[state]))
+    shift = out[0] if out else 0.0
+    out = [a - shift for a in out]
+    if not with_states:
+        return out
+    return out, [(max(0.0, a - shift), b - shift, f) for a, b, f in segments if b > shift]
+
+
+def max_prompt_tokens(spec: RequestSpec) -> int:
+    """The longest prompt of the request (tokens)."""
+    return max(len(c["prompt"].encode()) for c in session_calls(spec))
+
+
+def phase_specs(specs: list[RequestSpec], factor: float = PHASE_CONTEXT_FACTOR) -> list[RequestSpec]:
+    """The ``phase`` scenario's requests: the first half as drawn, the second half (in arrival
+    order) with its repository context ``factor`` x longer (the same seeded text, longer), cut
+    back where needed so that every prompt plus its output fits ``MAX_MODEL_LEN``.
+    Deterministic: a pure function of the specs."""
+    half = len(specs) // 2
+    out = list(specs[:half])
+    for s in specs[half:]:
+        new = dataclasses.replace(s, context_tokens=int(round(s.context_tokens * factor)))
+        over = max_prompt_tokens(new) + PATCH_TOKENS - MAX_MODEL_LEN
+        if over > 0:
+            new = dataclasses.replace(new, context_tokens=new.context_tokens - over)
+        out.append(new)
     return out
 
 

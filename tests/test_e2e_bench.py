@@ -159,48 +159,303 @@ SUMMARY_KEYS = [f"{m}_vs_{o}" for o in ("dask", "ray", "langgraph")
                 for m in ("mean_speedup", "p99_reduction", "sustained_load_ratio")]
 
 
-@pytest.mark.timeout(120)
-def test_tiny_run_of_plain_dask_and_dask_agents(tmp_path):
+# -- scenarios, the cap baseline, seeds and paired ratios ----------------------------------------
+
+def test_mmpp_arrivals_alternate_are_seeded_and_keep_the_nominal_mean_rate():
+    a, seg = swe.mmpp_arrivals(400, 3.0, 7, hold_s=(1.5, 3.0), with_states=True)
+    assert a[0] == 0.0 and a == sorted(a) and len(a) == 400
+    assert swe.mmpp_arrivals(400, 3.0, 7, hold_s=(1.5, 3.0)) == a  # seeded
+    assert swe.mmpp_arrivals(400, 3.0, 8, hold_s=(1.5, 3.0)) != a
+    # The rate alternates between the two states, segments back to back covering every arrival.
+    factors = [f for _, _, f in seg]
+    assert set(factors) == {2.0, 0.5} and all(x != y for x, y in zip(factors, factors[1:]))
+    assert all(b0 == pytest.approx(a1) for (_, b0, _), (a1, _, _) in zip(seg, seg[1:]))
+    assert seg[0][0] == 0.0 and seg[-1][1] >= a[-1]
+    # Over many draws: the time-average rate is the nominal one, each state's rate its factor x it.
+    a, seg = swe.mmpp_arrivals(30_000, 3.0, 1, hold_s=(1.5, 3.0), with_states=True)
+    assert (len(a) - 1) / a[-1] == pytest.approx(3.0, rel=0.05)
+    counts, spans, j = {2.0: 0, 0.5: 0}, {2.0: 0.0, 0.5: 0.0}, 0
+    for x in a:  # both sorted: walk the segments alongside the arrivals
+        while seg[j][1] <= x:
+            j += 1
+        counts[seg[j][2]] += 1
+    for s0, e, f in seg:
+        spans[f] += max(0.0, min(e, a[-1]) - s0)
+    for f in (2.0, 0.5):
+        assert counts[f] / spans[f] == pytest.approx(3.0 * f, rel=0.1)
+    assert spans[2.0] / (spans[2.0] + spans[0.5]) == pytest.approx(1 / 3, rel=0.1)
+    with pytest.raises(ValueError):
+        swe.mmpp_arrivals(5, 0.0, 0)
+
+
+def test_phase_scenario_lengthens_the_second_half_context():
+    base = swe.make_specs(12, 3)
+    ph = swe.phase_specs(base, 2.0)
+    assert ph == swe.phase_specs(swe.make_specs(12, 3), 2.0)  # deterministic
+    assert ph[:6] == base[:6]
+    for a, b in zip(base[6:], ph[6:]):
+        assert b.context_tokens <= 2 * a.context_tokens and b.context_tokens > 1.5 * a.context_tokens
+        assert (b.issue, b.failing, b.doc_s, b.code_s, b.test_s) == (a.issue, a.failing, a.doc_s, a.code_s, a.test_s)
+        assert swe.max_prompt_tokens(b) + swe.PATCH_TOKENS <= swe.MAX_MODEL_LEN
+        assert swe.prompt_tokens(b) > swe.prompt_tokens(a)
+        assert swe.repo_context(b).startswith(swe.repo_context(a))
+    # A context that would overflow max_model_len is cut back to fit.
+    big = swe.phase_specs(base, 10.0)
+    assert all(swe.max_prompt_tokens(s) + swe.PATCH_TOKENS == swe.MAX_MODEL_LEN for s in big[6:])
+    # The scenario helpers: the same requests per (scenario, seed), the arrival process per scenario.
+    wf, preset = e2e.swe_workflow(), {**e2e.QUICK, "requests": 12}
+    assert e2e.scenario_specs(wf, preset, "phase", 3) == ph and e2e.scenario_specs(wf, preset, "bursty", 3) == base
+    assert e2e.scenario_arrivals(wf, preset, "bursty", 12, 3.0, 3) == swe.mmpp_arrivals(
+        12, 3.0, 3, tuple(preset["mmpp_hold_s"]))
+    assert e2e.scenario_arrivals(wf, preset, "phase", 12, 3.0, 3) == swe.poisson_arrivals(12, 3.0, 3)
+    assert e2e.scenario_loads({"loads": [1.0, 2.0], "calibration_load": 3.0, "scenario_loads": {"phase": [1.0]}},
+                              "phase") == [1.0, 3.0]
+    with pytest.raises(ValueError, match="unknown scenario"):
+        e2e.scenario_specs(wf, preset, "diurnal", 0)
+
+
+def _wait_until(pred, timeout=30.0):
+    """Poll a condition (no fixed sleep; fails only if it never holds)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.001)
+
+
+def test_capped_pinner_bounds_live_requests_per_engine_under_threads():
+    import threading
+
+    from benchmarks.e2e_baselines import CappedPinner
+
+    p = CappedPinner(["tcp://a", "tcp://b"], cap=3)
+    lock, live, peak, done = threading.Lock(), {"tcp://a": 0, "tcp://b": 0}, [0], threading.Event()
+
+    def request():
+        addr = p.acquire()
+        try:
+            with lock:
+                live[addr] += 1
+                peak[0] = max(peak[0], live[addr])
+            done.wait()
+            with lock:
+                live[addr] -= 1
+        finally:
+            p.release(addr)
+
+    threads = [threading.Thread(target=request) for _ in range(30)]
+    for t in threads:
+        t.start()
+    _wait_until(lambda: len(p.queue) == 24 and sum(live.values()) == 6)
+    assert p.active == {"tcp://a": 3, "tcp://b": 3}  # full, and the rest wait
+    done.set()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert peak[0] <= 3 and max(p.peak.values()) == 3 and p.active == {"tcp://a": 0, "tcp://b": 0}
+    st = p.stats()
+    assert st["requests"] == 30 and st["waited"] >= 24 and st["peak_live_per_engine"] == 3
+    with pytest.raises(ValueError):
+        p.release("tcp://a")
+    with pytest.raises(ValueError):
+        CappedPinner(["tcp://a"], cap=0)
+
+
+def test_capped_pinner_is_fifo_and_close_wakes_waiters():
+    import threading
+
+    from benchmarks.e2e_baselines import CappedPinner, PinnerClosed
+
+    p = CappedPinner(["tcp://a", "tcp://b"], cap=1)
+    held = [p.acquire(), p.acquire()]
+    assert sorted(held) == ["tcp://a", "tcp://b"]
+    tickets = [object() for _ in range(4)]
+    got: dict[int, str] = {}
+    threads = []
+    for i, ticket in enumerate(tickets):  # queued one after the other: arrival order is known
+        t = threading.Thread(target=lambda i=i, ticket=ticket: got.__setitem__(i, p.acquire(ticket)))
+        t.start()
+        threads.append(t)
+        _wait_until(lambda ticket=ticket: ticket in p.queue)
+    assert list(p.queue) == tickets
+    for k in range(4):  # each freed slot goes to the oldest waiter
+        p.release(held.pop(0) if held else got[k - 2])
+        _wait_until(lambda k=k: k in got)
+        assert set(got) == set(range(k + 1)), got
+    assert p.order[2:] == tickets
+    for t in threads:
+        t.join(30)
+    # A request waiting when the run ends gives up with PinnerClosed, and leaves the queue.
+    errors: list[BaseException] = []
+
+    def late():
+        try:
+            p.acquire()
+        except PinnerClosed as e:
+            errors.append(e)
+
+    t = threading.Thread(target=late)
+    t.start()
+    _wait_until(lambda: len(p.queue) == 1)
+    p.close()
+    t.join(30)
+    assert len(errors) == 1 and not p.queue
+
+
+def test_capped_pinner_slot_released_when_the_request_fails():
+    from benchmarks.e2e_baselines import CappedPinner, solve_dask
+
+    class Broken:  # a client whose first submit fails
+        def submit(self, *a, **kw):
+            raise RuntimeError("scheduler gone")
+
+    p = CappedPinner(["tcp://a"], cap=1)
+    spec = swe.make_specs(1, 0)[0]
+    for _ in range(3):  # without the release, the second call would wait forever
+        with pytest.raises(RuntimeError, match="scheduler gone"):
+            solve_dask(Broken(), spec, None, p)
+    assert p.active == {"tcp://a": 0} and p.stats()["requests"] == 3
+
+
+def _variant(means, p99s, sustained=None):
+    """A variant entry with one point per seed at load "3" (and max sustained per seed)."""
+    seeds = {}
+    for i, (m, q) in enumerate(zip(means, p99s)):
+        ms = {"mean_s": m, "p99_s": q, "sustained": True, "completed": 4, "requests": 4,
+              "kv_hit_rate": 0.5, "prefill_tokens_per_request": 4000.0,
+              "admission": {"counts": {"admitted": 4, "held": 1}, "wait_p50_s": 0.01, "wait_p99_s": 0.1 * (i + 1)}}
+        seeds[str(i)] = {"loads": {"3": ms}, "max_sustained_rps": (sustained or [3.0] * len(means))[i]}
+    return {"seeds": seeds}
+
+
+def test_paired_ratios_take_the_median_over_seeds_with_the_spread():
+    ours, other = _variant([1.0, 2.0, 4.0], [2.0, 4.0, 5.0]), _variant([2.0, 3.0, 4.0], [4.0, 5.0, 4.0])
+    r = e2e.paired_ratios(ours, other, "3", [0, 1, 2])
+    assert r["mean_speedup"]["per_seed"] == pytest.approx([2.0, 1.5, 1.0])
+    assert (r["mean_speedup"]["median"], r["mean_speedup"]["min"], r["mean_speedup"]["max"]) == (1.5, 1.0, 2.0)
+    assert r["p99_reduction"]["per_seed"] == pytest.approx([0.5, 0.2, -0.25])
+    assert r["p99_reduction"]["median"] == pytest.approx(0.2)  # the median, not the best seed
+    assert r["p99_reduction"]["min"] == pytest.approx(-0.25) and r["p99_reduction"]["n"] == 3
+    # A seed with no finite value is kept as None and left out of the median and spread.
+    ours["seeds"]["1"]["loads"]["3"]["mean_s"] = float("nan")
+    r = e2e.paired_ratios(ours, other, "3", [0, 1, 2])
+    assert r["mean_speedup"]["per_seed"][1] is None and r["mean_speedup"]["median"] == pytest.approx(1.5)
+    assert e2e.paired_ratios(ours, other, "9", [0])["mean_speedup"] == {
+        "median": None, "min": None, "max": None, "n": 0, "per_seed": [None]}
+    sus = e2e.paired_sustained(_variant([1, 1], [1, 1], [3.0, 1.5]), _variant([1, 1], [1, 1], [1.5, 0.0]), [0, 1])
+    assert sus["per_seed"] == [2.0, None] and sus["median"] == 2.0
+    assert e2e.spread([]) == {"median": None, "min": None, "max": None, "n": 0, "per_seed": []}
+
+
+SCENARIO_KEYS = ["mean_speedup_vs_best_static", "p99_reduction_vs_best_static", "sustained_load_ratio_vs_best_static",
+                 "mean_speedup_vs_tuned_cap", "p99_reduction_vs_tuned_cap", "mean_speedup_vs_ray",
+                 "p99_reduction_vs_ray", "mean_speedup_vs_langgraph", "p99_reduction_vs_langgraph"]
+
+
+def _scenario_results(peers: dict):
+    variants = {"dask": _variant([2.0, 3.0], [4.0, 6.0]), "dask-capped": {**_variant([1.5, 2.0], [3.0, 4.0]),
+                                                                          "tuned_cap": 6},
+                "dask-agents": _variant([1.0, 2.0], [2.0, 3.0]),
+                "dask-agents-no-admission": _variant([1.2, 2.2], [2.5, 3.5]), **peers}
+    sc = {"loads_rps": [3.0], "seeds": [0, 1], "variants": variants}
+    return {"capacity_rps": 3.0, "capacity_note": "test",
+            "scenarios": {name: json.loads(json.dumps(sc)) for name in e2e.SCENARIOS}, "sweeps": {}}
+
+
+def test_scenario_summary_keys_per_workflow_and_scenario(tmp_path):
+    wres = _scenario_results({"ray": {"skipped": "not importable (no module ray)"}})
+    s = e2e.summarize_scenarios(wres, 3.0, no_peers=False)
+    assert s["scenarios"] == list(e2e.SCENARIOS) and s["capacity_rps"] == 3.0 and s["seeds"] == [0, 1]
+    for sc in e2e.SCENARIOS:
+        x = s[sc]
+        for k in SCENARIO_KEYS:
+            assert k in x, (sc, k)
+        assert x["mean_speedup_vs_best_static"] == pytest.approx(1.75)  # median of 2.0, 1.5
+        assert x["mean_speedup_vs_best_static_spread"]["min"] == pytest.approx(1.5)
+        assert x["p99_reduction_vs_tuned_cap"] == pytest.approx(0.5 * (1 / 3 + 1 / 4))
+        assert x["sustained_load_ratio_vs_best_static"] == 1.0 and x["tuned_cap"] == 6
+        assert x["mean_speedup_vs_ray"] is None and "no module ray" in x["null_reasons"]["ray"]
+        assert x["mean_speedup_vs_langgraph"] is None and "not among" in x["null_reasons"]["langgraph"]
+        assert x["ablations"]["admission"]["mean_ratio_off_vs_on"] == pytest.approx(1.15)
+        assert x["admission"]["counts"] == {"admitted": 8, "held": 2}
+        assert x["admission"]["wait_p99_s"] == pytest.approx(0.15)
+        assert x["at_reference"]["dask"]["prefill_tokens_per_request"] == 4000.0
+        assert x["at_reference"]["dask-agents"]["kv_hit_rate"] == 0.5
+        assert set(x["by_load"]["3"]) >= {"mean_speedup_vs_best_static", "p99_reduction_vs_tuned_cap"}
+    s = e2e.summarize_scenarios(_scenario_results({}), 3.0, no_peers=True)
+    assert "--no-peers" in s["bursty"]["null_reasons"]["ray"] and s["bursty"]["p99_reduction_vs_langgraph"] is None
+    doc = e2e.jsonable({"summary": {"swe": s}})
+    (tmp_path / "s.json").write_text(json.dumps(doc, allow_nan=False))
+    assert json.loads((tmp_path / "s.json").read_text()) == doc
+
+
+def test_main_writes_the_json_then_fails_on_a_missing_peer(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(e2e, "run_scenarios", lambda preset, variants, scenarios, seeds, log=print: _scenario_results(
+        {"ray": {"skipped": "not importable (no module ray)"}} if "ray" in variants else {}))
+    monkeypatch.setattr(e2e, "plot", lambda stem, name, variants: ([], None))
+    out = tmp_path / "e.json"
+    rc = e2e.main(["--quick", "--json", str(out), "--variants", "dask,dask-capped,dask-agents,ray"])
+    assert rc != 0 and "--no-peers" in capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["swe"]["phase"]["mean_speedup_vs_ray"] is None
+    assert doc["config"]["seeds"] == [0] and set(doc["config"]["scenarios"]) == set(e2e.SCENARIOS)
+    assert e2e.main(["--quick", "--no-peers", "--json", str(out), "--scenarios", "bursty", "--seeds", "2"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["seeds"] == [0, 1] and "ray" not in doc["config"]["variants"]
+    assert doc["config"]["variants"] == e2e.CORE_VARIANTS
+
+
+@pytest.mark.timeout(180)
+def test_tiny_scenario_run_of_every_dask_variant(tmp_path):
+    """The swe path at a tiny scale: plain Dask (swept), the cap baseline (caps swept after the
+    fact), dask-agents with and without admission, two scenarios on the same requests; every
+    request completes with the spec's prompts, the summary and admission counters are there.
+    No speed assertions."""
     preset = {"loads": [3.0], "requests": 3, "calibration_load": 3.0, "warmup": 1,
-              "dask_sweep": [{"threads": 8, "llm_slots": 8, "routing": "none"},
-                             {"threads": 8, "llm_slots": 8, "routing": "session_sticky"}],
-              "peer_sweep": ["least_loaded"]}
+              "dask_sweep": [{"threads": 8, "llm_slots": None, "routing": "session_sticky"}],
+              "peer_sweep": ["least_loaded"], "caps": [1, 2], "mmpp_hold_s": [1.5, 3.0]}
+    variants = ["dask", "dask-capped", "dask-agents", "dask-agents-no-admission"]
     lines: list[str] = []
-    results, sweeps = e2e.run_benchmark(preset, ["dask", "dask-agents"], seed=1, log=lines.append)
-    summary = {"swe": e2e.summarize(results, 3.0)}
-    config = e2e.build_config(preset, "test", 1, ["dask", "dask-agents"])
-    doc = e2e.write_json(str(tmp_path / "e2e.json"), config, results, sweeps, summary)
+    wres = e2e.run_scenarios(preset, variants, ["stationary", "phase"], [1], log=lines.append)
+    summary = {"swe": e2e.summarize_scenarios(wres, 3.0, no_peers=True)}
+    config = e2e.build_config(preset, "test", 1, variants, ["stationary", "phase"], [1])
+    doc = e2e.jsonable({"config": config, "results": {"swe": wres}, "summary": summary})
+    (tmp_path / "e2e.json").write_text(json.dumps(doc, allow_nan=False))
     doc = json.loads((tmp_path / "e2e.json").read_text())
 
-    assert set(doc) == {"config", "results", "summary"} and doc["config"]["emulated"] is True
-    assert doc["config"]["engine"]["max_batch"] == 8 and doc["config"]["engine"]["replicas"] == 2
-    variants = doc["results"]["swe"]["variants"]
-    assert set(variants) == {"dask", "dask-agents"}
-    assert [r["config"] for r in doc["results"]["swe"]["sweeps"]["dask"]] == preset["dask_sweep"]
-    assert variants["dask"]["best_config"] in preset["dask_sweep"]
-    assert variants["dask"]["description"]["routing"] == variants["dask"]["best_config"]["routing"]
-    for r in doc["results"]["swe"]["sweeps"]["dask"]:  # both routings ran every request
-        assert r["metrics"]["completed"] == r["metrics"]["requests"] == 3, r
-    for name, v in variants.items():
-        m = v["loads"]["3"]
-        assert m["completed"] == m["requests"] == 3, (name, m["failed"])
-        for k in ("mean_s", "p50_s", "p95_s", "p99_s", "throughput_rps", "offered_realized_rps", "kv_hit_rate"):
-            assert isinstance(m[k], (int, float)) and math.isfinite(m[k]) and m[k] >= 0, (name, k, m[k])
-        assert m["engines"] == 2 and isinstance(m["sustained"], bool)
-        # Every variant sends exactly the prompts the spec defines (by length; the text is single-sourced).
-        assert m["prompt_tokens"] == sum(swe.prompt_tokens(s) for s in e2e.specs_for(swe.make_specs(3, 1), "any")), name
-        assert v["max_sustained_rps"] in (0.0, 3.0)
-    s = doc["summary"]["swe"]
-    for k in SUMMARY_KEYS:
-        assert k in s
-    for k in ("mean_speedup_vs_dask", "p99_reduction_vs_dask"):
-        assert math.isfinite(s[k])
-    assert s["reference_load_rps"] == 3.0 and s["mean_speedup_vs_ray"] is None
-    assert any("dask-agents" in line for line in lines)
-    assert len(variants["dask-agents"]["loads"]["3"]["latencies_s"]) == 3
-    files, note = e2e.plot(str(tmp_path / "e2e"), "swe", doc["results"]["swe"]["variants"])
-    assert note is None and [f.rsplit("_", 1)[1] for f in files] == ["latency.png", "cdf.png"]
-    assert all((tmp_path / f.rsplit("/", 1)[1]).stat().st_size > 10_000 for f in files)
+    r = doc["results"]["swe"]
+    assert [x["config"] for x in r["sweeps"]["dask"]] == preset["dask_sweep"]
+    assert set(r["sweeps"]["dask-capped"]) == {"stationary", "phase"}
+    assert r["capacity_rps"] == 3.0 and "calibration" in r["capacity_note"]
+    base = swe.make_specs(3, 1)
+    sent = {"stationary": sum(swe.prompt_tokens(s) for s in e2e.specs_for(base, "any")),
+            "phase": sum(swe.prompt_tokens(s) for s in e2e.specs_for(swe.phase_specs(base), "any"))}
+    assert sent["phase"] > sent["stationary"]
+    for sc in ("stationary", "phase"):
+        vs = r["scenarios"][sc]["variants"]
+        assert set(vs) == set(variants)
+        assert [x["cap"] for x in r["sweeps"]["dask-capped"][sc]] == [1, 2] and vs["dask-capped"]["tuned_cap"] in (1, 2)
+        assert vs["dask-capped"]["best_config"]["routing"] == "session_sticky"
+        for name, v in vs.items():
+            m = v["seeds"]["1"]["loads"]["3"]
+            assert m["completed"] == m["requests"] == 3, (sc, name, m["failed"])
+            assert m["prompt_tokens"] == sent[sc], (sc, name)  # exactly the scenario's prompts
+            assert m["prefill_tokens_per_request"] == pytest.approx(m["prefill_tokens"] / 3)
+            assert 0 <= m["kv_hit_rate"] <= 1 and math.isfinite(m["mean_s"])
+        assert vs["dask-capped"]["seeds"]["1"]["loads"]["3"]["cap_stats"]["peak_live_per_engine"] <= 2
+        adm = vs["dask-agents"]["seeds"]["1"]["loads"]["3"]["admission"]
+        assert adm["enabled"] is True and adm["counts"]["admitted"] == 3 and adm["wait_p99_s"] is not None
+        assert vs["dask-agents-no-admission"]["seeds"]["1"]["loads"]["3"]["admission"]["enabled"] is False
+        assert vs["dask-agents"]["admission"]["counts"]["admitted"] >= 3  # the run's extra (cluster life)
+        s = doc["summary"]["swe"][sc]
+        for k in SCENARIO_KEYS:
+            assert k in s
+        for k in ("mean_speedup_vs_best_static", "p99_reduction_vs_best_static", "mean_speedup_vs_tuned_cap"):
+            assert math.isfinite(s[k])
+        assert s["mean_speedup_vs_ray"] is None and "--no-peers" in s["null_reasons"]["ray"]
+        assert s["admission"]["counts"]["admitted"] == 3
+    assert any("tuned cap" in line for line in lines)
 
 
 def test_missing_peer_is_skipped_and_said_so(monkeypatch):
