@@ -52,8 +52,8 @@ arrivals; reported as the median over seeds (``<key>``) with the spread (``<key>
 Capacity: the derived capacity (``results.swe.capacity_rps``, printed) is the highest stationary
 load the best static configuration (``dask``) sustains (median over seeds), or the calibration
 load when that is the only stationary load of the run; every load is printed as below / at /
-above it. --quick runs stationary at 1.5 and 3 requests/s (below, at) and bursty and phase at 3
-(at; bursty's 2x phases are above it); the full run runs every scenario at 1.5, 3 and 4
+above it. --quick runs stationary at 3 and 6 requests/s (below, above) and bursty and phase at 6
+(above; bursty's 2x phases far above it); the full run runs every scenario at 3, 5 and 7
 (below, at, above).
 
 Workload: every LLM prompt carries its session's history, as agent prompts do (details and
@@ -74,7 +74,9 @@ Resources (identical for every variant)
   prefill), 2048 KV blocks of 16 tokens per replica with vLLM-style prefix reuse (~8
   sessions' histories; 9-10 sessions are in flight at the quick run's higher load), engine
   time scale 0.5 (wall time is half the emulated time); why these figures: ``e2e_swe.ENGINE``.
-  The best plain-Dask configuration saturates near 3 requests/s.
+  The best plain-Dask configuration sustains 5 requests/s and not 8 (measured with the faithful
+  engine of issue 14: incremental allocation, preemption, chunked prefill; the derived
+  capacity is printed by every run).
 - Tools: file_io (doc search) and code_exec latencies from SAGA's priors x 0.1.
 - Threads: Dask variants run 2 worker processes (each hosting one engine), agents and tools on
   the workers' threads; peers run tools on 32 threads (= 2 x 16) and agents as coroutines.
@@ -250,11 +252,11 @@ Reproduce
     .venv/bin/python benchmarks/e2e.py --quick --workflow router --json benchmarks/results/e2e-router-quick.json
     .venv/bin/python benchmarks/e2e.py --quick --workflow all --json benchmarks/results/e2e-all-quick.json
 
-Quick vs full (Open-SWE): --quick: 24 requests per point, 1 seed, stationary at 1.5 and 3
-requests/s, bursty and phase at 3, a 5-entry static sweep, caps 2/4/6/8, variants dask,
+Quick vs full (Open-SWE): --quick: 24 requests per point, 1 seed, stationary at 3 and 6
+requests/s, bursty and phase at 6, a 5-entry static sweep, caps 2/4/6/8, variants dask,
 dask-capped, dask-agents, dask-agents-no-admission (+ ray, langgraph unless --no-peers): 29 runs,
 ~6-7 minutes on 2 cores with --no-peers. Full: 300 requests per point, 3 seeds, every scenario at
-1.5, 3 and 4 requests/s, the 12-entry static sweep, caps 2/4/6/8/12, the same variants (the
+3, 5 and 7 requests/s, the 12-entry static sweep, caps 2/4/6/8/12, the same variants (the
 policy ablations through --variants): several hours (~6 h without peers). Finance takes about
 5 minutes in --quick, router ~7 (their presets in their modules).
 
@@ -309,8 +311,9 @@ LATENCY_GROWTH_MAX = 1.5  # latency of the last third vs the first third: within
 EMULATED_NOTE = ("EMULATED: LLM engines are a cost model (worker_plugin/emulated.py) and tools sleep "
                  "latencies from kv/tool_latency priors; no real model or tool ran")
 
-# Loads: the best plain-Dask configuration saturates near 3 requests/s (e2e_swe.ENGINE), so the
-# quick run's higher (reference) load is at saturation, its lower one at about half of it.
+# Loads: the best plain-Dask configuration sustains 5 requests/s and not 8 (e2e_swe.ENGINE on the
+# faithful emulated engine), so the quick run's higher (reference) load is above capacity, its
+# lower one at about half of it.
 # Sweep entries that differ only in ``routing`` share one cluster (adjacent entries, as the peers'
 # routings share one instance): warm-up before the first only.
 # Scenarios (--scenarios): ``scenario_loads`` overrides ``loads`` per scenario (the reference load
@@ -319,17 +322,17 @@ EMULATED_NOTE = ("EMULATED: LLM engines are a cost model (worker_plugin/emulated
 SCENARIOS = ("stationary", "bursty", "phase")
 PEERS = ("ray", "langgraph")
 CORE_VARIANTS = ["dask", "dask-capped", "dask-agents", "dask-agents-no-admission"]
-QUICK = {"loads": [1.5, 3.0], "requests": 24, "calibration_load": 3.0, "warmup": 4,
+QUICK = {"loads": [3.0, 6.0], "requests": 24, "calibration_load": 6.0, "warmup": 4,
          "dask_sweep": [{"threads": 16, "llm_slots": None, "routing": "none"},
                         {"threads": 16, "llm_slots": None, "routing": "session_sticky"},
                         {"threads": 16, "llm_slots": 8, "routing": "none"},
                         {"threads": 32, "llm_slots": None, "routing": "none"},
                         {"threads": 32, "llm_slots": None, "routing": "session_sticky"}],
          "peer_sweep": ["least_loaded", "session_sticky"],
-         "scenario_loads": {"bursty": [3.0], "phase": [3.0]}, "caps": [2, 4, 6, 8], "seeds": 1,
+         "scenario_loads": {"bursty": [6.0], "phase": [6.0]}, "caps": [2, 4, 6, 8], "seeds": 1,
          "mmpp_hold_s": list(swe.MMPP_HOLD_QUICK), "phase_context_factor": swe.PHASE_CONTEXT_FACTOR,
          "variants": CORE_VARIANTS + list(PEERS)}
-FULL = {"loads": [1.5, 3.0, 4.0], "requests": 300, "calibration_load": 3.0, "warmup": 8,
+FULL = {"loads": [3.0, 5.0, 7.0], "requests": 300, "calibration_load": 5.0, "warmup": 8,
         "dask_sweep": [{"threads": t, "llm_slots": s, "routing": r} for t in (8, 16, 32) for s in (None, 8)
                        for r in ("none", "session_sticky")],
         "peer_sweep": ["round_robin", "least_loaded", "session_sticky"],

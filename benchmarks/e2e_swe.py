@@ -113,9 +113,10 @@ LOG_TOKENS = (100, 300)  # the failure log of a failing tester round (beyond its
 #   about half of them (a session-affine router) can. (Measured: at 3072 blocks plain Dask's
 #   hit rate was the same, i.e. what costs it cache hits is where its calls run.)
 # - time_scale 0.5: the engine runs at twice the emulated speed in wall time (the tools are
-#   compressed more, x0.1). With it, the best plain-Dask configuration saturates near 3
-#   requests/s (its busier replica ~90-100% busy at 2.8/s over 48 requests, measured), a
-#   load two cores drive through Dask with CPU to spare, and --quick stays under 5 minutes.
+#   compressed more, x0.1). With it, the best plain-Dask configuration saturated near 3
+#   requests/s on the first emulated engine (full reservation at admission); on the faithful
+#   one (issue 14: incremental allocation, preemption, chunked prefill) it sustains 5 and not
+#   8 (benchmarks/e2e.py prints the derived capacity), a load two cores drive through Dask.
 # - max_model_len 8192: a prompt is at most ~6k tokens (a developer's third retry; 4.7k in seed 0).
 ENGINE = {
     "max_batch": 8,

@@ -25,7 +25,9 @@ from tests.conftest import async_wait_for
 
 EMU = {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte",
        "emulation": {"time_scale": 0.001, "kv_blocks": 64, "block_size": 16, "max_batch": 1}}
-CONFIG = {"agents.llm.models": {"emu": EMU}, "agents.control.enabled": False}
+# slot-factor 1: an engine's one batch slot is all it gets (no call queued in the engine)
+CONFIG = {"agents.llm.models": {"emu": EMU}, "agents.control.enabled": False,
+          "agents.scheduler.admission.slot-factor": 1}
 LONG = list(range(3, 403))  # 400 prompt tokens: with max_tokens=100, a 32-block working set
 
 
