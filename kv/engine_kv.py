@@ -43,13 +43,29 @@ class KVDirectiveError(ValueError):
     """A KV directive that cannot be applied (unknown session, no such tier, ...)."""
 
 
-def _count(name: str, value: Any) -> int | None:
+def block_count(name: str, value: Any) -> int | None:
     """A block count argument: None (all) or a non-negative int; anything else is named."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise KVDirectiveError(f"{name} must be a non-negative int or None, got {value!r}")
     return value
+
+
+def disown(owners: dict, session: str, hashes: Any) -> list:
+    """``session`` no longer owns the blocks ``hashes``: drop it from each block's owners
+    (``owners``: block hash -> set of sessions); returns the blocks nobody owns now (a block
+    shared with a live session, a common prefix, stays)."""
+    dropped = []
+    for h in hashes:
+        held = owners.get(h)
+        if held is not None:
+            held.discard(session)
+            if held:
+                continue
+            del owners[h]
+        dropped.append(h)
+    return dropped
 
 
 @dataclass(frozen=True)
@@ -300,7 +316,7 @@ class EngineKV:
         all), except blocks another live session owns or a running request uses. Drops the
         session's pin. Returns the number of blocks moved off the device."""
         self._check_tier(tier)
-        blocks = _count("blocks", blocks)
+        blocks = block_count("blocks", blocks)
         s = self._session(session)
         self.release(session)
         return self.offload_blocks(self._movable(session, s, blocks), tier)
@@ -309,7 +325,7 @@ class EngineKV:
         """Free the session's device blocks without keeping a copy (for engines with no lower
         tier), tail first, at most ``blocks`` (None: all), with the same exceptions as
         :meth:`offload`. Drops the session's pin. Returns the number of blocks freed."""
-        blocks = _count("blocks", blocks)
+        blocks = block_count("blocks", blocks)
         s = self._session(session)
         self.release(session)
         return self.offload_blocks(self._movable(session, s, blocks), None)
@@ -356,7 +372,7 @@ class EngineKV:
     def prefetch(self, session: str, max_blocks: int | None = None) -> int:
         """Bring the session's blocks back from host/disk onto the device (prefix order), as
         cached blocks, at most ``max_blocks`` of them; returns how many were restored."""
-        max_blocks = _count("max_blocks", max_blocks)
+        max_blocks = block_count("max_blocks", max_blocks)
         s = self._session(session)
         return self._restore(list(s.blocks), on_demand=False, limit=max_blocks)
 
@@ -370,15 +386,7 @@ class EngineKV:
             return 0
         for live in s.live.values():
             self._own(session, s, live)
-        dropped = []
-        for h in s.blocks:
-            owners = self._owners.get(h)
-            if owners is not None:
-                owners.discard(session)
-                if owners:
-                    continue
-                del self._owners[h]
-            dropped.append(h)
+        dropped = disown(self._owners, session, s.blocks)
         device = [b for b in (vc.lookup(self.parts, h) for h in dropped) if b is not None]
         vc.evict(self.parts, device)
         for h in dropped:

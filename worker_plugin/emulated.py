@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from kv.engine_kv import KVDirectiveError, KVStats, Residency, TierConfig, _count
+from kv.engine_kv import KVDirectiveError, KVStats, Residency, TierConfig, block_count
 from kv.sizing import KVGeometry
 from worker_plugin.emulated_kv import (  # noqa: F401  (the cost model's names are this module's too)
     H100_KV_BLOCKS,
@@ -44,6 +44,7 @@ from worker_plugin.emulated_kv import (  # noqa: F401  (the cost model's names a
     block_hashes,
 )
 from worker_plugin.engine import ModelSettings, wait_loaded
+from worker_plugin.host_kv import SessionKVHost
 from worker_plugin.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -280,14 +281,14 @@ class EmulatedEngineKV:
         """Move the session's device blocks to the host, tail first, at most ``blocks``, except
         blocks another session owns or a running request uses; drops its pin."""
         self._check_tier(tier)
-        blocks = _count("blocks", blocks)
+        blocks = block_count("blocks", blocks)
         self._known(session)
         self._expires.pop(session, None)
         return self.sched.offload(session, blocks, copy=True)
 
     def evict(self, session: str, blocks: int | None = None) -> int:
         """Free the session's device blocks without a copy (as :meth:`offload` otherwise)."""
-        blocks = _count("blocks", blocks)
+        blocks = block_count("blocks", blocks)
         self._known(session)
         self._expires.pop(session, None)
         return self.sched.offload(session, blocks, copy=False)
@@ -300,7 +301,7 @@ class EmulatedEngineKV:
 
     def prefetch(self, session: str, max_blocks: int | None = None) -> int:
         """Start restoring the session's host blocks (they arrive over emulated time)."""
-        max_blocks = _count("max_blocks", max_blocks)
+        max_blocks = block_count("max_blocks", max_blocks)
         self._known(session)
         return self.sched.prefetch(session, max_blocks)
 
@@ -334,7 +335,7 @@ class EmulatedEngineKV:
 
 # -- the host ---------------------------------------------------------------------------------------
 
-class EmulatedEngineHost:
+class EmulatedEngineHost(SessionKVHost):
     """An emulated engine and the thread that steps it; the interface of ``EngineHost``."""
 
     def __init__(self, name: str, settings: ModelSettings):
@@ -469,21 +470,6 @@ class EmulatedEngineHost:
             raise KVDirectiveError(f"engine {self.name!r} has no per-session KV control ({self.kv_control_reason})")
         return self.kv
 
-    def kv_hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
-                at: float | None = None) -> Future | None:
-        """Tell the KV manager the workflow state of ``session`` (``EngineHost.kv_hint``): the
-        future of the hint on the stepping thread, or None without a manager or when it never
-        saw the session. Raises KVDirectiveError for an unknown state."""
-        from kv.manager import STATES
-
-        if state not in STATES:
-            raise KVDirectiveError(f"unknown session state {state!r} (known: {', '.join(STATES)})")
-        manager = self.kv_manager
-        if manager is None or not manager.knows(session):
-            return None
-        mono = None if at is None else time.monotonic() - max(0.0, time.time() - float(at))
-        return self.kv_call(lambda kv: manager.hint(session, state, node, wait_key, mono))
-
     def kv_report(self) -> dict | None:
         """``EngineHost.kv_report``'s shape: policy, its actions, bytes and capacity per tier
         (the host tier only when there is one), cumulative traffic; None without KV control."""
@@ -491,13 +477,7 @@ class EmulatedEngineHost:
         if kv is None:
             return None
         manager = self.kv_manager
-        actions: dict = {}
-        for _ in range(3):  # the stepping thread may be counting meanwhile: retry a torn copy
-            try:
-                actions = dict(manager.stats.actions) if manager is not None else {}
-                break
-            except RuntimeError:
-                continue
+        actions = self._manager_actions()
         with self._lock:
             held, st = kv.tier_bytes(), kv.stats
         bpb = kv.bytes_per_block
@@ -529,69 +509,18 @@ class EmulatedEngineHost:
             if seq.future is not None:
                 seq.future.set_exception(e)
             return
-        if self.kv is not None:
-            try:
-                if self.kv_manager is not None:
-                    self.kv_manager.on_admit(seq.session, seq.request_id)
-                else:
-                    self.kv.on_admit(seq.session, seq.request_id)
-            except Exception:  # KV bookkeeping must never fail a call
-                logger.exception("emulated engine %s: KV tracking of %s failed", self.name, seq.request_id)
+        self._kv_track("admit", seq.session, seq.request_id)
 
     def _finished(self, seq: Sequence) -> None:
-        if self.kv is not None:
-            try:
-                if self.kv_manager is not None:
-                    self.kv_manager.on_finish(seq.session, seq.request_id)
-                else:
-                    self.kv.on_finish(seq.session, seq.request_id)
-            except Exception:
-                logger.exception("emulated engine %s: KV tracking of %s failed", self.name, seq.request_id)
+        self._kv_track("finish", seq.session, seq.request_id)
+
+    def _kv_lock(self) -> Any:
+        return self._lock  # stats() and kv_report() read the scheduler from other threads
 
     def _take(self, item: Sequence | None) -> None:
         if item is not None:
             with self._lock:
                 self._admit(item)
-
-    def _run_calls(self) -> None:
-        while True:
-            try:
-                fn, fut = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                with self._lock:
-                    result = fn()
-                fut.set_result(result)
-            except BaseException as e:  # a bad directive fails its caller, not the engine
-                fut.set_exception(e)
-
-    def _kv_poll(self) -> None:
-        """Between steps: the KV manager's look, else the pins' housekeeping. A manager that keeps
-        failing is switched off (logged), as on EngineHost."""
-        if self.kv_manager is not None:
-            try:
-                with self._lock:
-                    self.kv_manager.poll()
-                self._manager_failures = 0
-            except Exception:
-                logger.exception("emulated engine %s: KV manager look failed", self.name)
-                self._manager_failures += 1
-                if self._manager_failures >= 5:
-                    logger.error("emulated engine %s: KV manager switched off after repeated failures", self.name)
-                    self.kv_manager = None
-        elif self.kv is not None:
-            try:
-                with self._lock:
-                    self.kv.maintain()
-            except Exception:
-                logger.exception("emulated engine %s: KV housekeeping failed", self.name)
-
-    def _idle_wait(self) -> float:
-        """How long an idle loop sleeps: a manager's paused sessions need looks while idle."""
-        return min(0.5, max(0.005, self.kv_manager.tick_s)) if self.kv_manager is not None else 0.5
 
     def _run(self) -> None:
         sched = self._sched

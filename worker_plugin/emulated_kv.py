@@ -79,6 +79,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kv.engine_kv import disown
 from worker_plugin.tokenizer import OFFSET
 
 H100_KV_BLOCKS = 30_000
@@ -771,15 +772,7 @@ class EmulatedScheduler:
         for seq in self.requests.values():  # its requests still in flight stop recording blocks for it
             if seq.session == session:
                 seq.tracked = False
-        dropped = []
-        for h in hs:
-            owners = self._owners.get(h)
-            if owners is not None:
-                owners.discard(session)
-                if owners:
-                    continue
-                del self._owners[h]
-            dropped.append(h)
+        dropped = disown(self._owners, session, hs)
         for h in dropped:
             b = self._cached.get(h)
             if b is not None and b.ref_cnt == 0:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from dask.utils import parse_bytes
 from pydantic import BaseModel, ConfigDict, Field
 
+from worker_plugin.host_kv import SessionKVHost
 from worker_plugin.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class _Request:
     engine_id: str = ""  # vLLM's own id for the request (it appends a suffix)
 
 
-class EngineHost:
+class EngineHost(SessionKVHost):
     """One vLLM engine and the thread that steps it."""
 
     def __init__(self, name: str, settings: ModelSettings):
@@ -326,25 +327,6 @@ class EngineHost:
             self._fail_if_gone()
         return fut
 
-    def kv_hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
-                at: float | None = None) -> Future | None:
-        """Tell this engine's KV manager the workflow state of ``session`` (see
-        ``kv.manager.KVManager.hint``); ``at`` is a Unix time (``time.time()``), default now.
-        Non-blocking: returns the future of the hint on the engine thread, or None when there is
-        no manager or it never saw the session (nothing to do here). Raises KVDirectiveError
-        for an unknown state."""
-        from kv.engine_kv import KVDirectiveError
-        from kv.manager import STATES
-
-        if state not in STATES:
-            raise KVDirectiveError(f"unknown session state {state!r} (known: {', '.join(STATES)})")
-        manager = self.kv_manager
-        if manager is None or not manager.knows(session):
-            return None
-        # the sender's wall clock -> this engine's monotonic clock (a skewed future is "now")
-        mono = None if at is None else time.monotonic() - max(0.0, time.time() - float(at))
-        return self.kv_call(lambda kv: manager.hint(session, state, node, wait_key, mono))
-
     def _count(self, out: Any) -> None:
         """Token counters of a finished request (the engine thread's; ``stats`` reads them)."""
         prompt = len(out.prompt_token_ids or ())
@@ -384,15 +366,8 @@ class EngineHost:
             return None
         parts, tiers, st = kv.parts, kv.tiers, kv.stats
         manager = self.kv_manager
-        actions: dict = {}
-        for _ in range(3):  # the engine thread may be counting meanwhile: retry a torn copy
-            try:
-                actions = dict(manager.stats.actions) if manager is not None else {}
-                break
-            except RuntimeError:
-                continue
         return {"kv_policy": manager.policy.name if manager is not None else "none",
-                "kv_actions": actions,
+                "kv_actions": self._manager_actions(),
                 "kv_bytes": dict(kv.snapshot),
                 "kv_capacity_bytes": {"device": parts.num_blocks * kv.bytes_per_block,
                                       "host": tiers.host_bytes, "disk": tiers.disk_bytes},
@@ -407,19 +382,6 @@ class EngineHost:
 
             raise KVDirectiveError(f"engine {self.name!r} has no per-session KV control ({self.kv_control_reason})")
         return self.kv
-
-    def _run_calls(self) -> None:
-        while True:
-            try:
-                fn, fut = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # a bad directive fails its caller, not the engine
-                fut.set_exception(e)
 
     def _admit(self, req: _Request) -> None:
         from vllm.inputs import TokensPrompt
@@ -440,50 +402,12 @@ class EngineHost:
             return
         if self._unscheduled is not None:
             self._unscheduled.add(req.engine_id)
-        if self.kv is not None:
-            try:
-                if self.kv_manager is not None:
-                    self.kv_manager.on_admit(req.session, req.engine_id)
-                else:
-                    self.kv.on_admit(req.session, req.engine_id)
-            except Exception:  # KV bookkeeping must never fail a call
-                logger.exception("engine %s: KV tracking of %s failed", self.name, req.request_id)
+        self._kv_track("admit", req.session, req.engine_id)
 
     def _finished(self, req: _Request) -> None:
         if self._unscheduled is not None:
             self._unscheduled.discard(req.engine_id)
-        if self.kv is not None:
-            try:
-                if self.kv_manager is not None:
-                    self.kv_manager.on_finish(req.session, req.engine_id)
-                else:
-                    self.kv.on_finish(req.session, req.engine_id)
-            except Exception:
-                logger.exception("engine %s: KV tracking of %s failed", self.name, req.request_id)
-
-    def _kv_poll(self) -> None:
-        """Between steps: the KV manager's look (it keeps pins in order itself), else EngineKV's
-        housekeeping. A manager that keeps failing is switched off (logged): serving goes on
-        with vLLM's prefix cache alone."""
-        if self.kv_manager is not None:
-            try:
-                self.kv_manager.poll()
-                self._manager_failures = 0
-            except Exception:
-                logger.exception("engine %s: KV manager look failed", self.name)
-                self._manager_failures += 1
-                if self._manager_failures >= 5:
-                    logger.error("engine %s: KV manager switched off after repeated failures", self.name)
-                    self.kv_manager = None
-        elif self.kv is not None:
-            try:
-                self.kv.maintain()
-            except Exception:  # bookkeeping must not stop the engine
-                logger.exception("engine %s: KV housekeeping failed", self.name)
-
-    def _idle_wait(self) -> float:
-        """How long an idle loop sleeps: a manager's paused sessions need looks while idle."""
-        return min(0.5, max(0.005, self.kv_manager.tick_s)) if self.kv_manager is not None else 0.5
+        self._kv_track("finish", req.session, req.engine_id)
 
     def _take(self, item: _Request | None) -> None:
         if item is not None:

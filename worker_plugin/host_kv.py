@@ -1,0 +1,123 @@
+"""What every engine host with per-session KV control shares: the KV manager's hooks on the
+stepping thread, hints, and calls run between steps.
+
+:class:`~worker_plugin.engine.EngineHost` (real vLLM) and
+:class:`~worker_plugin.emulated.EmulatedEngineHost` keep the same attributes (``kv``: an
+``EngineKV``-shaped object or None, ``kv_manager``: a ``KVManager`` or None, ``_calls``: a
+queue of ``(fn, future)`` the stepping thread runs between steps, ``name``) and inherit the
+logic here, so a directive, a hint or a failing manager behaves the same on both.
+``_kv_lock`` guards the engine state against readers on other threads: the emulated engine's
+lock (its stats are read while it steps), none on the real engine (vLLM's state is touched only
+by its stepping thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import time
+from concurrent.futures import Future
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MANAGER_FAILURES_MAX = 5  # consecutive failed looks before a KV manager is switched off
+
+
+class SessionKVHost:
+    """Mixin of the engine hosts (see the module docstring)."""
+
+    name: str
+    kv: Any
+    kv_manager: Any
+    _calls: queue.SimpleQueue
+    _manager_failures: int = 0
+
+    def _kv_lock(self) -> Any:
+        return contextlib.nullcontext()
+
+    def kv_hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
+                at: float | None = None) -> Future | None:
+        """Tell this engine's KV manager the workflow state of ``session`` (see
+        ``kv.manager.KVManager.hint``); ``at`` is a Unix time (``time.time()``), default now.
+        Non-blocking: returns the future of the hint on the engine thread, or None when there is
+        no manager or it never saw the session (nothing to do here). Raises KVDirectiveError
+        for an unknown state."""
+        from kv.engine_kv import KVDirectiveError
+        from kv.manager import STATES
+
+        if state not in STATES:
+            raise KVDirectiveError(f"unknown session state {state!r} (known: {', '.join(STATES)})")
+        manager = self.kv_manager
+        if manager is None or not manager.knows(session):
+            return None
+        # the sender's wall clock -> this engine's monotonic clock (a skewed future is "now")
+        mono = None if at is None else time.monotonic() - max(0.0, time.time() - float(at))
+        return self.kv_call(lambda kv: manager.hint(session, state, node, wait_key, mono))
+
+    def kv_call(self, fn: Any, *args: Any) -> Future:  # pragma: no cover - each host has its own
+        raise NotImplementedError
+
+    def _kv_track(self, event: str, session: str | None, request_id: str) -> None:
+        """A request was admitted (``event`` "admit") or finished ("finish"): the KV manager (or,
+        without one, the KV state) follows the session's blocks. Never fails the call."""
+        if self.kv is None:
+            return
+        target = self.kv_manager if self.kv_manager is not None else self.kv
+        try:
+            getattr(target, f"on_{event}")(session, request_id)
+        except Exception:  # KV bookkeeping must never fail a call
+            logger.exception("engine %s: KV tracking of %s failed", self.name, request_id)
+
+    def _manager_actions(self) -> dict:
+        """The KV manager's directive counts by kind (empty without a manager)."""
+        manager = self.kv_manager
+        for _ in range(3):  # the engine thread may be counting meanwhile: retry a torn copy
+            try:
+                return dict(manager.stats.actions) if manager is not None else {}
+            except RuntimeError:
+                continue
+        return {}
+
+    def _run_calls(self) -> None:
+        """Run the queued KV calls (directives, hints) between two steps; each answers its caller."""
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                with self._kv_lock():
+                    result = fn()
+                fut.set_result(result)
+            except BaseException as e:  # a bad directive fails its caller, not the engine
+                fut.set_exception(e)
+
+    def _kv_poll(self) -> None:
+        """Between steps: the KV manager's look (it keeps pins in order itself), else the KV
+        state's housekeeping. A manager that keeps failing is switched off (logged): serving
+        goes on with the engine's prefix cache alone."""
+        if self.kv_manager is not None:
+            try:
+                with self._kv_lock():
+                    self.kv_manager.poll()
+                self._manager_failures = 0
+            except Exception:
+                logger.exception("engine %s: KV manager look failed", self.name)
+                self._manager_failures += 1
+                if self._manager_failures >= MANAGER_FAILURES_MAX:
+                    logger.error("engine %s: KV manager switched off after repeated failures", self.name)
+                    self.kv_manager = None
+        elif self.kv is not None:
+            try:
+                with self._kv_lock():
+                    self.kv.maintain()
+            except Exception:  # bookkeeping must not stop the engine
+                logger.exception("engine %s: KV housekeeping failed", self.name)
+
+    def _idle_wait(self) -> float:
+        """How long an idle loop sleeps: a manager's paused sessions need looks while idle."""
+        return min(0.5, max(0.005, self.kv_manager.tick_s)) if self.kv_manager is not None else 0.5
