@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Iterator
 
+import pytest
 from distributed import Client, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
@@ -239,3 +240,32 @@ async def test_lazy_engines_stop_at_max_replicas(c: Client, s: Scheduler, a: Wor
             second = await da.llm("emu").generate([4] * 20, max_tokens=4)
     assert first.worker == second.worker
     assert plugin.admission.counts["engines_started"] == 0
+
+
+def test_the_working_set_limit_follows_what_the_engine_shows():
+    """AIMD on an engine's limit: up while new sessions wait and returning calls find their
+    prefixes, down at once when they find them evicted; never faster than once a second."""
+    from types import SimpleNamespace
+
+    from scheduler_plugin.admission import Admission
+
+    adm = Admission(SimpleNamespace(scheduler=None))
+    r = adm.room("w", "m")
+    r.capacity, r.block_size = 100, 16
+    for _ in range(10):  # returning calls found 900 of the 900 tokens their session held
+        adm._feedback("w", "m", prompt=1000, cached=900, held_before=900)
+    adm.adapt(10.0)
+    assert r.factor == 1.0  # nothing waits: no reason to admit more
+    adm._blocked = {"m"}
+    adm.adapt(10.0)
+    assert r.factor == pytest.approx(1.1) and r.kv_limit(0.9) == pytest.approx(0.9 * 1.1 * 100)
+    adm.adapt(10.5)
+    assert r.factor == pytest.approx(1.1)  # at most once per second
+    adm.adapt(11.1)
+    assert r.factor == pytest.approx(1.2)
+    for _ in range(10):  # now the engine evicts: returning calls find only the system prompt
+        adm._feedback("w", "m", prompt=1000, cached=100, held_before=900)
+    adm.adapt(12.2)
+    assert r.factor == pytest.approx(1.2 * 0.7) and adm.counts["limit_changes"] == 3
+    adm._feedback("w", "m", prompt=1000, cached=0, held_before=20)  # too short to judge: ignored
+    assert r.samples == 20

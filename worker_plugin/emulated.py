@@ -450,20 +450,12 @@ class EmulatedEngineHost(SessionKVHost):
 
     # -- KV control (EngineHost's interface) ----------------------------------------------------
 
-    def kv_call(self, fn: Any, *args: Any) -> Future:
-        """Run ``fn(self.kv, *args)`` on the stepping thread between two steps; the future holds
-        its result or exception."""
-        fut: Future = Future()
-        if self._stop.is_set():
-            fut.set_exception(self._stopped_error())
-        elif self.load_error is not None:
-            fut.set_exception(RuntimeError(f"engine {self.name!r} failed to load: {self.load_error}"))
-        else:
-            self._calls.put((lambda: fn(self._kv_or_raise(), *args), fut))
-            self._inbox.put(None)  # wake the thread if it is idle
-            if self._stop.is_set():  # raced with close: nobody would answer
-                self._fail_all(self._stopped_error())
-        return fut
+    def _stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def _fail_if_gone(self) -> None:
+        if self._stop.is_set():  # raced with close: nobody would answer
+            self._fail_all(self._stopped_error())
 
     def _kv_or_raise(self) -> EmulatedEngineKV:
         if self.kv is None:

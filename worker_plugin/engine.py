@@ -286,6 +286,9 @@ class EngineHost(SessionKVHost):
             self._calls.put((drop, Future()))
             self._inbox.put(None)
 
+    def _stopped(self) -> bool:
+        return self._closed  # crashed (the caller retries on a restart) or closed
+
     def _gone(self) -> bool:
         return self.started_at is not None and not self._thread.is_alive()
 
@@ -312,20 +315,6 @@ class EngineHost(SessionKVHost):
             except queue.Empty:
                 break
             _resolve(fut, exc=exc)
-
-    def kv_call(self, fn: Any, *args: Any) -> Future:
-        """Run ``fn(self.kv, *args)`` on the stepping thread between two steps (where touching the
-        engine's KV is safe); the future holds its result or exception."""
-        fut: Future = Future()
-        if self._closed:
-            fut.set_exception(self._stopped_error())
-        elif self.load_error is not None:
-            fut.set_exception(RuntimeError(f"engine {self.name!r} failed to load: {self.load_error}"))
-        else:
-            self._calls.put((lambda: fn(self._kv_or_raise(), *args), fut))
-            self._inbox.put(None)  # wake the thread if it is idle
-            self._fail_if_gone()
-        return fut
 
     def _count(self, out: Any) -> None:
         """Token counters of a finished request (the engine thread's; ``stats`` reads them)."""

@@ -31,8 +31,24 @@ class SessionKVHost:
     name: str
     kv: Any
     kv_manager: Any
+    load_error: BaseException | None
     _calls: queue.SimpleQueue
+    _inbox: queue.SimpleQueue
     _manager_failures: int = 0
+
+    # each host says whether it stopped, what a caller of a stopped engine gets, how its KV
+    # control is reached, and what to do when a call was queued after its thread ended
+    def _stopped(self) -> bool:
+        raise NotImplementedError
+
+    def _stopped_error(self) -> BaseException:
+        raise NotImplementedError
+
+    def _kv_or_raise(self) -> Any:
+        raise NotImplementedError
+
+    def _fail_if_gone(self) -> None:
+        raise NotImplementedError
 
     def _kv_lock(self) -> Any:
         return contextlib.nullcontext()
@@ -56,8 +72,19 @@ class SessionKVHost:
         mono = None if at is None else time.monotonic() - max(0.0, time.time() - float(at))
         return self.kv_call(lambda kv: manager.hint(session, state, node, wait_key, mono))
 
-    def kv_call(self, fn: Any, *args: Any) -> Future:  # pragma: no cover - each host has its own
-        raise NotImplementedError
+    def kv_call(self, fn: Any, *args: Any) -> Future:
+        """Run ``fn(self.kv, *args)`` on the stepping thread between two steps (where touching the
+        engine's KV is safe); the future holds its result or exception."""
+        fut: Future = Future()
+        if self._stopped():
+            fut.set_exception(self._stopped_error())
+        elif self.load_error is not None:
+            fut.set_exception(RuntimeError(f"engine {self.name!r} failed to load: {self.load_error}"))
+        else:
+            self._calls.put((lambda: fn(self._kv_or_raise(), *args), fut))
+            self._inbox.put(None)  # wake the thread if it is idle
+            self._fail_if_gone()  # queued after the thread ended: nobody would answer
+        return fut
 
     def _kv_track(self, event: str, session: str | None, request_id: str) -> None:
         """A request was admitted (``event`` "admit") or finished ("finish"): the KV manager (or,
