@@ -357,10 +357,19 @@ class Admission:
         engine still waiting for it after the pump's first pass; given, a call of a session
         whose engine is busy may move to an engine nobody waits for (the second pass)."""
         p = self.plugin
+        sk = (h.session, h.model)
+        admitted = self.admitted_on.get(sk)
+        if h.target is None and admitted is not None and (
+                (admitted, h.model) in self.starting or p._bound_ok(admitted, h.model, h.component)):
+            # the common case, in O(1): a call of a session on a healthy engine (listing the
+            # candidates is O(workers): not per call on the scheduler's event loop)
+            return self._on_admitted(h, admitted, now, rooms, waiting_on)
+        waited = now - h.since
+        if admitted is None and h.target is None and new_blocked and waited < self.max_wait:
+            return None  # new sessions queue behind the one that waits (checked before any listing)
         candidates = p._candidates(h.model, h.component)
         if not candidates:
             return None
-        sk = (h.session, h.model)
         if h.target is not None:
             if h.target in candidates:
                 r = self.room(h.target, h.model)
@@ -368,22 +377,8 @@ class Admission:
                     return h.target
                 return None  # the policy's engine is full: wait for it
             h.target = None
-        admitted = self.admitted_on.get(sk)
         if admitted is not None and (admitted in candidates or (admitted, h.model) in self.starting):
-            r = self.room(admitted, h.model)
-            if r.has_slot():
-                return admitted
-            # Its engine is busy: move only to an engine whose own sessions' calls all got a
-            # slot (taking the slot a call of that engine waits for makes both engines' sessions
-            # recompute: measured, 30 moves in 80 sessions at overload), and only when waiting
-            # has cost more than recomputing the prefix there.
-            if waiting_on is None or now - h.since <= self.peak.get(sk, 0) / self.prefill_rate:
-                return None
-            alt = self._roomiest(h, [w for w in candidates if w != admitted and not waiting_on[w]], rooms)
-            if alt is not None:
-                self.counts["rebound"] += 1
-            return alt
-        waited = now - h.since
+            return self._on_admitted(h, admitted, now, rooms, waiting_on, candidates)
         if new_blocked and waited < self.max_wait:
             return None
         spare = self._spare(h.model, candidates)
@@ -398,6 +393,26 @@ class Admission:
                 h.note = (f"admitted after waiting {waited:.1f}s (max-wait): its working set does not fit; "
                           f"the engine may evict other sessions' KV")
         return w
+
+    def _on_admitted(self, h: HeldCall, admitted: str, now: float, rooms: dict, waiting_on: Counter | None,
+                     candidates: list[str] | None = None) -> str | None:
+        """A call of a session admitted to ``admitted``: there when it has a slot; else, in the
+        pump's second pass (``waiting_on`` given), maybe another engine (see the comment)."""
+        r = self.room(admitted, h.model)
+        if r.has_slot():
+            return admitted
+        # Its engine is busy: move only to an engine whose own sessions' calls all got a
+        # slot (taking the slot a call of that engine waits for makes both engines' sessions
+        # recompute: measured, 30 moves in 80 sessions at overload), and only when waiting
+        # has cost more than recomputing the prefix there.
+        if waiting_on is None or now - h.since <= self.peak.get((h.session, h.model), 0) / self.prefill_rate:
+            return None
+        if candidates is None:
+            candidates = self.plugin._candidates(h.model, h.component)
+        alt = self._roomiest(h, [w for w in candidates if w != admitted and not waiting_on[w]], rooms)
+        if alt is not None:
+            self.counts["rebound"] += 1
+        return alt
 
     def _spare(self, model: str, candidates: list[str]) -> list[str]:
         """Ready workers without an engine of lazily loaded ``model`` where a new session may

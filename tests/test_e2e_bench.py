@@ -11,6 +11,7 @@ import pytest
 from benchmarks import e2e
 from benchmarks import e2e_swe as swe
 from benchmarks.e2e_peers import Router
+from tests.conftest import wait_for
 
 
 def test_specs_are_reproducible_and_follow_the_workflow_rule():
@@ -214,16 +215,6 @@ def test_phase_scenario_lengthens_the_second_half_context():
         e2e.scenario_specs(wf, preset, "diurnal", 0)
 
 
-def _wait_until(pred, timeout=30.0):
-    """Poll a condition (no fixed sleep; fails only if it never holds)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.001)
-
-
 def test_capped_pinner_bounds_live_requests_per_engine_under_threads():
     import threading
 
@@ -247,7 +238,7 @@ def test_capped_pinner_bounds_live_requests_per_engine_under_threads():
     threads = [threading.Thread(target=request) for _ in range(30)]
     for t in threads:
         t.start()
-    _wait_until(lambda: len(p.queue) == 24 and sum(live.values()) == 6)
+    wait_for(lambda: len(p.queue) == 24 and sum(live.values()) == 6)
     assert p.active == {"tcp://a": 3, "tcp://b": 3}  # full, and the rest wait
     done.set()
     for t in threads:
@@ -277,11 +268,11 @@ def test_capped_pinner_is_fifo_and_close_wakes_waiters():
         t = threading.Thread(target=lambda i=i, ticket=ticket: got.__setitem__(i, p.acquire(ticket)))
         t.start()
         threads.append(t)
-        _wait_until(lambda ticket=ticket: ticket in p.queue)
+        wait_for(lambda ticket=ticket: ticket in p.queue)
     assert list(p.queue) == tickets
     for k in range(4):  # each freed slot goes to the oldest waiter
         p.release(held.pop(0) if held else got[k - 2])
-        _wait_until(lambda k=k: k in got)
+        wait_for(lambda k=k: k in got)
         assert set(got) == set(range(k + 1)), got
     assert p.order[2:] == tickets
     for t in threads:
@@ -297,7 +288,7 @@ def test_capped_pinner_is_fifo_and_close_wakes_waiters():
 
     t = threading.Thread(target=late)
     t.start()
-    _wait_until(lambda: len(p.queue) == 1)
+    wait_for(lambda: len(p.queue) == 1)
     p.close()
     t.join(30)
     assert len(errors) == 1 and not p.queue
