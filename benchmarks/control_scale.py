@@ -72,6 +72,7 @@ from distributed.collections import HeapSet  # noqa: E402
 
 import dask_agents as da  # noqa: E402
 from dask_agents.calls import ANNOTATION  # noqa: E402
+from dask_agents.stats import percentile  # noqa: E402
 from scheduler_plugin.control import ControlLoop  # noqa: E402
 from scheduler_plugin.plugin import AgentsSchedulerPlugin  # noqa: E402
 
@@ -563,8 +564,7 @@ def measure_fast_path(rounds: int, calls: int, background: int) -> dict:
         cluster.close()
 
     def pct(xs: list[float], q: float) -> float:
-        xs = sorted(xs)
-        return xs[min(int(q * len(xs)), len(xs) - 1)]
+        return percentile(xs, 100 * q)
 
     out = {
         "rounds": rounds, "calls_per_block": calls, "background_waiting_calls": background,

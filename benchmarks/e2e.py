@@ -298,6 +298,7 @@ import dask  # noqa: E402
 import distributed  # noqa: E402
 
 from benchmarks import e2e_swe as swe  # noqa: E402
+from dask_agents import stats  # noqa: E402
 
 POLICIES = ("prioritize", "balance", "reallocate", "batching")
 THREADS_AGENTS = 16
@@ -365,11 +366,7 @@ def check_outcome(spec, out: dict) -> None:
         swe.check_outcome(spec, out)
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation (nan for no data)."""
-    import numpy as np
-
-    return float(np.percentile(xs, q)) if len(xs) else float("nan")
+percentile = stats.percentile  # e2e_router and others read it from here
 
 
 def _mean(xs: list[float]) -> float:
@@ -644,8 +641,8 @@ def admission_delta(before: dict | None, after: dict | None) -> dict:
     k = counts.get("admitted", 0)
     waits = np.asarray(after["waits"][-k:] if k else [], dtype=float)
     return {"enabled": after["enabled"], "counts": counts,
-            "wait_p50_s": float(np.percentile(waits, 50)) if waits.size else None,
-            "wait_p99_s": float(np.percentile(waits, 99)) if waits.size else None,
+            "wait_p50_s": percentile(waits, 50) if waits.size else None,
+            "wait_p99_s": percentile(waits, 99) if waits.size else None,
             "wait_max_s": float(waits.max()) if waits.size else None}
 
 
@@ -1743,7 +1740,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loads", help="comma-separated offered loads in requests/s (overrides the preset, every scenario)")
     p.add_argument("--requests", type=int, help="requests per load (overrides the preset)")
     p.add_argument("--seed", type=int, default=0, help="the first seed")
+    p.add_argument("--kv-blocks", type=int, help="KV blocks per Open-SWE engine replica (default: "
+                   f"e2e_swe.ENGINE's {swe.ENGINE['kv_blocks']}); fewer: a KV-bound engine")
     args = p.parse_args(argv)
+    if args.kv_blocks is not None:
+        if args.kv_blocks < 64:
+            p.error("--kv-blocks must be >= 64")
+        swe.ENGINE["kv_blocks"] = args.kv_blocks  # read when each variant builds its engines
 
     workflows = list(WORKFLOWS) if args.workflow == "all" else [args.workflow]
     scenarios = [x for x in args.scenarios.split(",") if x]

@@ -36,6 +36,8 @@ from collections import deque
 
 from distributed import WorkerPlugin, get_worker, worker_client
 
+from dask_agents.stats import percentile
+
 from benchmarks import e2e_swe as swe
 
 PLUGIN = "e2e-emulated-engine"
@@ -186,8 +188,8 @@ class CappedPinner:
 
         w = np.asarray(self.waits, dtype=float)
         return {"cap": self.cap, "requests": int(w.size),
-                "wait_p50_s": float(np.percentile(w, 50)) if w.size else None,
-                "wait_p99_s": float(np.percentile(w, 99)) if w.size else None,
+                "wait_p50_s": percentile(w, 50) if w.size else None,
+                "wait_p99_s": percentile(w, 99) if w.size else None,
                 "waited": int((w > 1e-3).sum()), "peak_live_per_engine": max(self.peak.values(), default=0)}
 
 

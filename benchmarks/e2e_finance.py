@@ -4,7 +4,7 @@ Dask, dask-agents, Ray, LangGraph).
 
 Everything timed here is EMULATED: the engines are :class:`worker_plugin.emulated.EmulatedEngineHost`
 (a cost model) and the ``db_query`` tool sleeps a latency drawn from SAGA's db_query prior
-(``kv.tool_latency``; P50/P95/P99 120/890/3500 ms) times ``TOOL_TIME_SCALE``.
+(``kv.runtime.tool_latency``; P50/P95/P99 120/890/3500 ms) times ``TOOL_TIME_SCALE``.
 
 Control flow: ``examples/finance/workflow.py``'s. One session per request: one analyst per
 aspect (revenue, profitability, risk, cash-flow) in parallel, each a ``db_query`` tool call then
@@ -58,7 +58,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import math
 import random
 import statistics
 import time
@@ -70,10 +69,11 @@ from typing import (  # module level: the graphs' state hints resolve here
 )
 
 import dask_agents as da
+from dask_agents.stats import percentile
 from benchmarks import e2e_swe as swe
 from benchmarks.e2e_peers import LangGraphPeer, RayPeer, _merge
 from examples.finance.workflow import SYSTEM, FinanceRequest, make_requests
-from kv.tool_latency import prior
+from kv.runtime.tool_latency import prior
 
 MODEL = swe.MODEL  # "coder": the model examples/finance's agents call
 ANALYSIS_TOKENS, SUMMARY_TOKENS, ANSWER_TOKENS = 16, 24, 16  # the example's max_tokens (summary: +8)
@@ -333,7 +333,7 @@ def describe_specs(specs: list[FinanceSpec]) -> dict:
             "mean_follow_ups": sum(len(s.request.follow_ups) for s in specs) / n,
             "mean_think_s_per_request": sum(s.pause_s for s in specs) / n,
             "ideal_latency_mean_s": sum(ideal) / n,
-            "ideal_latency_p99_s": ideal[min(len(ideal) - 1, math.ceil(0.99 * len(ideal)) - 1)] if ideal else None,
+            "ideal_latency_p99_s": percentile(ideal, 99) if ideal else None,
             "tokens": token_stats(specs)}
 
 

@@ -2,7 +2,7 @@
 EMULATED engines for two models (``chat``, ``coder``) on 4 engine workers.
 
 Everything timed here is EMULATED: the engines are :class:`worker_plugin.emulated.EmulatedEngineHost`
-(a cost model), the code-exec tool sleeps a latency drawn from ``kv.tool_latency``'s code_exec prior.
+(a cost model), the code-exec tool sleeps a latency drawn from ``kv.runtime.tool_latency``'s code_exec prior.
 
 Workflow (``examples/router/workflow.py``'s control flow): a classifier (one short LLM call on
 ``coder``, max_tokens 1) routes the request by the code-fence rule; the chat branch makes one
@@ -48,9 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import random
-import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -61,7 +59,7 @@ import distributed
 
 import dask_agents as da
 from benchmarks import e2e_swe as swe
-from kv.tool_latency import prior
+from kv.runtime.tool_latency import prior
 
 MODELS = ("chat", "coder")
 WORKERS = 4

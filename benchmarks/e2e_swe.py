@@ -56,7 +56,7 @@ What else differs from ``examples/swe/workflow.py`` (on purpose, so every framew
 same work): everything random about a request is drawn up front, once, from seeded RNGs into a
 :class:`RequestSpec` (subtask count, which round fails and which subtask, every tool latency,
 every synthetic text length), and every variant reads it from there. Tool latencies are drawn
-from the SAGA priors of :mod:`kv.tool_latency` (file_io for doc search, code_exec for code
+from the SAGA priors of :mod:`kv.runtime.tool_latency` (file_io for doc search, code_exec for code
 runs) and slept times ``tool_time_scale``.
 
 Everything timed here is EMULATED: the engine is :class:`worker_plugin.emulated.EmulatedEngineHost`
@@ -67,12 +67,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import random
 import time
 from dataclasses import dataclass
 
 import dask_agents as da
+from dask_agents.stats import percentile
 from examples.swe.workflow import (
     FAIL_PROBABILITY,
     MAX_RETRIES,
@@ -83,7 +83,7 @@ from examples.swe.workflow import (
     _context,
     make_issues,
 )
-from kv.tool_latency import prior
+from kv.runtime.tool_latency import prior
 
 MODEL = "coder"  # the model name the Open-SWE agents call (da.llm("coder"))
 PLAN_TOKENS, PATCH_TOKENS, REVIEW_TOKENS = 16, 24, 8  # max_tokens of examples/swe/workflow.py
@@ -663,6 +663,6 @@ def describe_specs(specs: list[RequestSpec]) -> dict:
         "mean_tool_calls": sum(x["tool_calls"] for x in w) / n,
         "mean_decode_tokens": sum(x["decode_tokens"] for x in w) / n,
         "ideal_latency_mean_s": sum(ideal) / n,
-        "ideal_latency_p99_s": ideal[min(len(ideal) - 1, math.ceil(0.99 * len(ideal)) - 1)] if ideal else float("nan"),
+        "ideal_latency_p99_s": percentile(ideal, 99),
         "tokens": token_stats(specs),
     }

@@ -9,7 +9,7 @@ like Open-SWE: a shared system prompt, a per-session task, then a planner step, 
 steps and tester steps (a failed test sends the session back to a developer). Each step is one
 LLM call on the session's whole history; after it the session waits on a tool (planner:
 file_io or web_api, developer: file_io or code_exec, tester: code_exec) whose latency is drawn
-from ``kv.tool_latency``'s prior for that kind and multiplied by ``--time-scale``; the tool's
+from ``kv.runtime.tool_latency``'s prior for that kind and multiplied by ``--time-scale``; the tool's
 output and the model's output are appended to the history. Sessions start a little apart.
 
 Every variant replays the *same* sessions (contents, tool kinds, latencies and output lengths
@@ -19,7 +19,7 @@ except its KV policy:
 ``prefix_caching``  vLLM's prefix cache alone (``kv-policy: none``): LRU eviction, no lower tier.
 ``wa_lru``          SAGA: WA-LRU order, tool-aware TTL pins, thresholds, speculative prefetch.
 ``nalar``           Nalar Alg. 3: drop at session end, offload by predicted idle time, prefetch.
-``ours``            the full dask-agents policy (``kv.policies.Ours``).
+``ours``            the full dask-agents policy (``kv.runtime.policies.Ours``).
 ``lru_host``        (``--ablation``) LRU order with the host tier: what the tier alone gives.
 
 The managed variants have a host-memory tier (``--host``) and receive the hints the global
@@ -118,7 +118,7 @@ def scripts(n: int, steps: tuple[int, int], task: tuple[int, int], tool_out: tup
             time_scale: float, seed: int, stagger_s: float, system: int = 0, max_len: int = 4096) -> list[Script]:
     """``n`` Open-SWE-shaped sessions (see the module docstring), fully drawn from ``seed``;
     a session ends early rather than outgrow the model's context (``max_len``)."""
-    from kv.tool_latency import PRIORS
+    from kv.runtime.tool_latency import PRIORS
 
     out = []
     for i in range(n):

@@ -106,6 +106,7 @@ import distributed  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
 import dask_agents as da  # noqa: E402
+from dask_agents.stats import percentile  # noqa: E402
 
 
 # -- the no-op work ---------------------------------------------------------------------------
@@ -293,11 +294,6 @@ class Bench:
 
 
 # -- statistics ------------------------------------------------------------------------------
-def percentile(xs: list[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation."""
-    import numpy as np
-
-    return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
 def summarize(rounds: dict[str, list[dict]], idle: float) -> dict[str, dict]:

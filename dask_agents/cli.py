@@ -1,7 +1,7 @@
 """The ``dask-agents`` command line: a :mod:`click` group; each tool is a subcommand.
 
     dask-agents stubgen agents.py -o stubs/     # write stubs/agents.py (see stubgen.py)
-    dask-agents replay mooncake --tiers 4GiB     # KV policies vs the offline optimum (kv/replay.py)
+    dask-agents replay mooncake --tiers 4GiB     # KV policies vs the offline optimum (kv/offline/replay.py)
     dask-agents report telemetry.parquet -o report/   # PNG plots (dask_agents/report.py)
     dask-agents whatif telemetry.parquet --gpus 4      # another allocation, predicted (whatif.py)
 """
@@ -58,10 +58,10 @@ def replay_command(trace: str, policies: tuple[str, ...], tiers: tuple[str, ...]
 
     TRACE is a file (a saved kv trace, a Mooncake JSON-lines file, or a da.telemetry frame as
     CSV/JSON/parquet), a directory holding the Mooncake trace, 'mooncake' (the shipped trace),
-    or 'generated[:key=value,...]' (generated agent sessions; keys of kv.traces.GenParams).
+    or 'generated[:key=value,...]' (generated agent sessions; keys of kv.offline.traces.GenParams).
     """
-    from kv.blocks import CostModel, Tiers
-    from kv.replay import ONLINE, format_table, load_trace, plot, ratios, replay, resolve_tiers, write_json
+    from kv.runtime.blocks import CostModel, Tiers
+    from kv.offline.replay import ONLINE, format_table, load_trace, plot, ratios, replay, resolve_tiers, write_json
 
     try:
         t = load_trace(trace, limit)

@@ -114,7 +114,7 @@ def parse_size(value: Any) -> int:
 
 def parse_bandwidth(value: Any) -> float:
     """Bytes per second from ``"25 GB/s"``, ``"25GB"`` or a number (read as
-    ``kv.blocks.Tiers`` reads it); ValueError unless > 0."""
+    ``kv.runtime.blocks.Tiers`` reads it); ValueError unless > 0."""
     text = value.strip().removesuffix("/s") if isinstance(value, str) else value
     try:
         n = parse_size(text)

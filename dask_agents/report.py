@@ -24,6 +24,8 @@ from typing import Any, Mapping, Sequence
 
 import click
 
+from dask_agents.stats import percentiles
+
 
 def _plt() -> Any:
     try:
@@ -144,7 +146,7 @@ def plot_latency_cdf(latencies: Mapping[str, Sequence[float]], path: str, title:
         if not len(x):
             continue
         y = np.arange(1, len(x) + 1) / len(x)
-        p50, p95, p99 = np.percentile(x, [50, 95, 99])
+        p50, p95, p99 = percentiles(x, [50, 95, 99])
         ax.step(x, y, where="post", label=f"{name} (n={len(x)}, P50 {p50:.2f}, P95 {p95:.2f}, P99 {p99:.2f})")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("fraction of sessions")

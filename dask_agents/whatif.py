@@ -39,6 +39,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from dask_agents.stats import percentile
+
 REQUIRED = ("key", "session", "component", "kind", "created", "started", "finished")
 
 
@@ -116,17 +118,10 @@ class Prediction:
                          self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None)
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-
 def summarize(sessions: list[float], llm: list[float], makespan: float, hit_rate: float | None) -> dict[str, Any]:
     """The numbers a prediction and a recording are compared on."""
     return {"sessions": len(sessions), "mean_s": statistics.fmean(sessions) if sessions else float("nan"),
-            "p50_s": _pct(sessions, 50), "p95_s": _pct(sessions, 95), "p99_s": _pct(sessions, 99),
+            "p50_s": percentile(sessions, 50), "p95_s": percentile(sessions, 95), "p99_s": percentile(sessions, 99),
             "throughput_per_s": len(sessions) / makespan if makespan > 0 else float("nan"),
             "llm_mean_s": statistics.fmean(llm) if llm else float("nan"), "hit_rate": hit_rate}
 

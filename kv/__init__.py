@@ -1,5 +1,6 @@
-"""Engine-agnostic KV state: sizing now; residency, policies and the simulator build on it."""
+"""KV state for agent sessions: :mod:`kv.runtime` (what an engine worker runs) and
+:mod:`kv.offline` (traces, simulator, optimum, replay; never imported by a worker)."""
 
-from kv.sizing import KVGeometry
+from kv.runtime.sizing import KVGeometry
 
 __all__ = ["KVGeometry"]

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dask_agents.config as agents_config
+from dask_agents.stats import percentile
 
 from scheduler_plugin import dask_compat
 
@@ -592,8 +593,8 @@ class Admission:
         return {
             "enabled": self.enabled, "held": len(self.held), "held_by_model": dict(held_by_model),
             "counts": dict(self.counts),
-            "wait_p50_s": float(np.percentile(waits, 50)) if waits.size else None,
-            "wait_p99_s": float(np.percentile(waits, 99)) if waits.size else None,
+            "wait_p50_s": percentile(waits, 50) if waits.size else None,
+            "wait_p99_s": percentile(waits, 99) if waits.size else None,
             "engines": [{"worker": r.worker, "model": r.model, "slots": r.slots, "inflight": len(r.inflight),
                          "sessions": len(r.sessions), "resident_blocks": self.resident(r),
                          "capacity_blocks": r.capacity, "used_blocks": r.used, "pinned_blocks": r.pinned,

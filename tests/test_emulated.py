@@ -12,7 +12,7 @@ from distributed import Client, LocalCluster
 
 import dask_agents as da
 from dask_agents import emulation
-from kv.tool_latency import PRIORS, ToolLatency, prior
+from kv.runtime.tool_latency import PRIORS, ToolLatency, prior
 from tests.conftest import wait_for
 from worker_plugin.emulated import (
     EmulatedEngineHost,

@@ -2,7 +2,7 @@
 
 Cost-model tests step :class:`EmulatedScheduler` directly: block counts, token counts and
 emulated seconds are exact (no clock, no thread). The host tests run the stepping thread and
-poll for state with a deadline (never a fixed sleep): the KV manager (kv/manager.py, its own
+poll for state with a deadline (never a fixed sleep): the KV manager (kv/runtime/manager.py, its own
 code) drives the emulated engine's blocks through ``EmulatedEngineHost``.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import dask
 import pytest
 
-from kv.engine_kv import KVDirectiveError
-from kv.manager import KVManager
+from kv.runtime.engine_kv import KVDirectiveError
+from kv.runtime.manager import KVManager
 from tests.conftest import wait_for
 from worker_plugin.emulated import (
     EMULATED_COMPAT,
@@ -312,7 +312,7 @@ def on_engine(host, fn):
 
 
 def test_the_compat_layer_covers_what_the_manager_calls_and_needs_no_vllm():
-    used = set(re.findall(r"\bvc\.([a-z_]+)\(", (ROOT / "kv" / "manager.py").read_text()))
+    used = set(re.findall(r"\bvc\.([a-z_]+)\(", (ROOT / "kv" / "runtime" / "manager.py").read_text()))
     assert used and all(hasattr(EMULATED_COMPAT, name) for name in used), used - set(dir(EMULATED_COMPAT))
     code = ("import sys; from worker_plugin.emulated import EmulatedEngineHost;"
             "from worker_plugin.engine import ModelSettings;"
@@ -320,7 +320,23 @@ def test_the_compat_layer_covers_what_the_manager_calls_and_needs_no_vllm():
             " emulation={'time_scale': 0.0})); h.start();"
             "out = h.submit('r', [5] * 40, h.sampling_params(4, 0.0, None), 's').result(30);"
             "assert len(out.outputs[0].token_ids) == 4 and h.kv_manager is not None; h.close();"
-            "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'imported'")
+            "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'imported';"
+            "assert not [m for m in sys.modules if m.startswith('kv.offline')], 'offline KV tools imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_no_runtime_module_imports_the_offline_kv_tools():
+    """Every module a worker or the scheduler loads (the plugins, the engine hosts, the KV
+    manager and policies, the user-facing package) imports nothing of kv.offline."""
+    import pkgutil
+
+    names = ["dask_agents", "kv", "kv.runtime"]
+    for pkg in ("dask_agents", "scheduler_plugin", "worker_plugin", "kv.runtime"):
+        path = ROOT.joinpath(*pkg.split("."))
+        names += [f"{pkg}.{m.name}" for m in pkgutil.iter_modules([str(path)])]
+    code = (f"import importlib, sys\nfor n in {names!r}:\n    importlib.import_module(n)\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('kv.offline'))\n"
+            "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 

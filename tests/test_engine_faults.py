@@ -24,7 +24,7 @@ from distributed import Client, LocalCluster
 
 import dask_agents as da
 from dask_agents.errors import AgentsError, EngineStepError, InvalidRequestError
-from kv import vllm_compat
+from kv.runtime import vllm_compat
 from tests.conftest import wait_for
 from tests.kv_helpers import generate as run
 from tests.kv_helpers import prompt_ids

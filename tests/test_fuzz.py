@@ -46,8 +46,8 @@ from dask_agents.hints import ComponentHints, ToolHints
 from dask_agents.llm import check_generate_args
 from dask_agents.stubgen import generate_stub_source
 from examples.router import trace as router_trace
-from kv import traces as kv_traces
-from kv.engine_kv import KVDirectiveError
+from kv.offline import traces as kv_traces
+from kv.runtime.engine_kv import KVDirectiveError
 from scheduler_plugin.actions import (
     ActionError,
     Kill,
@@ -240,7 +240,7 @@ def test_fuzzed_config_values_are_valid_or_a_config_error_naming_the_key(key, va
     (``ModelSettings`` for model entries, ``Tiers.from_config`` for the KV tiers)."""
     from dask.utils import parse_bytes, parse_timedelta
 
-    from kv.blocks import Tiers
+    from kv.runtime.blocks import Tiers
     from worker_plugin.engine import ModelSettings
 
     if key.startswith("llm.models.fuzz."):

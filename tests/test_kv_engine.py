@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv.engine_kv import KVDirectiveError
+from kv.runtime.engine_kv import KVDirectiveError
 from tests.conftest import wait_for
 from tests.kv_helpers import generate as run
 from tests.kv_helpers import prompt_ids as tokens
@@ -170,7 +170,7 @@ def test_bad_directives_are_clear_errors(host):
 
 
 def test_no_host_tier_is_a_clear_error(tmp_path):
-    from kv.engine_kv import EngineKV, TierConfig
+    from kv.runtime.engine_kv import EngineKV, TierConfig
 
     class Parts:  # offload checks the tier before touching the engine
         num_blocks, block_size = 16, BLOCK
@@ -185,10 +185,10 @@ def test_no_host_tier_is_a_clear_error(tmp_path):
         TierConfig(disk_bytes=10)
 
 
-# -- each vLLM internal kv/vllm_compat.py relies on ---------------------------------------------
+# -- each vLLM internal kv/runtime/vllm_compat.py relies on ---------------------------------------------
 
 def test_compat_version_range():
-    from kv import vllm_compat as vc
+    from kv.runtime import vllm_compat as vc
 
     vc.check_version("0.32.0")
     vc.check_version("0.33.1+cpu")
@@ -197,7 +197,7 @@ def test_compat_version_range():
 
 
 def test_compat_internals(host):
-    from kv import vllm_compat as vc
+    from kv.runtime import vllm_compat as vc
 
     def check(k):
         parts = k.parts
@@ -276,7 +276,7 @@ def test_a_failing_disk_tier_costs_a_recompute_not_the_engine(host, monkeypatch)
 
 
 def test_compat_engine_lifecycle_and_request_bookkeeping(host):
-    """The vLLM internals behind request blame and engine shutdown (``kv.vllm_compat``'s last
+    """The vLLM internals behind request blame and engine shutdown (``kv.runtime.vllm_compat``'s last
     section): the model's vocabulary, whether vLLM has scheduled a request yet, the adopted
     finalizer, and the steps of ``EngineCore.shutdown`` that ``_shutdown_core`` replicates."""
     import inspect
@@ -285,7 +285,7 @@ def test_compat_engine_lifecycle_and_request_bookkeeping(host):
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.core import EngineCore
 
-    from kv import vllm_compat as vc
+    from kv.runtime import vllm_compat as vc
     from worker_plugin.engine import _STEP_LOCK
 
     assert vc.vocab_size(host._engine) == 1024  # worker_plugin/models/tiny-llama/config.json
@@ -321,7 +321,7 @@ def test_kv_control_rejected_by_the_compat_check_still_loads(host, monkeypatch, 
     the model failed to load."""
     import logging
 
-    from kv import vllm_compat as vc
+    from kv.runtime import vllm_compat as vc
     from worker_plugin.plugin import engine_report
 
     ours = engine_report(host)

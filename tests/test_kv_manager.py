@@ -1,4 +1,4 @@
-"""The workflow-aware KV manager (kv/manager.py) on a real vLLM engine (CPU build, tiny
+"""The workflow-aware KV manager (kv/runtime/manager.py) on a real vLLM engine (CPU build, tiny
 dummy-weight model, in-process).
 
 One engine for the module, 2 MiB of KV (16 blocks of 128 tokens, 15 usable) and a 4 MiB host
@@ -15,8 +15,8 @@ import time
 import dask
 import pytest
 
-from kv import vllm_compat as vc
-from kv.engine_kv import KVDirectiveError
+from kv.runtime import vllm_compat as vc
+from kv.runtime.engine_kv import KVDirectiveError
 from tests.conftest import wait_for
 from tests.kv_helpers import generate as run
 from tests.kv_helpers import prompt_ids as tokens

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from dask_agents.cli import main
-from kv.blocks import CostModel, Tiers
-from kv.replay import OFFLINE, OPTIMUM, format_table, load_trace, ratios, replay, resolve_tiers
-from kv.traces import GenParams, generate, save
+from kv.runtime.blocks import CostModel, Tiers
+from kv.offline.replay import OFFLINE, OPTIMUM, format_table, load_trace, ratios, replay, resolve_tiers
+from kv.offline.traces import GenParams, generate, save
 
 
 @pytest.fixture

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kv.policies import LRU, get_policy
-from kv.simulator import Simulator, simulate
-from kv.traces import GenParams, generate
+from kv.runtime.policies import LRU, get_policy
+from kv.offline.simulator import Simulator, simulate
+from kv.offline.traces import GenParams, generate
 from tests.kv_helpers import BPB, BS, COST, PARAMS, step, tiers, trace
 
 
@@ -84,3 +84,17 @@ def test_simulate_reads_the_config():
     with pytest.raises(ValueError, match="block size"):
         simulate(t, tiers(2), LRU(PARAMS))  # agents.kv.block-size is 512, this trace's 4
     assert simulate(t, tiers(2), LRU(PARAMS), COST, tick=0.1).prompt_tokens == 2 * BS
+
+
+@pytest.mark.parametrize("policy", ["lru", "wa_lru", "nalar", "ours"])
+def test_finished_sessions_under_a_shared_prompt_are_forgotten(policy):
+    """Sessions that end under a system prompt that never leaves the cache: once their own blocks
+    are gone nothing is left to decide about them, so the simulator (and every policy's look at
+    it) must not keep them; it kept all of them, and WA-LRU scanned them every tick."""
+    keeper = [step("k", 0.0, [1, 900]), step("k", 70.0, [1, 900, 901], last=True)]  # keeps block 1 live
+    steps = [step(f"s{i}", 1.0 + i, [1, 100 + i, 200 + i], duration=0.1, last=True) for i in range(60)]
+    sim = Simulator(trace(*sorted(keeper + steps, key=lambda x: x.at)), tiers(8), get_policy(policy, PARAMS),
+                    COST, tick=0.05)
+    r = sim.run()
+    assert r.hit_tokens >= 60 * BS  # the shared block stayed cached
+    assert len(sim.sessions) <= 6  # k, and the sessions owning the other 5 cached blocks (60 before)

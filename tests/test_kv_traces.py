@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 from dask_agents.client_api import COLUMNS
-from kv import traces
-from kv.traces import GenParams, Step, Trace, generate, load, load_mooncake, load_steps, load_telemetry, save
+from kv.offline import traces
+from kv.offline.traces import GenParams, Step, Trace, generate, load, load_mooncake, load_steps, load_telemetry, save
 
 # -- (a) generated -------------------------------------------------------------------------------
 
@@ -116,6 +116,33 @@ def test_mooncake_sessions_are_prefix_trees(tmp_path):
     assert load_mooncake(tmp_path, limit=2).sessions().keys() == {"m0", "m7"}
 
 
+def test_mooncake_sessions_below_a_shared_system_prompt(tmp_path):
+    """Every request begins with one system-prompt block (id 99): grouped by first block they
+    would be one session; rooted below the high-fan-out prefix they are one per conversation."""
+    rows = []
+    for c in range(4):  # 4 conversations of 2 turns, each under the system prompt
+        base = 1000 * (c + 1)
+        rows.append({"timestamp": 10 * c, "input_length": 1024, "output_length": 1, "hash_ids": [99, base]})
+        rows.append({"timestamp": 10 * c + 5, "input_length": 1536, "output_length": 1,
+                     "hash_ids": [99, base, base + 1]})
+    f = write_mooncake(tmp_path / traces.MOONCAKE_SUBDIR, rows)
+    s = load_mooncake(f, root_fanout=4).sessions()
+    assert sorted(s) == ["m1000", "m2000", "m3000", "m4000"]
+    assert all(len(v) == 2 and v[0].blocks == (99, k) for k, v in zip((1000, 2000, 3000, 4000), map(s.get, sorted(s))))
+    assert list(load_mooncake(f, root_fanout=5).sessions()) == ["m99"]  # below the threshold: one tree
+    with pytest.raises(ValueError, match="root_fanout must be an integer >= 2"):
+        load_mooncake(f, root_fanout=1)
+
+
+def test_replay_limit_counts_requests_of_a_mooncake_file(tmp_path):
+    """``--limit`` on a Mooncake file (as on ``mooncake``) keeps its first N requests, not sessions."""
+    from kv.offline.replay import load_trace
+
+    f = write_mooncake(tmp_path / traces.MOONCAKE_SUBDIR, mooncake_rows())
+    assert len(load_trace(str(f), limit=3)) == 3 and len(load_trace(str(tmp_path), limit=1)) == 1
+    assert len(load_trace(str(f))) == 4
+
+
 @pytest.mark.parametrize("row, what", [
     ({"timestamp": 1, "input_length": 1100, "output_length": 1, "hash_ids": [0, 1]},
      "hash_ids has 2 ids but input_length 1100 needs 3 blocks of 512 tokens"),
@@ -183,6 +210,43 @@ def test_telemetry_becomes_block_chains():
     assert a[2].blocks == a[1].blocks[:1]  # shorter: only the cached 512 tokens are shared
     assert a[0].tool == "code_exec" and b[0].tool is None and a[-1].last and b[-1].last
     assert a[0].node == "llm.coder" and a[0].tail_tokens == 1500 - 1024
+
+
+def test_telemetry_with_parallel_llm_calls_becomes_branches():
+    """Quickstart-shaped: a planner call, two developers' calls at once, then the tester's. The
+    recording failed ("arrives ... before its previous step ends"); now the overlapping call is a
+    branch session that shares the plan's prefix, and the whole frame replays."""
+    rows = []
+
+    def call(component, kind, started, finished, prompt=None, cached=None, out=None):
+        r = dict.fromkeys(COLUMNS)
+        r.update(key=f"{component}-{len(rows)}", session="q", component=component, kind=kind, creator="driver",
+                 state="finished", started=started, finished=finished, prompt_tokens=prompt, cached_tokens=cached,
+                 output_tokens=out)
+        rows.append(r)
+
+    call("llm.coder", "llm", 0.0, 1.0, 1100, 0, 16)  # planner
+    call("llm.coder", "llm", 1.2, 2.0, 1700, 1024, 24)  # developer 0
+    call("llm.coder", "llm", 1.21, 2.5, 1650, 1024, 24)  # developer 1, concurrently
+    call("code_exec_tool", "tool", 2.6, 2.9)
+    call("llm.coder", "llm", 3.0, 3.4, 2300, 1536, 8)  # tester, after both
+    t = load_telemetry(pd.DataFrame(rows, columns=COLUMNS), block_size=512)
+    s = t.sessions()
+    assert sorted(s) == ["q", "q#1"]
+    main, branch = s["q"], s["q#1"]
+    assert [x.at for x in main] == pytest.approx([0.0, 1.2, 3.0]) and [x.at for x in branch] == pytest.approx([1.21])
+    assert branch[0].last and main[-1].last and not main[1].last
+    assert main[1].blocks[:2] == branch[0].blocks[:2] == main[0].blocks[:2]  # both extend the plan
+    assert main[1].blocks[2] != branch[0].blocks[2]  # a sibling's prompt is not a prefix of the other's
+    assert main[2].blocks[:3] == branch[0].blocks[:3]  # the tester follows the last developer to finish
+    assert main[1].tool == "code_exec" and main[1].duration == pytest.approx(0.8)  # the tool in its pause
+    from kv.runtime.blocks import CostModel, Tier, Tiers
+    from kv.offline.replay import replay
+    from kv.runtime.sizing import KVGeometry
+
+    cost = CostModel(KVGeometry(1, 1, 1, 1, block_size=512), prefill_tokens_per_s=1000.0)
+    out = replay(t, ("lru", "ours"), [Tiers(Tier("accelerator", 16 * cost.bytes_per_block))], cost)
+    assert {r.policy for r in out} >= {"lru", "ours"} and all(r.ratio >= 1 - 1e-12 for r in out)
 
 
 def test_telemetry_files_and_their_errors(tmp_path):

@@ -6,7 +6,7 @@ tensor parallelism), so the Dask worker that hosts it must not be daemonic
 private asyncio loop in one thread; calls submit from any thread and get a
 ``concurrent.futures.Future`` like ``EngineHost``'s, so ``Engines`` treats both alike.
 
-Per-session KV control (``kv/engine_kv.py``) needs the block pool in this process, which
+Per-session KV control (``kv/runtime/engine_kv.py``) needs the block pool in this process, which
 AsyncLLM keeps in its engine core: on this host the lower tiers are LMCache's
 (``kv-connector: lmcache``, vLLM's ``LMCacheConnectorV1``), and KV directives are refused
 with a clear error. vLLM's prefix cache still serves each session's follow-ups, and the
@@ -100,7 +100,7 @@ class AsyncEngineHost:
                 from vllm.v1.engine.async_llm import AsyncLLM
 
                 self._engine = AsyncLLM.from_engine_args(self._engine_args())
-            from kv import vllm_compat
+            from kv.runtime import vllm_compat
 
             self.vocab_size = vllm_compat.vocab_size(self._engine)
         except BaseException as e:  # reported to every caller by wait_loaded

@@ -10,10 +10,10 @@ parameters under ``emulation`` (:class:`EmulationParams`).
 
 The host has the interface :class:`~worker_plugin.engine.Engines` uses of
 :class:`~worker_plugin.engine.EngineHost`, per-session KV control included: ``kv`` is an
-:class:`EmulatedEngineKV` (the methods and attributes of :class:`kv.engine_kv.EngineKV` that
-KV directives and :class:`kv.manager.KVManager` use), and with ``kv-policy`` set on the model
+:class:`EmulatedEngineKV` (the methods and attributes of :class:`kv.runtime.engine_kv.EngineKV` that
+KV directives and :class:`kv.runtime.manager.KVManager` use), and with ``kv-policy`` set on the model
 entry ``kv_manager`` is KVManager itself, which reads the engine's internals through its KV
-backend's ``compat``: :data:`EMULATED_COMPAT` here, :mod:`kv.vllm_compat` on a real engine.
+backend's ``compat``: :data:`EMULATED_COMPAT` here, :mod:`kv.runtime.vllm_compat` on a real engine.
 Unlike EngineHost, the manager runs only when the model entry names a policy (not from
 ``agents.kv.policy``): emulated engines are the vLLM baseline of existing experiments, which
 opt in. No vLLM import anywhere here.
@@ -30,8 +30,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from kv.engine_kv import KVDirectiveError, KVStats, Residency, TierConfig, block_count
-from kv.sizing import KVGeometry
+from kv.runtime.engine_kv import KVDirectiveError, KVStats, Residency, TierConfig, block_count
+from kv.runtime.sizing import KVGeometry
 from worker_plugin.emulated_kv import (  # noqa: F401  (the cost model's names are this module's too)
     H100_KV_BLOCKS,
     Block,
@@ -62,7 +62,7 @@ class _BlockPool:
 
 @dataclass(frozen=True)
 class EmulatedParts:
-    """The emulated counterpart of :class:`kv.vllm_compat.EngineParts` (no KV tensors)."""
+    """The emulated counterpart of :class:`kv.runtime.vllm_compat.EngineParts` (no KV tensors)."""
 
     sched: EmulatedScheduler
     block_pool: _BlockPool
@@ -80,9 +80,9 @@ class EmulatedParts:
 
 
 class _EmulatedCompat:
-    """The functions of :mod:`kv.vllm_compat` that KVManager calls, on :class:`EmulatedParts`
+    """The functions of :mod:`kv.runtime.vllm_compat` that KVManager calls, on :class:`EmulatedParts`
     (same names, arguments and meaning; ``tests/test_emulated_kv.py`` checks that every
-    ``vc.<name>`` in kv/manager.py is here)."""
+    ``vc.<name>`` in kv/runtime/manager.py is here)."""
 
     @staticmethod
     def request_hashes(parts: EmulatedParts, request_id: str) -> list | None:
@@ -150,7 +150,7 @@ EMULATED_COMPAT = _EmulatedCompat()
 # -- per-session KV control -------------------------------------------------------------------------
 
 class EmulatedEngineKV:
-    """:class:`kv.engine_kv.EngineKV`'s interface on the emulated engine: the same directives
+    """:class:`kv.runtime.engine_kv.EngineKV`'s interface on the emulated engine: the same directives
     (inspect, retain, release, offload, evict, prefetch, invalidate) with the same sharing
     rules, acting on :class:`EmulatedScheduler`'s blocks and host tier.
 
@@ -165,7 +165,7 @@ class EmulatedEngineKV:
     def __init__(self, sched: EmulatedScheduler, bytes_per_block: int, pin_fraction: float = 0.5,
                  pin_ttl_s: float = 30.0, time_scale: float = 1.0):
         self.sched = sched
-        self.compat = EMULATED_COMPAT  # what KVManager calls in place of kv.vllm_compat
+        self.compat = EMULATED_COMPAT  # what KVManager calls in place of kv.runtime.vllm_compat
         self.parts = EmulatedParts(sched, _BlockPool(sched), sched.p.block_size, bytes_per_block)
         self.bytes_per_block = bytes_per_block
         self.tiers = TierConfig(host_bytes=sched.host_capacity * bytes_per_block, pin_fraction=pin_fraction,
@@ -403,7 +403,7 @@ class EmulatedEngineHost(SessionKVHost):
         if self.kv is None or name in (None, "none"):
             return None
         try:
-            from kv.manager import KVManager
+            from kv.runtime.manager import KVManager
 
             return KVManager(self.kv, name)
         except Exception as e:  # optional: KV directives still work without a policy

@@ -45,7 +45,7 @@ computed, only counted. It follows what vLLM v1 does (``vllm/v1/core/sched/sched
   synchronous load stalls the batch) unless it arrived earlier, prefetched; an admission that
   waits on a prefetch still in flight pays only the rest.
 - **Sessions.** A sequence's blocks belong to its session; per-session operations (retain,
-  release, offload, prefetch, invalidate) are those of :class:`kv.engine_kv.EngineKV`.
+  release, offload, prefetch, invalidate) are those of :class:`kv.runtime.engine_kv.EngineKV`.
 
 Defaults (:class:`EmulationParams`) are for a Llama-3-8B-class model in bf16 on one 80 GB H100,
 derived from first principles, not measured:
@@ -79,7 +79,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kv.engine_kv import disown
+from kv.runtime.engine_kv import disown
 from worker_plugin.tokenizer import OFFSET
 
 H100_KV_BLOCKS = 30_000
@@ -162,7 +162,7 @@ def block_hashes(tokens: list[int], block_size: int) -> list[int]:
 
 @dataclass(eq=False)
 class Block:
-    """One device KV block (the fields ``kv.vllm_compat`` reads of vLLM's ``KVCacheBlock``)."""
+    """One device KV block (the fields ``kv.runtime.vllm_compat`` reads of vLLM's ``KVCacheBlock``)."""
 
     block_id: int
     block_hash: int | None = None  # set while it is in the prefix cache
@@ -660,7 +660,7 @@ class EmulatedScheduler:
         self.now += cost
         return cost, done
 
-    # -- sessions (the per-session operations of kv.engine_kv.EngineKV) --------------------------
+    # -- sessions (the per-session operations of kv.runtime.engine_kv.EngineKV) --------------------------
 
     def _own(self, seq: Sequence, start: int) -> None:
         if seq.session is None or not seq.tracked:

@@ -62,14 +62,14 @@ class ModelSettings(BaseModel):
     max_model_len: int = Field(2048, alias="max-model-len", ge=16)
     kv_cache_memory_bytes: int | str = Field("256 MiB", alias="kv-cache-memory-bytes")
     enable_prefix_caching: bool = Field(True, alias="enable-prefix-caching")
-    # KV tiers below the device (kv/engine_kv.py): host memory for offloaded sessions, and an
+    # KV tiers below the device (kv/runtime/engine_kv.py): host memory for offloaded sessions, and an
     # optional disk tier that the host tier spills to. Memory is only used when a session is
     # offloaded. Pins (retained sessions) are bounded to a share of the device blocks.
     kv_host_bytes: int | str = Field("1 GiB", alias="kv-host-bytes")
     kv_disk_bytes: int | str = Field(0, alias="kv-disk-bytes")
     kv_disk_path: str | None = Field(None, alias="kv-disk-path")
     kv_pin_fraction: float = Field(0.5, alias="kv-pin-fraction", ge=0.0, le=1.0)
-    # The workflow-aware KV manager (kv/manager.py) on the engine thread: a policy name runs
+    # The workflow-aware KV manager (kv/runtime/manager.py) on the engine thread: a policy name runs
     # that policy on this engine's KV; "none" leaves vLLM's prefix cache alone (directives still
     # work); unset: agents.kv.policy. Defaults to the configured policy ("ours") because with no
     # hints at all it only acts on what the engine itself shows (pauses between a session's
@@ -96,11 +96,11 @@ class ModelSettings(BaseModel):
         return _bytes(self.kv_cache_memory_bytes)
 
     def kv_tiers(self, name: str) -> Any:
-        """The engine's tier configuration (``kv.engine_kv.TierConfig``); a disk tier without a
+        """The engine's tier configuration (``kv.runtime.engine_kv.TierConfig``); a disk tier without a
         path gets a per-process temporary directory."""
         import tempfile
 
-        from kv.engine_kv import TierConfig
+        from kv.runtime.engine_kv import TierConfig
 
         disk = _bytes(self.kv_disk_bytes)
         path = self.kv_disk_path
@@ -156,8 +156,8 @@ class EngineHost(SessionKVHost):
         self.load_error: BaseException | None = None
         self._inbox: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._calls: queue.SimpleQueue[tuple[Any, Future]] = queue.SimpleQueue()
-        self.kv: Any = None  # kv.engine_kv.EngineKV once loaded (per-session KV control)
-        self.kv_manager: Any = None  # kv.manager.KVManager once loaded, unless kv-policy is "none"
+        self.kv: Any = None  # kv.runtime.engine_kv.EngineKV once loaded (per-session KV control)
+        self.kv_manager: Any = None  # kv.runtime.manager.KVManager once loaded, unless kv-policy is "none"
         self._manager_failures = 0
         self._pending: dict[str, _Request] = {}
         self._engine: Any = None
@@ -169,7 +169,7 @@ class EngineHost(SessionKVHost):
         self.started_at: float | None = None
         self.geometry: Any = None  # kv.KVGeometry once loaded (None for models without a local config)
         self.vocab_size: int | None = None  # the model's, once loaded: token ids are checked against it
-        # Per-session KV control is optional: when kv/vllm_compat.py rejects this vLLM or the
+        # Per-session KV control is optional: when kv/runtime/vllm_compat.py rejects this vLLM or the
         # model's KV layout, the engine serves with plain prefix caching and says why here.
         self.kv_control = False
         self.kv_control_reason: str | None = "the engine has not loaded yet"
@@ -217,9 +217,9 @@ class EngineHost(SessionKVHost):
         return KVGeometry.from_model_dir(path, dtype, block)
 
     def _session_kv(self) -> Any:
-        """Per-session KV control for the loaded engine (``kv.engine_kv.EngineKV``), or None.
+        """Per-session KV control for the loaded engine (``kv.runtime.engine_kv.EngineKV``), or None.
 
-        Optional, so it never stops the model from loading: when ``kv.vllm_compat`` rejects the
+        Optional, so it never stops the model from loading: when ``kv.runtime.vllm_compat`` rejects the
         vLLM version, the model's KV layout or its cache groups (or the tiers cannot be set up),
         the engine serves with vLLM's plain prefix caching, one warning says why, and
         ``kv_control``/``kv_control_reason`` report it (the engine report carries them)."""
@@ -227,8 +227,8 @@ class EngineHost(SessionKVHost):
             # nothing is cached, so there is nothing to keep per session (a choice: no warning)
             self.kv_control_reason = "prefix caching is off (enable-prefix-caching: false)"
             return None
-        from kv import vllm_compat
-        from kv.engine_kv import EngineKV
+        from kv.runtime import vllm_compat
+        from kv.runtime.engine_kv import EngineKV
 
         try:
             kv = EngineKV(vllm_compat.engine_parts(self._engine), self.settings.kv_tiers(self.name))
@@ -244,7 +244,7 @@ class EngineHost(SessionKVHost):
         name = self.settings.kv_policy_name()
         if self.kv is None or name == "none":
             return None
-        from kv.manager import KVManager
+        from kv.runtime.manager import KVManager
 
         try:
             return KVManager(self.kv, name)
@@ -336,7 +336,7 @@ class EngineHost(SessionKVHost):
         kv = self.kv
         if kv is None:
             return out
-        from kv import vllm_compat
+        from kv.runtime import vllm_compat
 
         parts = kv.parts
         capacity = parts.num_blocks - 1  # the null block holds nothing
@@ -367,7 +367,7 @@ class EngineHost(SessionKVHost):
         if self.load_error is not None:
             raise RuntimeError(f"engine {self.name!r} failed to load: {self.load_error}")
         if self.kv is None:
-            from kv.engine_kv import KVDirectiveError
+            from kv.runtime.engine_kv import KVDirectiveError
 
             raise KVDirectiveError(f"engine {self.name!r} has no per-session KV control ({self.kv_control_reason})")
         return self.kv
@@ -428,8 +428,8 @@ class EngineHost(SessionKVHost):
         may load (a restart joins this thread first). Its memory goes now; and vLLM's
         collection-time finalizer is spent: run later, under a restarted engine, it would destroy
         the process's distributed groups the successor uses ("pipeline model parallel group is
-        not initialized"). See ``kv.vllm_compat.shutdown_engine``."""
-        from kv import vllm_compat
+        not initialized"). See ``kv.runtime.vllm_compat.shutdown_engine``."""
+        from kv.runtime import vllm_compat
 
         engine, self._engine = self._engine, None
         self.kv = self.kv_manager = None
@@ -445,7 +445,7 @@ class EngineHost(SessionKVHost):
         """Before a step: forget the requests vLLM has scheduled already (they are not new)."""
         if not self._unscheduled:
             return
-        from kv import vllm_compat
+        from kv.runtime import vllm_compat
 
         try:
             self._unscheduled -= vllm_compat.scheduled(self._engine, self._unscheduled)
@@ -460,7 +460,7 @@ class EngineHost(SessionKVHost):
         retried, it would crash the restarted engine too and take the others' retries with it.
         The requests scheduled before are failed as crashed by ``_run``, and retried."""
         from dask_agents.errors import EngineStepError
-        from kv import vllm_compat
+        from kv.runtime import vllm_compat
 
         if not self._unscheduled:
             return
@@ -481,7 +481,7 @@ class EngineHost(SessionKVHost):
                 "are retried on a restarted engine)"))
 
     def _serve(self) -> None:
-        from kv import vllm_compat
+        from kv.runtime import vllm_compat
 
         try:
             with _LOAD_LOCK, _STEP_LOCK:
@@ -935,7 +935,7 @@ class Engines:
         ``model``, between engine steps; returns ``{"result": ..., "residency": {...}}``."""
         import dataclasses
 
-        from kv.engine_kv import KVDirectiveError
+        from kv.runtime.engine_kv import KVDirectiveError
 
         if op not in KV_OPS:
             raise KVDirectiveError(f"unknown KV directive {op!r} (known: {', '.join(KV_OPS)})")
@@ -971,8 +971,8 @@ class Engines:
         ``node`` ended; the session waits on ``wait_key``, a tool kind or a dependency key) or
         "finished". ``at``: Unix time of the change (default now). Raises KVDirectiveError for
         an unknown state or an empty session id."""
-        from kv.engine_kv import KVDirectiveError
-        from kv.manager import STATES
+        from kv.runtime.engine_kv import KVDirectiveError
+        from kv.runtime.manager import STATES
 
         if state not in STATES:
             raise KVDirectiveError(f"unknown session state {state!r} (known: {', '.join(STATES)})")

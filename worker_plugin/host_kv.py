@@ -56,12 +56,12 @@ class SessionKVHost:
     def kv_hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
                 at: float | None = None) -> Future | None:
         """Tell this engine's KV manager the workflow state of ``session`` (see
-        ``kv.manager.KVManager.hint``); ``at`` is a Unix time (``time.time()``), default now.
+        ``kv.runtime.manager.KVManager.hint``); ``at`` is a Unix time (``time.time()``), default now.
         Non-blocking: returns the future of the hint on the engine thread, or None when there is
         no manager or it never saw the session (nothing to do here). Raises KVDirectiveError
         for an unknown state."""
-        from kv.engine_kv import KVDirectiveError
-        from kv.manager import STATES
+        from kv.runtime.engine_kv import KVDirectiveError
+        from kv.runtime.manager import STATES
 
         if state not in STATES:
             raise KVDirectiveError(f"unknown session state {state!r} (known: {', '.join(STATES)})")

@@ -248,7 +248,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         import asyncio
 
         if not isinstance(args, (dict, type(None))):
-            from kv.engine_kv import KVDirectiveError
+            from kv.runtime.engine_kv import KVDirectiveError
 
             raise KVDirectiveError(f"KV directive arguments must be a dict, got {args!r}")
         return await asyncio.to_thread(self.engines.kv_directive, model, directive, session, **(args or {}))
@@ -292,7 +292,7 @@ def engine_report(host: Any) -> dict:
     tiers, ``kv_traffic_bytes`` (cumulative bytes ``offloaded``/``spilled``/``restored``),
     ``kv_policy`` and ``kv_actions`` (cumulative count of the KV policy's directives by kind).
     Always ``kv_control`` (whether per-session KV directives work on this engine) and
-    ``kv_control_reason`` (why not, e.g. vLLM or a KV layout ``kv/vllm_compat.py`` rejects;
+    ``kv_control_reason`` (why not, e.g. vLLM or a KV layout ``kv/runtime/vllm_compat.py`` rejects;
     None when they work)."""
     settings = host.settings
     out: dict[str, Any] = {"engine": settings.engine, "emulated": settings.engine == "emulated",

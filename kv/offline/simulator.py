@@ -1,6 +1,6 @@
-"""Trace-driven KV simulator: replays a :class:`~kv.traces.Trace` against tiers and a policy.
+"""Trace-driven KV simulator: replays a :class:`~kv.offline.traces.Trace` against tiers and a policy.
 
-It is the enforcer of :mod:`kv.view`: it keeps where every block is, asks the policy for an
+It is the enforcer of :mod:`kv.runtime.view`: it keeps where every block is, asks the policy for an
 eviction order when a tier must make room and for proactive actions at every arrival, step end
 and ``tick``, and applies them under the hard rules (capacities, pinned running steps, one tier
 per block).
@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterator
 
-from kv.aeg import AgentGraph
-from kv.blocks import TIER_NAMES, CostModel, Tiers, common_prefix
-from kv.policies import Policy
-from kv.traces import Trace
-from kv.view import FINISHED, PAUSED, RUNNING, Drop, Evict, KVView, Prefetch, SessionView, Trim
+from kv.runtime.aeg import AgentGraph
+from kv.runtime.blocks import TIER_NAMES, CostModel, Tiers, common_prefix
+from kv.runtime.policies import Policy
+from kv.offline.traces import Trace
+from kv.runtime.view import FINISHED, PAUSED, RUNNING, Drop, Evict, KVView, Prefetch, SessionView, Trim
 
 ACC = 0
 
@@ -261,21 +261,26 @@ class Simulator:
         return self._demote(victims, tier, now)
 
     def _view(self, now: float) -> KVView:
-        loc, ready = self.loc, self.ready
+        loc, ready, live = self.loc, self.ready, self.live
         for sid in self.dirty:
             s = self.sessions.get(sid)
             if s is None:
                 self.views.pop(sid, None)
                 continue
             counts = [0, 0, 0]
-            in_flight = 0
+            in_flight = own = 0
             for b in s.chain:
                 t = loc.get(b)
                 if t is not None:
                     counts[t] += 1
+                    if b not in live:
+                        own += 1
                     if b in ready:
                         in_flight += 1
-            if s.state == FINISHED and not any(counts):
+            # A finished session whose cached blocks are all held by live sessions too (a shared
+            # system prompt) has nothing left for a policy to decide: forget it, or every finished
+            # session under a prompt that never leaves the cache stays in the view for good.
+            if s.state == FINISHED and not own:
                 self._release(s)  # nothing left to decide about
                 del self.sessions[sid]
                 self.views.pop(sid, None)

@@ -1,9 +1,9 @@
-"""The component-side KV manager of one vLLM engine: a :mod:`kv.policies` policy, driven by the
-workflow, enforced on the engine's real KV (:class:`kv.engine_kv.EngineKV`).
+"""The component-side KV manager of one vLLM engine: a :mod:`kv.runtime.policies` policy, driven by the
+workflow, enforced on the engine's real KV (:class:`kv.runtime.engine_kv.EngineKV`).
 
-It plays, against a real engine, the part :mod:`kv.simulator` plays against a trace: it keeps
+It plays, against a real engine, the part :mod:`kv.offline.simulator` plays against a trace: it keeps
 each session's workflow state, learns the Agent Execution Graph online, builds a
-:class:`~kv.view.KVView` from the engine's own state and applies what the policy suggests.
+:class:`~kv.runtime.view.KVView` from the engine's own state and applies what the policy suggests.
 
 Session state. ``running`` (a request of the session is in the engine, or the controller said
 its next step started), ``paused`` (its last request finished; it waits on a tool kind such as
@@ -18,7 +18,7 @@ overlap, as the simulator measures it: what the workflow reuses, not what the ca
 keep). Tool-kind priors are scaled by ``agents.emulation.time-scale`` (emulated tools sleep that
 much shorter), so a sped-up run predicts the pauses it will see.
 
-Enforcement (everything runs on the engine thread between steps, as ``kv.vllm_compat`` requires):
+Enforcement (everything runs on the engine thread between steps, as ``kv.runtime.vllm_compat`` requires):
 
 - ``Evict`` -> offload to the first lower tier (host, else disk), tail first; discarded without one.
 - ``Trim`` -> stale blocks (cached, owned by no live session) are freed, then the listed
@@ -57,14 +57,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from kv import vllm_compat as vc
-from kv.aeg import AgentGraph, LatencyModel
-from kv.blocks import ACCELERATOR, DISK, HOST, CostModel, Tier, Tiers, common_prefix
-from kv.engine_kv import EngineKV, KVDirectiveError
-from kv.policies import WALRU, Policy, get_policy
-from kv.sizing import KVGeometry
-from kv.tool_latency import PRIORS, ToolLatency
-from kv.view import (
+from kv.runtime import vllm_compat as vc
+from kv.runtime.aeg import AgentGraph, LatencyModel
+from kv.runtime.blocks import ACCELERATOR, DISK, HOST, CostModel, Tier, Tiers, common_prefix
+from kv.runtime.engine_kv import EngineKV, KVDirectiveError
+from kv.runtime.policies import WALRU, Policy, get_policy
+from kv.runtime.sizing import KVGeometry
+from kv.runtime.tool_latency import PRIORS, ToolLatency
+from kv.runtime.view import (
     FINISHED,
     PAUSED,
     RUNNING,
@@ -152,7 +152,7 @@ class KVManager:
 
         self.kv = kv
         # the engine internals it reads, through its KV backend's compat layer: vLLM's
-        # (kv/vllm_compat.py), or the emulated engine's (worker_plugin/emulated.py)
+        # (kv/runtime/vllm_compat.py), or the emulated engine's (worker_plugin/emulated.py)
         self.vc = getattr(kv, "compat", vc)
         self.clock = clock
         self.policy = self._policy(policy if policy is not None else str(c.get("kv.policy")))

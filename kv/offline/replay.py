@@ -2,8 +2,8 @@
 the table, JSON and plot that ``dask-agents replay`` and ``benchmarks/kv_policies.py`` print.
 
 Every row is one (tiers, policy) replay; each tier configuration also gets an ``optimum`` row
-(:func:`kv.optimal.lower_bound`, the lower bound on recomputed tokens) and, unless turned off,
-an ``offline`` row (:class:`kv.optimal.Offline`, the cost-aware offline schedule). ``ratio`` is a
+(:func:`kv.offline.optimal.lower_bound`, the lower bound on recomputed tokens) and, unless turned off,
+an ``offline`` row (:class:`kv.offline.optimal.Offline`, the cost-aware offline schedule). ``ratio`` is a
 policy's recomputed prefill tokens over the optimum's (its competitive ratio on this trace);
 ``excess_ratio`` the same for the avoidable part only (recomputed tokens minus the compulsory
 ones: first uses and prompt tails, which no memory size avoids), a harsher view of the same
@@ -22,11 +22,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from kv.blocks import TIER_NAMES, CostModel, Tiers
-from kv.optimal import Offline, lower_bound
-from kv.policies import Params, get_policy
-from kv.simulator import Simulator
-from kv.traces import Trace
+from kv.runtime.blocks import TIER_NAMES, CostModel, Tiers
+from kv.offline.optimal import Offline, lower_bound
+from kv.runtime.policies import Params, get_policy
+from kv.offline.simulator import Simulator
+from kv.offline.traces import Trace
 
 OPTIMUM, OFFLINE = "optimum", "offline"
 ONLINE = ("lru", "wa_lru", "nalar", "ours")
@@ -48,7 +48,7 @@ class Row:
     ratio: float
     # (recomputed - compulsory) / (optimum - compulsory); None when only the policy has anything avoidable
     excess_ratio: float | None
-    bound: str           # how the optimum was computed: "pinned" or "flat" (kv.optimal.lower_bound)
+    bound: str           # how the optimum was computed: "pinned" or "flat" (kv.offline.optimal.lower_bound)
     bytes_offloaded: int = 0
     bytes_prefetched: int = 0
     bytes_restored: int = 0
@@ -64,7 +64,7 @@ class Row:
 
 
 def resolve_tiers(spec: str | None, trace: Trace, cost: CostModel, base: Tiers | None = None) -> Tiers:
-    """Tiers from ``spec`` (see :meth:`kv.blocks.Tiers.parse`), where a size ending in ``%`` is that
+    """Tiers from ``spec`` (see :meth:`kv.runtime.blocks.Tiers.parse`), where a size ending in ``%`` is that
     share of ``trace``'s peak footprint; ``base`` (else ``agents.kv.tiers``) for what it leaves out."""
     base = base or Tiers.from_config()
     if not spec:
@@ -209,11 +209,12 @@ def plot(rows: Sequence[Row], path: str | os.PathLike) -> str:
 
 def load_trace(spec: str, limit: int | None = None) -> Trace:
     """A trace by spec: ``generated`` or ``generated:sessions=50,seed=1`` (any
-    :class:`kv.traces.GenParams` field), ``mooncake`` (the shipped file), or a path
-    (:func:`kv.traces.load`). ``limit``: sessions to keep (requests, for Mooncake)."""
+    :class:`kv.offline.traces.GenParams` field), ``mooncake`` (the shipped file), or a path
+    (:func:`kv.offline.traces.load`). ``limit``: sessions to keep (requests, for a Mooncake file or
+    directory)."""
     from dataclasses import fields
 
-    from kv import traces
+    from kv.offline import traces
 
     name, _, args = spec.partition(":")
     if name == "generated":
@@ -231,6 +232,8 @@ def load_trace(spec: str, limit: int | None = None) -> Trace:
         return traces.generate(traces.GenParams(**kwargs))
     if spec == "mooncake":
         return traces.load_mooncake(limit=limit)
+    if traces.is_mooncake(spec):  # a Mooncake file or directory: its first ``limit`` requests
+        return traces.load_mooncake(spec, limit=limit)
     trace = traces.load(spec)
     return trace.head(limit) if limit else trace
 

@@ -3,7 +3,7 @@
 Definitions
 -----------
 *Block-access sequence*: every step's full prompt blocks in chain order, steps by arrival
-(:meth:`kv.traces.Trace.accesses`), the same for every policy because replay is open loop.
+(:meth:`kv.offline.traces.Trace.accesses`), the same for every policy because replay is open loop.
 
 *Miss-count metric, uniform blocks*: a cache of ``k`` equal blocks; a request for a block not
 in it is a miss, after which the block may be kept (evicting another if full) or not. Bélády's
@@ -58,10 +58,10 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from kv.blocks import CostModel, Tiers
-from kv.policies import Params, Policy, swap_in
-from kv.traces import Trace
-from kv.view import FINISHED, PAUSED, Action, KVView
+from kv.runtime.blocks import CostModel, Tiers
+from kv.runtime.policies import Params, Policy, swap_in
+from kv.offline.traces import Trace
+from kv.runtime.view import FINISHED, PAUSED, Action, KVView
 
 _NEVER = math.inf
 
@@ -123,7 +123,7 @@ def belady(accesses: Sequence[int], capacity: int) -> OptimalResult:
 def belady_pinned(trace: Trace, capacity: int) -> OptimalResult:
     """Exact MIN when running steps pin their prompts: fewest misses of any cache of ``capacity``
     equal blocks that holds every running step's blocks from its arrival to its end (events in
-    the simulator's order, :meth:`kv.traces.Trace.timeline`). ValueError if the running steps
+    the simulator's order, :meth:`kv.offline.traces.Trace.timeline`). ValueError if the running steps
     alone ever need more than ``capacity`` blocks.
 
     Between two pinned periods of a block lies a *gap*; keeping the block through the gap saves
@@ -134,14 +134,19 @@ def belady_pinned(trace: Trace, capacity: int) -> OptimalResult:
     that moment; the one reaching furthest covers a superset of the others' future) shows it is
     optimal, as for MIN, and the tests check it against exhaustive search."""
     steps = trace.steps
-    times: dict[int, list[float]] = {}
-    for s in steps:
-        for b in s.blocks:
-            times.setdefault(b, []).append(s.at)
+    events = trace.timeline()
+    # Accesses are ordered by their place in the timeline, not by timestamp: steps arriving at
+    # the same time are still served one after another, and with timestamps as keys two gaps
+    # ending at one instant tie, so the sweep could drop the one needed first (overcounting).
+    times: dict[int, list[int]] = {}
+    for pos, (_, arrival, i) in enumerate(events):
+        if arrival:
+            for b in steps[i].blocks:
+                times.setdefault(b, []).append(pos)
     ptr = dict.fromkeys(times, 0)  # index of each block's next access
     pins: dict[int, int] = {}
-    kept: dict[int, float] = {}  # block -> end of its kept gap (its next access)
-    heap: list[tuple[float, int]] = []
+    kept: dict[int, int] = {}  # block -> end of its kept gap (its next access's place)
+    heap: list[tuple[int, int]] = []
     misses = accesses = 0
 
     def fit() -> None:
@@ -153,7 +158,7 @@ def belady_pinned(trace: Trace, capacity: int) -> OptimalResult:
             if kept.get(b) == -neg:
                 del kept[b]
 
-    for _, arrival, i in trace.timeline():
+    for _, arrival, i in events:
         blocks = steps[i].blocks
         if arrival:
             for b in blocks:

@@ -12,7 +12,7 @@ Families
 ``generate(GenParams(...))``
     Agent sessions shaped like the GitHub Copilot coding-agent dataset card (3.95 turns per
     session, 7.83 LLM calls and 7.3 tool calls per turn, 86% of prompt tokens cached) with tool
-    latencies drawn from SAGA's per-kind priors (:mod:`kv.tool_latency`). Every parameter and its
+    latencies drawn from SAGA's per-kind priors (:mod:`kv.runtime.tool_latency`). Every parameter and its
     source is documented on :class:`GenParams`.
 ``load_telemetry(path_or_frame)``
     The call table of a dask-agents run (``da.telemetry(client)``, saved as CSV, JSON or parquet).
@@ -41,15 +41,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-from kv.blocks import ROOT, block_hash, extend
-from kv.tool_latency import PRIORS, ToolLatency, prior
+from kv.runtime.blocks import ROOT, block_hash, extend
+from kv.runtime.tool_latency import PRIORS, ToolLatency, prior
 
 ENV = "DASK_AGENTS_TRACES"
 MOONCAKE_SUBDIR = "mooncake-synthetic"
 MOONCAKE_FILE = "synthetic_trace.jsonl"
 MOONCAKE_BLOCK = 512
 MOONCAKE_DEPTH = 5  # steps from the 6th on share one AEG node
-REPO = Path(__file__).resolve().parents[1]
+ROOT_FANOUT = 16  # a block with this many distinct next blocks is a shared prefix, not a session
+REPO = Path(__file__).resolve().parents[2]
 FORMAT = "dask-agents-kv-trace"
 FAMILIES = ("generated", "telemetry", "mooncake", "file")
 MAX_TOKENS = 1 << 24
@@ -241,7 +242,7 @@ class GenParams:
       ``tools_per_turn`` 7.3 tool calls per turn, ``cached_share`` 0.86 of prompt tokens cached,
       ``output_tokens_mean`` 527 (4.91B completion tokens / (301,026 sessions x 3.95 x 7.83
       calls)): GitHub Copilot coding-agent dataset card (June 2026).
-    - tool latencies: SAGA's P50/P95/P99 per kind (:data:`kv.tool_latency.PRIORS`).
+    - tool latencies: SAGA's P50/P95/P99 per kind (:data:`kv.runtime.tool_latency.PRIORS`).
 
     Our choices (not published; change them freely):
 
@@ -506,16 +507,21 @@ def mooncake_path(directory: str | os.PathLike | None = None) -> Path:
 
 
 def load_mooncake(path: str | os.PathLike | None = None, limit: int | None = None,
-                  decode_s_per_token: float = 0.02) -> Trace:
+                  decode_s_per_token: float = 0.02, root_fanout: int = ROOT_FANOUT) -> Trace:
     """The Mooncake synthetic trace (or the first ``limit`` requests of it) as sessions.
 
     Every line must be an object with ``timestamp`` (ms, integer >= 0), ``input_length`` and
     ``output_length`` (integers >= 0) and ``hash_ids`` (non-negative integers, exactly
     ``ceil(input_length / 512)`` of them); the first bad line raises ValueError with its number.
 
-    Sessions (the trace has none): requests whose prompts start with the same first block form
+    Sessions (the trace has none): requests whose prompts start with the same *root* block form
     one session (a conversation or document the requests continue: in this file every id has
-    one parent, so ids form prefix trees, and a tree is a session). The steps of a session are
+    one parent, so ids form prefix trees, and a tree is a session). The root is the first
+    block, unless that block is a prefix shared by many unrelated requests (a system prompt):
+    a block with ``root_fanout`` or more distinct next blocks in the file is such a prefix, and
+    the root is the first block below the longest run of them (otherwise a file whose requests
+    all begin with one system prompt would be one session). In the shipped file no block has
+    more than 13 distinct next blocks, so at the default (16) its roots are its first blocks. The steps of a session are
     its requests in time order; a step's duration is ``output_length * decode_s_per_token``
     (capped at the gap to the session's next request) and the pause after it lasts until the
     session's next request. A session's last request ends it: we take that as the application
@@ -547,9 +553,22 @@ def load_mooncake(path: str | os.PathLike | None = None, limit: int | None = Non
             break
     if not rows:
         raise ValueError(f"{path.name}: line 1: no requests")
+    if isinstance(root_fanout, bool) or not isinstance(root_fanout, int) or root_fanout < 2:
+        raise ValueError(f"root_fanout must be an integer >= 2, got {root_fanout!r}")
+    children: dict[int, set[int]] = defaultdict(set)
+    for _, ids, _, _ in rows:
+        for a, b in zip(ids, ids[1:]):
+            children[a].add(b)
+
+    def root(ids: tuple[int, ...]) -> int:
+        i = 0
+        while i + 1 < len(ids) and len(children[ids[i]]) >= root_fanout:
+            i += 1
+        return ids[i]
+
     by_root: dict[int, list[int]] = defaultdict(list)
     for i, (_, ids, _, _) in enumerate(rows):
-        by_root[ids[0]].append(i)
+        by_root[root(ids)].append(i)
     steps = []
     for root, idx in by_root.items():
         idx.sort(key=lambda i: rows[i][0])
@@ -630,6 +649,25 @@ def _kind_of(tool_component: str) -> str | None:
     return next((k for k in PRIORS if name.startswith(k)), None)
 
 
+def _lanes(calls: list[tuple]) -> list[tuple[int, int | None]]:
+    """Per call (sorted by start): its lane and the index of the lane's next call (None: the
+    lane's last). Calls of one session that overlap in time (parallel branches: the developers
+    of a plan) go to separate lanes, a call to the first lane free when it starts."""
+    ends: list[float] = []
+    out: list[list] = []
+    last_of: list[int] = []
+    for k, c in enumerate(calls):
+        lane = next((i for i, e in enumerate(ends) if e <= c[0]), len(ends))
+        if lane == len(ends):
+            ends.append(c[1])
+            last_of.append(k)
+        else:
+            out[last_of[lane]][1] = k
+            ends[lane], last_of[lane] = c[1], k
+        out.append([lane, None])
+    return [(a, b) for a, b in out]
+
+
 def load_telemetry(source: Any, block_size: int = 512, time_scale: float = 1.0, name: str | None = None) -> Trace:
     """Steps from a dask-agents call table (``da.telemetry(client)``): a DataFrame, or a file
     (``.csv``, ``.json``/``.jsonl``, ``.parquet``) holding one.
@@ -644,12 +682,17 @@ def load_telemetry(source: Any, block_size: int = 512, time_scale: float = 1.0, 
     Assumptions (telemetry has token counts, not token ids):
 
     - The LLM calls of one session and model form one growing history: a call's prompt starts
-      with its predecessor's prompt when it is at least as long (agents append outputs and tool
-      results). When it is shorter, it shares only the ``cached_tokens`` the engine reported (at
-      most the predecessor's length) and continues as a new chain from there.
+      with its predecessor's prompt (the session's latest call of that model that finished
+      before it started) when it is at least as long (agents append outputs and tool results).
+      When it is shorter, it shares only the ``cached_tokens`` the engine reported (at most the
+      predecessor's length) and continues as a new chain from there.
+    - Calls of one session that overlap in time (parallel branches) are steps of separate trace
+      sessions, ``<session>#1``, ``#2``, ... beside ``<session>`` (a trace session's steps do
+      not overlap); a call goes to the first that is free when it starts, and the last call of
+      each ends it. Branches share their prefix through the rule above.
     - A session's first call shares its ``cached_tokens`` with every other session (a common
       system prompt: the engine can only have cached them from other sessions).
-    - The pause after a call lasts until the session's next LLM call starts; its tool kind is
+    - The pause after a call lasts until its branch's next LLM call starts; its tool kind is
       the kind the longest tool call started in that gap is named after (``code_exec_tool`` ->
       ``code_exec``), else None (the AEG then learns it per step label).
     - A step's label (AEG node) is the component that created the call when the frame has
@@ -724,31 +767,57 @@ def load_telemetry(source: Any, block_size: int = 512, time_scale: float = 1.0, 
     steps = []
     for session, calls in llm.items():
         calls.sort()
-        chains: dict[str, tuple[int, tuple[int, ...]]] = {}  # model -> (prompt tokens, blocks)
+        lanes = _lanes(calls)
+        made: list[tuple[int, tuple[int, ...]]] = []  # per call: (prompt tokens, blocks)
         for k, (started, finished, prompt, out, cached, component, node) in enumerate(calls):
-            prev = chains.get(component)
+            # The call's predecessor: the latest call of its model that finished before it started
+            # (a concurrent sibling is not: its prompt is not a prefix of this one's).
+            prev = max((j for j in range(k) if calls[j][5] == component and calls[j][1] <= started),
+                       key=lambda j: calls[j][1], default=None)
             if prev is None:
                 shared = min(cached, prompt) // block_size
                 if shared > len(shared_root):
                     shared_root = extend(shared_root, (("shared", j) for j in range(len(shared_root), shared)))
                 base = shared_root[:shared]
-            elif prompt >= prev[0]:
-                base = prev[1]
+            elif prompt >= made[prev][0]:
+                base = made[prev][1]
             else:
-                base = prev[1][:min(cached, prompt) // block_size]
+                base = made[prev][1][:min(cached, prompt) // block_size]
             n_full = prompt // block_size
             blocks = extend(base[:n_full], ((session, component, k, j) for j in range(min(len(base), n_full), n_full)))
-            chains[component] = (prompt, blocks)
-            last = k == len(calls) - 1
-            nxt = calls[k + 1][0] if not last else None
+            made.append((prompt, blocks))
+            lane, nxt = lanes[k]
             kind = None
             if nxt is not None:
-                inside = [(f - s, c) for s, f, c in tools.get(session, ()) if finished <= s < nxt]
+                inside = [(f - s, c) for s, f, c in tools.get(session, ()) if finished <= s < calls[nxt][0]]
                 if inside:
                     kind = _kind_of(max(inside)[1])
-            steps.append(Step(session, (started - t0) / time_scale, blocks, prompt - n_full * block_size, out,
-                              (finished - started) / time_scale, kind, node, last))
+            sid = session if lane == 0 else f"{session}#{lane}"
+            steps.append(Step(sid, (started - t0) / time_scale, blocks, prompt - n_full * block_size, out,
+                              (finished - started) / time_scale, kind, node, nxt is None))
     return Trace(name or f"telemetry({label})", "telemetry", block_size, tuple(steps), {"source": label})
+
+
+def _head_object(path: Path) -> Any:
+    """The first line of a JSON-lines file as an object, or None."""
+    with open(path, "rb") as f:
+        first = f.readline()
+    try:
+        return json.loads(first.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None  # the loader that reads the whole file names the bad line
+
+
+def is_mooncake(source: str | os.PathLike) -> bool:
+    """Whether ``source`` is a directory (searched for the Mooncake file) or a Mooncake JSON-lines
+    file (``hash_ids`` on its first line)."""
+    path = Path(source)
+    if path.is_dir():
+        return True
+    if not path.is_file() or path.suffix.lower() not in (".jsonl", ".ndjson", ".json"):
+        return False
+    head = _head_object(path)
+    return isinstance(head, dict) and "hash_ids" in head
 
 
 def load(source: str | os.PathLike, **kwargs: Any) -> Trace:
@@ -761,12 +830,7 @@ def load(source: str | os.PathLike, **kwargs: Any) -> Trace:
     if not path.is_file():
         raise FileNotFoundError(f"no trace file {path}")
     if path.suffix.lower() in (".jsonl", ".ndjson", ".json"):
-        with open(path, "rb") as f:
-            first = f.readline()
-        try:
-            head = json.loads(first.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            head = None  # the loader that reads the whole file names the bad line
+        head = _head_object(path)
         if isinstance(head, dict) and head.get("format") == FORMAT:
             return load_steps(path)
         if isinstance(head, dict) and "hash_ids" in head:
