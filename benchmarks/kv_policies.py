@@ -31,6 +31,11 @@ Traces (three families)
 ``mooncake``   ``../shared/traces/mooncake-synthetic`` (or ``$DASK_AGENTS_TRACES``), all 3993
                requests; skipped (and said so) when absent.
 
+Each family is replayed a second time without session ends (``<family>-no-ends``,
+:meth:`kv.offline.traces.Trace.without_session_ends`): on the derived traces (Mooncake,
+telemetry) the end of a session is hindsight (its last request seen), so a policy's result
+with it overstates what it knows online.
+
 Memory sizes
 ------------
 Accelerator only (no host tier: what vLLM's prefix cache has), at several sizes per trace
@@ -283,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         notes["mooncake"] = f"skipped: {e}"
 
+    # The session-end signal: known on generated traces, hindsight on derived ones (the last
+    # request seen); every family is replayed without it too (family "<name>-no-ends").
+    for family in list(traces):
+        traces[f"{family}-no-ends"] = traces[family].without_session_ends()
     rows: list[Row] = []
     tiered: list[Row] = []
     for family, trace in traces.items():

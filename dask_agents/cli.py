@@ -49,11 +49,14 @@ def stubgen_command(files: tuple[str, ...], out: str, package_root: str | None) 
                    "trace's peak footprint); repeatable, one replay each (default: agents.kv.tiers).")
 @click.option("--limit", type=int, default=None, help="Replay only the first N sessions (Mooncake: requests).")
 @click.option("--no-offline", is_flag=True, help="Leave out the offline cost-aware schedule.")
+@click.option("--without-session-ends", is_flag=True,
+              help="Replay with no session's end known (on derived traces the end is hindsight).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the rows as JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a PNG of hit rate vs accelerator memory here.")
 def replay_command(trace: str, policies: tuple[str, ...], tiers: tuple[str, ...], limit: int | None,
-                   no_offline: bool, json_path: str | None, plot_path: str | None) -> None:
+                   no_offline: bool, without_session_ends: bool, json_path: str | None,
+                   plot_path: str | None) -> None:
     """Replay TRACE under KV policies, side by side with the offline optimum.
 
     TRACE is a file (a saved kv trace, a Mooncake JSON-lines file, or a da.telemetry frame as
@@ -65,6 +68,8 @@ def replay_command(trace: str, policies: tuple[str, ...], tiers: tuple[str, ...]
 
     try:
         t = load_trace(trace, limit)
+        if without_session_ends:
+            t = t.without_session_ends()
         cost = CostModel.from_config()
         base = Tiers.from_config()
         configs = [resolve_tiers(spec, t, cost, base) for spec in tiers] or [base]

@@ -70,3 +70,29 @@ def test_replay_rows_and_ratios():
     assert "opt/" in format_table(rows)
     with pytest.raises(ValueError, match="generated trace option 'bogus=1'"):
         load_trace("generated:bogus=1")
+
+
+def test_replay_without_session_ends(small_trace, tmp_path):
+    """Without the end signal no session is ever finished: the simulator keeps every one of them
+    for the policy to judge, and the CLI says which way it replayed."""
+    from kv.offline.simulator import Simulator
+    from kv.runtime.policies import get_policy
+    from tests.kv_helpers import PARAMS
+
+    _, t = small_trace
+    blind = t.without_session_ends()
+    assert not any(s.last for s in blind.steps) and [s.blocks for s in blind.steps] == [s.blocks for s in t.steps]
+    assert blind.family == "generated-no-ends" and blind.meta["session_ends"] is False
+    cost = CostModel.from_config()
+    tiers = resolve_tiers("accelerator=50%", t, cost, Tiers.from_config())
+    ended = Simulator(t, tiers, get_policy("ours", PARAMS), cost)
+    ended.run()
+    never = Simulator(blind, tiers, get_policy("ours", PARAMS), cost)
+    never.run()
+    assert len(never.sessions) == 6 and len(ended.sessions) < 6
+    path, _ = small_trace
+    out_json = tmp_path / "r.json"
+    res = CliRunner().invoke(main, ["replay", str(path), "--policy", "lru", "--without-session-ends",
+                                    "--tiers", "accelerator=90%", "--no-offline", "--json", str(out_json)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out_json.read_text())["trace"]["family"] == "generated-no-ends"

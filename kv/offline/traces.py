@@ -196,6 +196,15 @@ class Trace:
                 seq += 1
         return out
 
+    def without_session_ends(self) -> "Trace":
+        """The same steps with no session's end known (``last`` False everywhere): a session's
+        KV is never garbage by signal, only by what a policy infers. On derived traces (Mooncake,
+        telemetry) the end is hindsight (the last request seen under a tree), so results are
+        reported both ways; family and name say which."""
+        steps = tuple(replace(s, last=False) if s.last else s for s in self.steps)
+        return Trace(f"{self.name} without session ends", f"{self.family}-no-ends", self.block_size, steps,
+                     {**self.meta, "session_ends": False})
+
     def peak_running(self) -> int:
         """Most distinct blocks the running steps' prompts hold at once (they are pinned on the
         accelerator). With less accelerator than this, some steps cannot keep their prompt
