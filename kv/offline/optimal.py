@@ -260,6 +260,15 @@ class Offline(Policy):
         reversed is already in order) and of the blocks no live session holds."""
         heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []  # (-next read, -depth, seq, cursor, chain)
         seq = 0
+        where = view.where
+
+        def skip(chain: tuple[int, ...], i: int) -> int:
+            """The cursor moved past blocks not in ``tier`` (cheap; ranking them is not)."""
+            if where is not None:
+                while i < len(chain) and where(chain[i]) != tier:
+                    i += 1
+            return i
+
         for b in view.stale_blocks(tier):
             nu = self.next_use(view, b)
             if nu == _NEVER:
@@ -270,13 +279,15 @@ class Offline(Policy):
         for s in view.sessions.values():
             if s.state != FINISHED and s.blocks and getattr(s, tier) > 0:
                 chain = s.blocks[::-1]
-                heap.append((-self.next_use(view, chain[0]), 1 - len(chain), seq, 0, chain))
-                seq += 1
+                i = skip(chain, 0)
+                if i < len(chain):
+                    heap.append((-self.next_use(view, chain[i]), 1 + i - len(chain), seq, i, chain))
+                    seq += 1
         heapq.heapify(heap)
         while heap:
             _, _, n, i, chain = heapq.heappop(heap)
             yield chain[i]
-            i += 1
+            i = skip(chain, i + 1)
             if i < len(chain):
                 heapq.heappush(heap, (-self.next_use(view, chain[i]), 1 + i - len(chain), n, i, chain))
 

@@ -129,6 +129,10 @@ class Simulator:
                                 "restored", "discarded", "peak"), 0)
         self.stall = 0.0
         self._keep: frozenset[int] = frozenset()
+        # Bumped by every change a Trim's outcome depends on (a block's place, pins, ownership):
+        # a Trim that freed nothing is a no-op until it moves (WA-LRU repeats one every tick).
+        self._epoch = 0
+        self._idle_trim: tuple | None = None
         self._leaving = [0, 0, 0]
         self.arrivals = 0
         self.restorable = [t for t in (1, 2) if cost.restore_wins(self._tiers[t])]
@@ -137,6 +141,7 @@ class Simulator:
 
     def _move(self, b: int, dst: int | None) -> None:
         """Move block ``b`` to tier ``dst`` (None: discard it)."""
+        self._epoch += 1
         src = self.loc.get(b)
         if src is not None:
             del self.lru[src][b]
@@ -178,6 +183,11 @@ class Simulator:
                     del holders[b]
         if forget:
             s.chain = ()
+
+    def _where(self, b: int) -> str | None:
+        """The tier block ``b`` is in (None: not cached)."""
+        t = self.loc.get(b)
+        return None if t is None else TIER_NAMES[t]
 
     def _stale(self, tier: int) -> Iterator[int]:
         """Blocks of ``tier`` no live session holds, least recently used first."""
@@ -234,13 +244,24 @@ class Simulator:
         def ok(b: int) -> bool:
             return loc.get(b) == tier and b not in pins and b not in taken and b not in keep
 
-        for item in self.policy.order(self._view(now), TIER_NAMES[tier]):
+        name = TIER_NAMES[tier]
+        view = self._view(now)
+        for item in self.policy.order(view, name):
             if isinstance(item, str):
                 s = self.sessions.get(item)
                 if s is None:
                     continue
                 processed.add(item)
+                # The view's count of the session's blocks in the tier (fresh: nothing moves
+                # until the victims are chosen) ends the walk at the last of them.
+                v = view.sessions.get(item)
+                left = getattr(v, name) if v is not None else len(s.chain)
                 for b in reversed(s.chain):
+                    if left <= 0:
+                        break
+                    if loc.get(b) != tier:
+                        continue
+                    left -= 1
                     if ok(b) and self._free_to_take(b, processed):
                         victims.append(b)
                         taken.add(b)
@@ -294,11 +315,12 @@ class Simulator:
                       {name: len(self.lru[i]) for i, name in enumerate(TIER_NAMES)},
                       MappingProxyType(self.views), self.graph.view(), self.arrivals,
                       lambda tier: iter(self.lru[TIER_NAMES.index(tier)]),
-                      lambda tier: self._stale(TIER_NAMES.index(tier)))
+                      lambda tier: self._stale(TIER_NAMES.index(tier)), self._where)
 
     # -- events ------------------------------------------------------------------------------
 
     def _arrive(self, step, now: float) -> None:
+        self._epoch += 1
         s = self.sessions.get(step.session)
         if s is None:
             s = self.sessions[step.session] = _Session(step.session)
@@ -389,6 +411,7 @@ class Simulator:
         s.pinned = tuple(pinned)
 
     def _end(self, step, now: float) -> None:
+        self._epoch += 1
         s = self.sessions[step.session]
         pins = self.pins
         for b in s.pinned:
@@ -408,6 +431,7 @@ class Simulator:
         self.dirty.add(s.id)
 
     def _drop(self, s: _Session) -> None:
+        self._epoch += 1
         chain = s.chain
         self._release(s)
         for b in chain:
@@ -430,6 +454,8 @@ class Simulator:
     def _apply(self, actions, now: float) -> None:
         for a in actions:
             if isinstance(a, Trim):
+                if self._idle_trim == (self._epoch, a):
+                    continue  # the same Trim freed nothing and nothing changed since
                 want = len(self.lru[ACC]) - a.target
                 victims: list[int] = []
                 taken: set[int] = set()
@@ -439,10 +465,17 @@ class Simulator:
                     if b not in self.pins:
                         victims.append(b)
                         taken.add(b)
+                views, dirty = self.views, self.dirty
                 for sid in a.sessions:
+                    if len(victims) >= want:
+                        break
+                    v = views.get(sid)
+                    if v is not None and not v.accelerator and sid not in dirty:
+                        continue  # nothing of it on the accelerator (unchanged since the view)
                     s = self.sessions.get(sid)
                     if s is not None and s.state != RUNNING:
                         self._own_victims(s, want, victims, taken)
+                self._idle_trim = None if victims else (self._epoch, a)
                 self._demote(victims, ACC, now)
                 continue
             s = self.sessions.get(a.session)

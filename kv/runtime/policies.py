@@ -170,28 +170,43 @@ class WALRU(Policy):
             out[s.id] = p.alpha * age[s.id] / max_age + p.beta * (1 - reuse) + p.gamma * s.accelerator / max_size
         return out
 
-    def _ranked(self, view: KVView, tier: str) -> list[SessionView]:
+    def _ranked(self, view: KVView, tier: str) -> tuple[list[SessionView], set[str]]:
+        """Idle sessions holding ``tier`` (expired first, each group by score), then running ones;
+        and the ids of the expired ones."""
         held = _holding(view, tier)
         idle = [s for s in held if s.state != RUNNING]
         score = self.scores(view, idle)
-        expired = sorted((s for s in idle if self.expired(view, s)), key=lambda s: -score[s.id])
-        kept = sorted((s for s in idle if not self.expired(view, s)), key=lambda s: -score[s.id])
+        ttl: dict[str, float] = {}  # per wait key: one quantile per pass, not one per session
+
+        def is_expired(s: SessionView) -> bool:
+            if s.state == FINISHED:
+                return True
+            if s.state != PAUSED:
+                return False
+            t = ttl.get(s.wait_key)
+            if t is None:
+                t = ttl[s.wait_key] = self.ttl(view, s)
+            return view.elapsed(s) > t
+
+        gone = {s.id for s in idle if is_expired(s)}
+        expired = sorted((s for s in idle if s.id in gone), key=lambda s: -score[s.id])
+        kept = sorted((s for s in idle if s.id not in gone), key=lambda s: -score[s.id])
         running = sorted((s for s in held if s.state == RUNNING), key=lambda s: s.last_access)
-        return expired + kept + running
+        return expired + kept + running, gone
 
     def order(self, view: KVView, tier: str) -> Iterable[str | int]:
         """Stale blocks, then expired sessions by score, then protected ones by score, then running ones."""
-        return itertools.chain(view.stale_blocks(tier), [s.id for s in self._ranked(view, tier)])
+        return itertools.chain(view.stale_blocks(tier), [s.id for s in self._ranked(view, tier)[0]])
 
     def tick(self, view: KVView) -> tuple[Action, ...]:
         """Threshold evictions and speculative prefetch."""
         p = self.params
         cap = view.capacity["accelerator"]
-        ranked = self._ranked(view, "accelerator")
+        ranked, gone = self._ranked(view, "accelerator")
         if view.used["accelerator"] > p.theta_high * cap:
             out = _trim(view, ranked, p.theta_high * cap)
         elif view.used["accelerator"] > p.theta_low * cap:
-            out = _trim(view, [s for s in ranked if self.expired(view, s)], p.theta_low * cap)
+            out = _trim(view, [s for s in ranked if s.id in gone], p.theta_low * cap)
         else:
             out = []
         if view.offload_tier is not None:

@@ -95,6 +95,10 @@ class KVView:
     arrivals: int = 0  # steps that have arrived so far (the one being served included)
     lru: Callable[[str], Iterator[int]] = field(repr=False, default=lambda tier: iter(()))
     stale: Callable[[str], Iterator[int]] = field(repr=False, default=lambda tier: iter(()))
+    # The tier a block is in (None: not cached), where the caller can say cheaply (the
+    # simulator); None otherwise. Lets a policy skip a chain's blocks that are not in a tier
+    # instead of ranking them (the offline order walked every chain block per eviction).
+    where: Callable[[int], str | None] | None = field(repr=False, default=None)
 
     def usage(self, tier: str = ACCELERATOR) -> float:
         """Share of ``tier`` in use (1.0 for a tier of no capacity)."""
