@@ -53,10 +53,12 @@ def test_offload_then_prefetch_restores_the_same_kv(host):
     res = kv(host, "inspect", "s-off")
     assert (res.device_blocks, res.host_blocks) == (0, 4) and res.host_bytes == 4 * res.bytes_per_block
     fill(host, 100)
+    stalled = host.kv.stats.restore_stall_seconds
     assert kv(host, "prefetch", "s-off") == 4
     assert kv(host, "inspect", "s-off").device_blocks == 4
     again, cached = run(host, prompt, "s-off")
     assert cached == 4 * BLOCK and again == cold
+    assert host.kv.stats.restore_stall_seconds == stalled  # prefetched ahead: nothing waited for it
     assert host.kv.stats.offloaded_bytes >= 4 * res.bytes_per_block
 
 
@@ -87,10 +89,11 @@ def test_a_request_restores_its_offloaded_prefix_on_demand(host):
     cold, _ = run(host, prompt, "s-demand")
     kv(host, "offload", "s-demand")
     fill(host, 200)
-    before = host.kv.stats.restored_on_demand_bytes
+    before, stalled = host.kv.stats.restored_on_demand_bytes, host.kv.stats.restore_stall_seconds
     again, cached = run(host, prompt, "s-demand")  # no prefetch: the engine restores at admission
     assert cached == 4 * BLOCK and again == cold
     assert host.kv.stats.restored_on_demand_bytes > before
+    assert host.kv.stats.restore_stall_seconds > stalled  # the request waited for it: a stall
 
 
 def test_disk_tier_round_trip(host):

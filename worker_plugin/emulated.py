@@ -184,7 +184,8 @@ class EmulatedEngineKV:
         return KVStats(offloaded_bytes=int(c["offloaded_blocks"]) * bpb,
                        restored_bytes=int(c["restored_blocks"]) * bpb,
                        restored_on_demand_bytes=int(c["restored_blocks"] - c["prefetched_blocks"]) * bpb,
-                       restore_seconds=c["restore_s"] * scale, offload_seconds=c["offload_s"] * scale,
+                       restore_seconds=c["restore_s"] * scale, restore_stall_seconds=c["stall_s"] * scale,
+                       offload_seconds=c["offload_s"] * scale,
                        dropped_blocks=int(c["dropped_blocks"] + c["host_evictions"]),
                        pins_expired=self._pins_expired,
                        pins_released_for_admission=self._pins_released + int(c["pins_released"]))

@@ -132,6 +132,7 @@ class KVStats:
     restored_bytes: int = 0  # host/disk -> device (prefetch or on demand)
     restored_on_demand_bytes: int = 0  # the part restored when a request needed it
     restore_seconds: float = 0.0
+    restore_stall_seconds: float = 0.0  # the part a waiting request stalled for (on-demand restores)
     offload_seconds: float = 0.0  # time spent copying device -> host/disk (proactive and on demand)
     dropped_blocks: int = 0  # invalidated or lost for lack of tier space
     pins_expired: int = 0
@@ -487,7 +488,9 @@ class EngineKV:
         if restored:
             n = restored * self.bytes_per_block
             self.stats.restored_bytes += n
+            dt = time.perf_counter() - t0
             if on_demand:
                 self.stats.restored_on_demand_bytes += n
-            self.stats.restore_seconds += time.perf_counter() - t0
+                self.stats.restore_stall_seconds += dt
+            self.stats.restore_seconds += dt
         return restored
