@@ -77,6 +77,25 @@ def test_walru_ttl_is_capped():
     assert w.expired(view(2.5, [s]), s) and not w.expired(view(1.5, [s]), s)
 
 
+def test_ours_takes_a_session_paused_past_every_learned_pause_for_gone():
+    """No end signal: a session paused 10 s at a key whose 40 observed pauses all ended within
+    1.2 s has almost surely left, so it goes before a live session 1 s into a pause that lasts
+    about 100 s (by expected next use alone the live one went first: Lindy gives the silent
+    one only 10 s more)."""
+    g = AgentGraph()
+    for i in range(40):
+        g.observe_pause("act", "fast", 0.8 + 0.01 * i)
+        g.observe_pause("act", "slow", 95.0 + 0.25 * i)
+    now = 20.0
+    silent = session("silent", key="fast", paused_since=now - 10.0, last_access=now - 10.0)
+    live = session("live", key="slow", paused_since=now - 1.0, last_access=now - 1.0)
+    v = view(now, [silent, live], graph=g)
+    assert Ours.next_use(v, silent) == math.inf and Ours.next_use(v, live) < math.inf
+    assert list(Ours(PARAMS).order(v, "accelerator")) == ["silent", "live"]
+    just = session("silent", key="fast", paused_since=now - 1.0, last_access=now - 1.0)  # within the pauses seen
+    assert Ours.next_use(view(now, [just, live], graph=g), just) < math.inf
+
+
 # -- session ends ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cls", [Nalar, Ours])

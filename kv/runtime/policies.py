@@ -269,17 +269,26 @@ class Ours(Policy):
     # offloading whatever pays for one round trip (Nalar's rule) doubled the bytes offloaded and
     # raised restore stall from 56 s to 81 s, for no change in recomputed tokens.
     offload_idle_ratio = 50.0
+    # A session paused longer than this quantile of the pauses seen to end at its wait key is
+    # taken for gone (ranked with finished ones). Without an end signal (conversation traces,
+    # a client that never closes its session) nothing else separates sessions that return
+    # from those that do not: the learned pauses are those of sessions that came back.
+    gone_quantile = 0.99
 
-    @staticmethod
-    def next_use(view: KVView, s: SessionView) -> float:
-        """Expected seconds until the session reads its KV again, over its reuse probability."""
+    @classmethod
+    def next_use(cls, view: KVView, s: SessionView) -> float:
+        """Expected seconds until the session reads its KV again, over its reuse probability
+        (inf: finished, or paused past every pause seen to end there but 1%)."""
         if s.state == FINISHED:
             return math.inf
         reuse = max(view.graph.reuse_probability(s.node), 0.05)
         if s.state == RUNNING:
             # Its step is still running: at least the pause that follows it.
             return view.graph.expected_pause(s.node) / reuse
-        return view.graph.latency(s.wait_key).residual(view.elapsed(s)) / reuse
+        lat, elapsed = view.graph.latency(s.wait_key), view.elapsed(s)
+        if lat.empirical and elapsed > lat.quantile(cls.gone_quantile):
+            return math.inf
+        return lat.residual(elapsed) / reuse
 
     def order(self, view: KVView, tier: str) -> Iterable[str | int]:
         """Stale blocks, then the furthest expected next use first (finished sessions first of all)."""
