@@ -54,9 +54,9 @@ Reproduce
     .venv/bin/python benchmarks/kv_policies.py --quick --json benchmarks/results/kv-policies-quick.json
     .venv/bin/python benchmarks/kv_policies.py --json benchmarks/results/kv-policies.json
 
-``--quick`` (60 generated sessions, 24 recorded sessions) takes about a minute on 2 cores; the
-full run (200 and 64) a few minutes. ``--plot`` (default: next to the JSON) writes a PNG of hit
-rate vs accelerator memory.
+``--quick`` (60 generated sessions, 24 recorded sessions) takes about 6 minutes on 2 cores (every
+family twice: with and without session ends); the full run (200 and 64) longer. ``--plot``
+(default: next to the JSON) writes a PNG of hit rate vs accelerator memory.
 
 JSON output
 -----------
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     p.add_argument("--plot", metavar="PNG", help="hit rate vs accelerator memory (default: next to --json)")
-    p.add_argument("--quick", action="store_true", help="smaller traces (about a minute)")
+    p.add_argument("--quick", action="store_true", help="smaller traces (about 6 minutes)")
     p.add_argument("--telemetry", metavar="PATH", help="replay this saved da.telemetry frame instead of recording one")
     p.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS),
                    help="accelerator sizes as fractions from the running peak (0) to the live peak (1)")
