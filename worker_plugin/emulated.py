@@ -587,13 +587,7 @@ class EmulatedEngineHost(SessionKVHost):
         for s in seqs:
             if s.future is not None and not s.future.done():
                 s.future.set_exception(exc)
-        while True:
-            try:
-                _fn, fut = self._calls.get_nowait()
-            except queue.Empty:
-                break
-            if not fut.done():
-                fut.set_exception(exc)
+        self._fail_calls(exc)
 
     def close(self) -> None:
         """Stop the stepping thread; in-flight and queued requests fail with a clear error."""

@@ -309,12 +309,7 @@ class EngineHost(SessionKVHost):
                 break
             if item is not None:
                 _resolve(item.future, exc=exc)
-        while True:
-            try:
-                _fn, fut = self._calls.get_nowait()
-            except queue.Empty:
-                break
-            _resolve(fut, exc=exc)
+        self._fail_calls(exc)
 
     def _count(self, out: Any) -> None:
         """Token counters of a finished request (the engine thread's; ``stats`` reads them)."""

@@ -107,6 +107,20 @@ class SessionKVHost:
                 continue
         return {}
 
+    def _fail_calls(self, exc: BaseException) -> None:
+        """Fail the KV calls still queued (the stepping thread is ending or gone)."""
+        while True:
+            try:
+                _fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if fut.done():
+                continue
+            try:
+                fut.set_exception(exc)
+            except Exception:  # InvalidStateError: settled concurrently
+                pass
+
     def _run_calls(self) -> None:
         """Run the queued KV calls (directives, hints) between two steps; each answers its caller."""
         while True:

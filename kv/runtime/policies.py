@@ -119,6 +119,12 @@ def _paused_holding(view: KVView) -> list[SessionView]:
     return [s for s in view.sessions.values() if s.state == PAUSED and (s.accelerator or s.host or s.disk)]
 
 
+def _drop_finished_then_paused(view: KVView) -> tuple[list[Action], list[SessionView] | None]:
+    """Drops of finished sessions, and the paused sessions holding blocks, or None without a
+    lower tier (then there is nothing to offload or prefetch): how Nalar's and our ticks start."""
+    return _drop_finished(view), (_paused_holding(view) if view.offload_tier is not None else None)
+
+
 def _trim(view: KVView, order: Iterable[SessionView], target: float) -> list[Action]:
     """Down to ``target`` accelerator blocks: stale blocks first, then ``order``'s sessions."""
     if view.used["accelerator"] <= target:
@@ -242,11 +248,10 @@ class Nalar(Policy):
     def tick(self, view: KVView) -> tuple[Action, ...]:
         """Drop finished sessions; offload idle ones to restore the reserve; prefetch soon-runnable ones."""
         p = self.params
-        out = _drop_finished(view)
-        if view.offload_tier is None:
+        out, paused = _drop_finished_then_paused(view)
+        if paused is None:
             return tuple(out)
         cap = view.capacity["accelerator"]
-        paused = _paused_holding(view)
         idle = {s.id: self.idle(view, s) for s in paused}
         if view.used["accelerator"] > (1 - p.nalar_reserve) * cap:
             worth = [s for s in sorted(paused, key=lambda s: -idle[s.id])
@@ -300,11 +305,10 @@ class Ours(Policy):
     def tick(self, view: KVView) -> tuple[Action, ...]:
         """Drop finished sessions; with a lower tier, keep headroom and prefetch before the resume."""
         p = self.params
-        out = _drop_finished(view)
-        if view.offload_tier is None:
+        out, paused = _drop_finished_then_paused(view)
+        if paused is None:
             return tuple(out)
         cap = view.capacity["accelerator"]
-        paused = _paused_holding(view)
         nxt = {s.id: self.next_use(view, s) for s in paused}
         used = view.used["accelerator"]
         if used > p.theta_high * cap:
