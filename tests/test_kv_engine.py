@@ -377,3 +377,59 @@ def test_the_real_engine_reports_slots_queue_and_blocks(host):
     from scheduler_plugin import validate
 
     assert validate.engine_record(rep)["kv_blocks"] == rep["kv_blocks"]  # the scheduler accepts it
+
+
+def _pool_state(parts) -> tuple[dict, int]:
+    """The engine's own block state, read from every block of the pool: cached hashes (with
+    how many blocks hold each) and the blocks holding KV (referenced or cached)."""
+    from collections import Counter
+
+    from kv.runtime import vllm_compat as vc
+
+    blocks = [b for b in parts.block_pool.blocks if not b.is_null]
+    cached = Counter(vc.block_hash(b) for b in blocks if b.block_hash is not None)
+    return dict(cached), sum(1 for b in blocks if b.ref_cnt > 0 or b.block_hash is not None)
+
+
+def test_kv_tracking_from_vllms_events_equals_the_engines_block_state(host):
+    """The device index is fed by vLLM's KV events (BlockStored/BlockRemoved), not by walking
+    the pool; after prefills, decodes, LRU evictions, offloads, restores, invalidations and with
+    a request mid-prefill, it holds exactly the pool's cached blocks, and device use from it
+    equals the pool's."""
+    from kv.runtime import vllm_compat as vc
+
+    def check(k):
+        parts = k.parts
+        assert parts.index is not None, "the engine publishes no KV events"
+        cached, used = _pool_state(parts)
+        vc.sync_index(parts)
+        assert {h: parts.index.copies(h) for h in parts.index} == cached
+        assert parts.index.blocks == sum(cached.values()) and parts.index.unmatched == 0
+        assert vc.used_blocks(parts) == used
+        assert vc.empty_free_blocks(parts) == parts.num_blocks - 1 - used
+        assert vc.empty_free_blocks(parts, at_least=1) == min(1, parts.num_blocks - 1 - used)
+        return len(cached)
+
+    events0 = host.kv_call(lambda k: k.parts.index.events).result(30)
+    a, b = tokens(70, 520), tokens(71, 520)
+    run(host, a, "ev-a")
+    run(host, b, "ev-b")
+    assert host.kv_call(check).result(30) >= 8
+    fill(host, 72)  # vLLM's LRU evicts: BlockRemoved from allocations
+    host.kv_call(check).result(30)
+    run(host, a, "ev-a")
+    assert kv(host, "offload", "ev-a", "host") > 0  # our directive: blocks dropped from the device
+    host.kv_call(check).result(30)
+    assert kv(host, "prefetch", "ev-a") > 0  # adopted back: a store vLLM does not report itself
+    host.kv_call(check).result(30)
+    kv(host, "invalidate", "ev-b")
+    host.kv_call(check).result(30)
+    # mid-prefill: a long prompt in chunks (the token budget), stopped between two steps
+    fut = host.submit("ev-long", tokens(73, 900), host.sampling_params(64, 0.0, None), "ev-c")
+    wait_for(lambda: host.kv_call(lambda k: vc.running_requests(k.parts)).result(30) or fut.done())
+    host.kv_call(check).result(30)
+    fut.result(120)
+    host.kv_call(check).result(30)
+    assert host.kv_call(lambda k: k.parts.index.events).result(30) > events0
+    for s in ("ev-a", "ev-c"):
+        kv(host, "invalidate", s)

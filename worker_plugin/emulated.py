@@ -106,6 +106,10 @@ class _EmulatedCompat:
         return list(parts.sched._lru.values())
 
     @staticmethod
+    def take_stored(parts: EmulatedParts) -> list[int]:
+        return parts.sched.take_stored()
+
+    @staticmethod
     def empty_free_blocks(parts: EmulatedParts, at_least: int | None = None) -> int:
         n = len(parts.sched._empty)
         return n if at_least is None else min(n, at_least)

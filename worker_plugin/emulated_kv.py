@@ -246,6 +246,7 @@ class EmulatedScheduler:
         self._empty: list[Block] = self.blocks[:0:-1]  # a stack: lowest ids handed out first
         self._lru: OrderedDict[int, Block] = OrderedDict()
         self._cached: dict[int, Block] = {}
+        self._stored: dict[int, None] | None = None  # cached since take_stored(), once watched
         self.host: OrderedDict[int, None] = OrderedDict()
         self.host_capacity = params.host_kv_blocks
         # (priority, arrival, sequence): a heap, so a retry of an advanced session is admitted
@@ -359,6 +360,22 @@ class EmulatedScheduler:
         self._uncache(b, to_host=self.p.host_policy == "lru")
         return b
 
+    def _cache(self, h: int, b: Block) -> None:
+        self._cached[h] = b
+        if self._stored is not None:
+            self._stored[h] = None
+
+    def take_stored(self) -> list[int]:
+        """Hashes cached since the last call and still cached (vLLM's ``BlockStored`` events,
+        as ``kv.runtime.device_index.DeviceIndex.take_stored`` reads them); the first call
+        starts the watch and returns every cached hash."""
+        if self._stored is None:
+            self._stored = {}
+            return list(self._cached)
+        out = [h for h in self._stored if h in self._cached]
+        self._stored.clear()
+        return out
+
     def _uncache(self, b: Block, to_host: bool) -> None:
         """Take an unreferenced block (already out of ``_lru``) out of the prefix cache."""
         del self._cached[b.block_hash]
@@ -409,7 +426,7 @@ class EmulatedScheduler:
                 twin = None
             if twin is None:  # (a referenced twin keeps the entry; this copy stays private)
                 b.block_hash = h
-                self._cached[h] = b
+                self._cache(h, b)
         seq.num_hashed = max(seq.num_hashed, full)
 
     def _extend_hashes(self, seq: Sequence) -> None:
@@ -468,7 +485,7 @@ class EmulatedScheduler:
         if self.p.host_policy == "lru":
             self._host_keep(h)
         b.block_hash, b.from_host, b.ready_at = h, True, self._transfer()
-        self._cached[h] = b
+        self._cache(h, b)
         if prefetch:
             self.counters["prefetched_blocks"] += 1
         return b

@@ -190,9 +190,16 @@ class EngineHost(SessionKVHost):
 
     def _load(self) -> Any:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm import EngineArgs, LLMEngine
+        from kv.runtime import vllm_compat
 
         s = self.settings
+        events = None
+        if s.enable_prefix_caching:  # per-session KV control tracks the device's blocks from them
+            for k, v in vllm_compat.KV_EVENTS_ENV.items():
+                os.environ.setdefault(k, v)
+            events = vllm_compat.kv_events_config()
+        from vllm import EngineArgs, LLMEngine
+
         args = EngineArgs(
             model=s.model_path(),
             load_format=s.load_format,
@@ -203,6 +210,7 @@ class EngineHost(SessionKVHost):
             enforce_eager=s.enforce_eager,
             kv_cache_memory_bytes=s.kv_bytes(),
             scheduling_policy=s.scheduling,
+            kv_events_config=events,
         )
         return LLMEngine.from_engine_args(args)
 
@@ -376,7 +384,7 @@ class EngineHost(SessionKVHost):
         try:
             req.engine_id = self._engine.add_request(
                 req.request_id, TokensPrompt(prompt_token_ids=req.token_ids), params,
-                priority=priority if self.settings.scheduling == "priority" else 0)
+                priority=priority if self.settings.scheduling == "priority" else 0, session_id=req.session)
             self._pending[req.request_id] = req
         except Exception as e:  # vLLM's own input checks refused it: fail this call only
             from dask_agents.errors import InvalidRequestError

@@ -42,12 +42,16 @@ loop iteration: the policies are specified to be asked at arrivals and step ends
 end should free its blocks at once), and every ``agents.kv.tick`` seconds otherwise (an idle
 engine loop wakes that often while a manager runs, so prefetches start on time).
 
-Cost on the engine thread: a look is O(sessions x their blocks + free blocks); ``prepare`` is
-O(running + waiting requests) unless room must be made. ``report()`` counts the time.
+Cost on the engine thread: a look is O(sessions x their blocks + running requests): device use
+and stale blocks come from vLLM's KV events (``kv.runtime.device_index``), not from walking the
+block pool; only the LRU order (the ``lru`` policy, and room-making when the policy's own order
+runs out) walks vLLM's free queue, and only as far as it is read. ``prepare`` is O(running +
+waiting requests) unless room must be made. ``report()`` counts the time.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -171,6 +175,9 @@ class KVManager:
         self._unpin_when_running: dict[str, str] = {}
         self._events = False
         self._last_tick = -math.inf
+        # cached blocks that may be stale (stored since last looked at, or of a finished session),
+        # checked when a policy asks for stale blocks: never a walk of the whole cache
+        self._stale: dict[Any, None] = {}
         parts = kv.parts
         self._capacity = parts.num_blocks - 1  # the null block holds nothing
         bpb, bs = kv.bytes_per_block, parts.block_size
@@ -252,15 +259,17 @@ class KVManager:
         state, key = st.pending or (PAUSED, None)
         st.pending = None
         if state == FINISHED:
-            self._finish(st, now)
+            self._finish(session, st, now)
         else:
             st.state, st.paused_since, st.finished_at = PAUSED, now, now
             st.wait_key = key or AgentGraph.key(st.node, None)
 
-    def _finish(self, st: _Session, now: float) -> None:
+    def _finish(self, session: str, st: _Session, now: float) -> None:
         if st.state != FINISHED:
             self.graph.observe_end(st.node)
         st.state, st.paused_since, st.finished_at, st.resume_by = FINISHED, None, None, None
+        if self.kv.knows(session):
+            self._stale.update(dict.fromkeys(self.kv.blocks_of(session)))  # its blocks may be nobody's now
 
     # -- hints from the global controller ---------------------------------------------------------------
 
@@ -307,7 +316,7 @@ class KVManager:
         if st.live:  # finished: applies when its request is done
             st.pending = (FINISHED, None)
             return
-        self._finish(st, at)
+        self._finish(session, st, at)
         if self.kv.knows(session):
             self.kv.release(session)
 
@@ -400,8 +409,7 @@ class KVManager:
         """The KV state as a policy sees it, built from the engine's block pool and tiers."""
         now = self.clock() if now is None else now
         parts, kv = self.kv.parts, self.kv
-        cached = self.vc.cached_free_blocks(parts)  # LRU order
-        used = self._capacity - self.vc.empty_free_blocks(parts)
+        used = self.vc.used_blocks(parts)
         lower = kv.tier_blocks()
         bpb = kv.bytes_per_block
         sessions: dict[str, SessionView] = {}
@@ -418,13 +426,11 @@ class KVManager:
         s.peak_device_blocks = max(s.peak_device_blocks, used)
         s.peak_host_blocks = max(s.peak_host_blocks, lower["host"])
 
-        def lru(tier: str) -> Iterator[int]:
-            return iter([b.block_id for b in cached]) if tier == ACCELERATOR else iter(())
+        def lru(tier: str) -> Iterator[int]:  # a walk of vLLM's free queue, only if a policy asks
+            return (b.block_id for b in self.vc.cached_free_blocks(parts)) if tier == ACCELERATOR else iter(())
 
         def stale(tier: str) -> Iterator[int]:
-            if tier != ACCELERATOR:
-                return iter(())
-            return (b.block_id for b in cached if self._is_stale(self.vc.block_hash(b)))
+            return (b.block_id for _, b in self._stale_blocks()) if tier == ACCELERATOR else iter(())
 
         return KVView(now, self._lower(), CostModel(self._geometry),
                       {ACCELERATOR: self._capacity, HOST: kv.tiers.host_bytes // bpb,
@@ -435,6 +441,21 @@ class KVManager:
     def _is_stale(self, h: bytes | None) -> bool:
         """A cached block no live session owns (a finished session's, or no session's)."""
         return h is not None and not any(self._live(o) for o in self.kv.owners(h))
+
+    def _stale_blocks(self) -> Iterator[tuple[Any, Any]]:
+        """``(hash, block)`` of cached unreferenced blocks no live session owns, in the order
+        they may have become stale. Candidates are the blocks the engine cached since the last
+        look (``take_stored``: from vLLM's KV events) and the blocks of sessions that finished;
+        one found owned by a live session or gone is forgotten (its owner's finish brings it
+        back), one referenced now is kept for later. Amortised O(1) per block cached."""
+        parts = self.kv.parts
+        self._stale.update(dict.fromkeys(self.vc.take_stored(parts)))
+        for h in list(self._stale):
+            b = self.vc.lookup(parts, h)
+            if b is None or not self._is_stale(h):
+                self._stale.pop(h, None)
+            elif self.vc.ref_count(b) == 0:
+                yield h, b
 
     # -- enforcement ------------------------------------------------------------------------------------
 
@@ -482,8 +503,8 @@ class KVManager:
         want = self._capacity - self.vc.empty_free_blocks(self.kv.parts) - a.target
         if want <= 0:
             return
-        stale = [h for h in (self.vc.block_hash(b) for b in self.vc.cached_free_blocks(self.kv.parts)) if self._is_stale(h)]
-        done = self.kv.offload_blocks(stale[:want], None)
+        stale = [h for h, _ in itertools.islice(self._stale_blocks(), want)]
+        done = self.kv.offload_blocks(stale, None)
         for sid in a.sessions:
             if done >= want:
                 break

