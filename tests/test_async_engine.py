@@ -77,7 +77,7 @@ class _FakeAsyncLLM:
     def __init__(self, mode: str):
         self.mode, self.errored, self.shut = mode, False, False
 
-    async def generate(self, prompt, sampling, request_id, priority=0):
+    async def generate(self, prompt, sampling, request_id, priority=0, session_id=None):
         import asyncio
 
         if self.mode == "die":

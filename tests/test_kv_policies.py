@@ -96,6 +96,31 @@ def test_ours_takes_a_session_paused_past_every_learned_pause_for_gone():
     assert Ours.next_use(view(now, [just, live], graph=g), just) < math.inf
 
 
+def test_ours_discounts_a_wait_where_sessions_pile_up_that_never_came_back():
+    """No end signal: at "turn" (a user's think time) 20 pauses were seen to end, all within
+    30-49 s; 30 other sessions sit there past 20 s (most of them have left). Of the pauses that
+    got past 20 s, 20 ended and 31 are open (its own included): a session 20 s in returns with
+    probability 20/51, so its expected next use is 51/20 of its residual pause, and it goes
+    before a session of the same residual at a key where it waits alone (20/21)."""
+    g = AgentGraph()
+    for i in range(20):
+        g.observe_pause("act", "turn", 30.0 + i)
+        g.observe_pause("act", "tool", 30.0 + i)
+    now = 100.0
+    waiting = [session(f"w{i}", key="turn", paused_since=now - 20.0 - i) for i in range(30)]
+    me = session("me", key="turn", paused_since=now - 20.0, last_access=5.0)
+    other = session("other", key="tool", paused_since=now - 20.0, last_access=0.0)
+    v = view(now, [me, other, *waiting], cap=1000, graph=g)
+    pauses = Ours.open_pauses(v)
+    assert len(pauses["turn"]) == 31 and pauses["turn"] == sorted(pauses["turn"])
+    residual = g.latency("turn").residual(20.0)
+    assert Ours.next_use(v, me) == pytest.approx(residual)  # without the open pauses: as before
+    assert Ours.next_use(v, me, pauses) == pytest.approx(residual * (20 + 31) / 20)
+    assert Ours.next_use(v, other, pauses) == pytest.approx(residual * (20 + 1) / 20)
+    order = list(Ours(PARAMS).order(v, "accelerator"))
+    assert order.index("me") < order.index("other")  # (by last access alone "other" went first)
+
+
 # -- session ends ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cls", [Nalar, Ours])

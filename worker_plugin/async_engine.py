@@ -7,10 +7,14 @@ private asyncio loop in one thread; calls submit from any thread and get a
 ``concurrent.futures.Future`` like ``EngineHost``'s, so ``Engines`` treats both alike.
 
 Per-session KV control (``kv/runtime/engine_kv.py``) needs the block pool in this process, which
-AsyncLLM keeps in its engine core: on this host the lower tiers are LMCache's
-(``kv-connector: lmcache``, vLLM's ``LMCacheConnectorV1``), and KV directives are refused
-with a clear error. vLLM's prefix cache still serves each session's follow-ups, and the
-scheduler still routes a session to the engine that holds its KV.
+AsyncLLM keeps in its engine core. Lower tiers come through vLLM's KV connector API instead:
+``kv-connector: dask-agents`` (``kv/runtime/connector.py``: a host tier of ``kv-host-bytes``
+that saves each session's blocks when its request finishes and loads them back at its next
+request, with the directives ``inspect``, ``offload`` and ``invalidate`` run in the engine core
+through ``collective_rpc``; the others are refused, each with its reason), or
+``kv-connector: lmcache`` (vLLM's ``LMCacheConnectorV1``, workflow-blind: every directive is
+refused). vLLM's prefix cache serves each session's follow-ups either way, and the scheduler
+routes a session to the engine that holds its KV.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from worker_plugin.engine import _LOAD_LOCK, ModelSettings, _resolve, engine_priority, wait_loaded
+from worker_plugin.engine import _LOAD_LOCK, ModelSettings, _bytes, _resolve, engine_priority, wait_loaded
 from worker_plugin.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,9 +46,11 @@ class AsyncEngineHost:
         self.crashed: BaseException | None = None
         self.kv: Any = None  # no in-process block pool: KV directives are refused
         self.kv_manager: Any = None
-        self.kv_control = False
-        self.kv_control_reason = ("engine: vllm-async keeps its block pool in the engine core's process "
-                                  "(lower KV tiers come from LMCache, kv-connector: lmcache)")
+        # per-session directives through our KV connector only (kv-connector: dask-agents)
+        self.kv_control = settings.kv_connector == "dask-agents"
+        self.kv_control_reason = None if self.kv_control else (
+            "engine: vllm-async keeps its block pool in the engine core's process; per-session KV control "
+            "needs kv-connector: dask-agents (lmcache tiers are workflow-blind)")
         self.geometry: Any = None
         self.vocab_size: int | None = None  # the model's, once loaded: token ids are checked against it
         self.steps = 0  # finished requests (AsyncLLM does not expose its step count)
@@ -73,8 +79,13 @@ class AsyncEngineHost:
         from vllm import AsyncEngineArgs
 
         s = self.settings
-        kv_transfer = None
-        if s.kv_connector == "lmcache":
+        kv_transfer, extension = None, None
+        if s.kv_connector == "dask-agents":
+            from kv.runtime import connector
+
+            kv_transfer = connector.transfer_config(self.name, _bytes(s.kv_host_bytes))
+            extension = f"{connector.__name__}.{connector.ControlExtension.__name__}"
+        elif s.kv_connector == "lmcache":
             from vllm.config import KVTransferConfig
 
             kv_transfer = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
@@ -84,6 +95,7 @@ class AsyncEngineHost:
             kv_cache_memory_bytes=s.kv_bytes(), scheduling_policy=s.scheduling,
             tensor_parallel_size=s.tensor_parallel_size, kv_transfer_config=kv_transfer,
             enforce_eager=s.enforce_eager, disable_log_stats=True,
+            **({"worker_extension_cls": extension} if extension else {}),
         )
 
     def _run(self) -> None:
@@ -141,7 +153,7 @@ class AsyncEngineHost:
 
         def begin() -> None:
             self._tasks[request_id] = self._loop.create_task(self._generate(request_id, token_ids, sampling,
-                                                                            priority, fut))
+                                                                            priority, fut, session))
         with self._lock:
             if self._closed or self.crashed is not None or self._engine is None:
                 fut.set_exception(self._stopped_error())
@@ -155,14 +167,14 @@ class AsyncEngineHost:
         return fut
 
     async def _generate(self, request_id: str, token_ids: list[int], sampling: Any, priority: int,
-                        fut: Future) -> None:
+                        fut: Future, session: str | None = None) -> None:
         from vllm.inputs import TokensPrompt
 
         final = None
         try:
             priority = priority if self.settings.scheduling == "priority" else 0
             async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), sampling,
-                                                   request_id, priority=priority):
+                                                   request_id, priority=priority, session_id=session):
                 final = out
             self.steps += 1
             _resolve(fut, result=final)
@@ -175,6 +187,49 @@ class AsyncEngineHost:
         finally:
             self._tasks.pop(request_id, None)
             self._pending.pop(request_id, None)
+
+    def kv_connector_directive(self, op: str, session: str, timeout: float = 60.0, **args: Any) -> dict:
+        """One KV directive through the engine's KV connector (``kv-connector: dask-agents``),
+        run in the engine core between steps; KVDirectiveError naming the engine and the reason
+        when this engine has no such connector or the directive is not available through one."""
+        from kv.runtime import connector
+        from kv.runtime.engine_kv import KVDirectiveError
+
+        if self.settings.kv_connector != "dask-agents":
+            raise KVDirectiveError(f"the engine for {self.name!r} (AsyncEngineHost) has no per-session KV control: "
+                                   f"{self.kv_control_reason}")
+        if args:
+            raise KVDirectiveError(f"KV directive {op!r} through the KV connector takes no arguments; "
+                                   f"got {', '.join(map(repr, sorted(args)))}")
+        if op in connector.REFUSED or op not in connector.OPS:
+            connector.control(self.name, op, session)  # raises, naming the reason
+        if self._engine is None or self._closed:
+            raise KVDirectiveError(f"engine {self.name!r} is not running")
+        rpc = self._engine.collective_rpc("dask_agents_kv", args=(self.name, op, session))
+        try:
+            results = asyncio.run_coroutine_threadsafe(rpc, self._loop).result(timeout)
+        except Exception as e:
+            cause = e.__cause__ or e
+            if isinstance(cause, KVDirectiveError) or "KVDirectiveError" in str(e):
+                raise KVDirectiveError(f"engine {self.name!r}: {e}") from None
+            raise
+        return results[0]
+
+    def kv_connector_forget(self, session: str) -> None:
+        """The session ended: invalidate its KV through the connector (``kv-connector:
+        dask-agents``), asynchronously (nobody waits; a failure is logged)."""
+        if self.settings.kv_connector != "dask-agents" or self._engine is None or self._closed:
+            return
+
+        def done(f: Future) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                logger.warning("engine %s: invalidating the KV of session %s failed: %s", self.name, session,
+                               f.exception())
+        try:
+            rpc = self._engine.collective_rpc("dask_agents_kv", args=(self.name, "invalidate", session))
+            asyncio.run_coroutine_threadsafe(rpc, self._loop).add_done_callback(done)
+        except RuntimeError:  # the loop has just closed
+            pass
 
     def _stopped_error(self) -> BaseException:
         from dask_agents.errors import EngineStoppedError

@@ -50,9 +50,10 @@ class ModelSettings(BaseModel):
     # (batch capacity, per-token prefill/decode cost, KV memory with prefix reuse) for
     # experiments at scale on CPUs; its numbers are always labeled emulated.
     # "vllm-async": vLLM's AsyncLLM (worker_plugin/async_engine.py), its core in a child process:
-    # the usual form on GPU workers (non-daemonic); KV tiers from LMCache, no KV directives.
+    # the usual form on GPU workers (non-daemonic); KV tiers through a KV connector: LMCache's
+    # (workflow-blind) or ours (kv/runtime/connector.py: a host tier with per-session directives).
     engine: Literal["vllm", "vllm-async", "emulated"] = "vllm"
-    kv_connector: Literal["lmcache"] | None = Field(None, alias="kv-connector")
+    kv_connector: Literal["lmcache", "dask-agents"] | None = Field(None, alias="kv-connector")
     tensor_parallel_size: int = Field(1, alias="tensor-parallel-size", ge=1)
     enforce_eager: bool = Field(True, alias="enforce-eager")
     emulation: dict[str, Any] = Field(default_factory=dict)
@@ -953,6 +954,8 @@ class Engines:
         host = self._hosts.get(model)
         if host is None or model not in self.hosted:
             raise KVDirectiveError(f"model {model!r} is not hosted on worker {self.worker_address}")
+        if hasattr(host, "kv_connector_directive"):  # engine: vllm-async with kv-connector: dask-agents
+            return host.kv_connector_directive(op, session, timeout, **args)
         if not hasattr(host, "kv_call"):
             raise KVDirectiveError(f"the engine for {model!r} ({type(host).__name__}) has no per-session KV control")
 
@@ -993,7 +996,11 @@ class Engines:
     def end_session(self, session: str) -> None:
         """Invalidate ``session``'s KV on every engine here (asynchronously: nobody waits)."""
         for host in list(self._hosts.values()):
-            if hasattr(host, "kv_call") and host.loaded.is_set() and host.load_error is None:
+            if not host.loaded.is_set() or host.load_error is not None:
+                continue
+            if hasattr(host, "kv_connector_forget"):
+                host.kv_connector_forget(session)
+            elif hasattr(host, "kv_call"):
                 host.kv_call(lambda kv: kv.invalidate(session))
 
     def loaded_models(self) -> list[str]:

@@ -104,6 +104,10 @@ class LatencyModel:
             return self.prior.cdf(x)
         return bisect.bisect_right(self._sorted, x) / self.n
 
+    def longer_than(self, x: float) -> int:
+        """How many of the kept samples exceed ``x`` (counted from the first sample on)."""
+        return self.n - bisect.bisect_right(self._sorted, x)
+
     def resume_within(self, elapsed: float, horizon: float) -> float:
         """P(latency <= elapsed + horizon | latency > elapsed): SAGA's conditional CDF."""
         survive = 1.0 - self.cdf(elapsed)

@@ -43,10 +43,11 @@ predictions included). Parameters come from ``agents.kv.*`` (:meth:`Params.from_
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from kv.runtime.view import FINISHED, PAUSED, RUNNING, Action, Drop, Evict, KVView, Prefetch, SessionView, Trim
 
@@ -281,9 +282,16 @@ class Ours(Policy):
     gone_quantile = 0.99
 
     @classmethod
-    def next_use(cls, view: KVView, s: SessionView) -> float:
-        """Expected seconds until the session reads its KV again, over its reuse probability
-        (inf: finished, or paused past every pause seen to end there but 1%)."""
+    def next_use(cls, view: KVView, s: SessionView, open_pauses: Mapping[str, list[float]] | None = None) -> float:
+        """Expected seconds until the session reads its KV again, over the probability that it
+        does (inf: finished, or paused past every pause seen to end there but 1%).
+
+        That probability is the workflow's reuse probability times, once pauses were seen to
+        end at its wait key, the share of pauses that got as far as this one and then ended:
+        pauses seen to end after ``elapsed`` against those open now past ``elapsed``
+        (``open_pauses``: the elapsed times of the paused sessions per wait key, sorted). Without
+        an end signal, sessions that never return pile up among the open ones, so the share
+        falls where they sit; with one, it only ranks long waits below short ones."""
         if s.state == FINISHED:
             return math.inf
         reuse = max(view.graph.reuse_probability(s.node), 0.05)
@@ -293,12 +301,30 @@ class Ours(Policy):
         lat, elapsed = view.graph.latency(s.wait_key), view.elapsed(s)
         if lat.empirical and elapsed > lat.quantile(cls.gone_quantile):
             return math.inf
+        if open_pauses is not None:
+            ended = lat.longer_than(elapsed)
+            waiting = open_pauses.get(s.wait_key, ())
+            still = len(waiting) - bisect.bisect_left(waiting, elapsed)
+            if ended + still:
+                reuse *= max(ended / (ended + still), 1e-3)
         return lat.residual(elapsed) / reuse
+
+    @staticmethod
+    def open_pauses(view: KVView) -> dict[str, list[float]]:
+        """The elapsed times of the paused sessions, per wait key, sorted (for :meth:`next_use`)."""
+        out: dict[str, list[float]] = {}
+        for s in view.sessions.values():
+            if s.state == PAUSED:
+                out.setdefault(s.wait_key, []).append(view.elapsed(s))
+        for xs in out.values():
+            xs.sort()
+        return out
 
     def order(self, view: KVView, tier: str) -> Iterable[str | int]:
         """Stale blocks, then the furthest expected next use first (finished sessions first of all)."""
         held = _holding(view, tier)
-        nxt = {s.id: self.next_use(view, s) for s in held}
+        pauses = self.open_pauses(view)
+        nxt = {s.id: self.next_use(view, s, pauses) for s in held}
         ranked = sorted(held, key=lambda s: (-nxt[s.id], s.last_access))
         return itertools.chain(view.stale_blocks(tier), [s.id for s in ranked])
 
@@ -309,7 +335,8 @@ class Ours(Policy):
         if paused is None:
             return tuple(out)
         cap = view.capacity["accelerator"]
-        nxt = {s.id: self.next_use(view, s) for s in paused}
+        pauses = self.open_pauses(view)
+        nxt = {s.id: self.next_use(view, s, pauses) for s in paused}
         used = view.used["accelerator"]
         if used > p.theta_high * cap:
             worth = [s for s in sorted(paused, key=lambda s: -nxt[s.id])

@@ -188,10 +188,14 @@ def request_hashes(parts: EngineParts, request_id: str) -> list | None:
 
 def lookup(parts: EngineParts, block_hash: bytes) -> Any:
     """The cached block holding ``block_hash`` on the device, or None."""
+    return pool_lookup(parts.block_pool, block_hash)
+
+
+def pool_lookup(pool: Any, block_hash: bytes) -> Any:
+    """:func:`lookup` on a ``BlockPool`` itself (a KV connector holds the pool, not the engine)."""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-    return parts.block_pool.cached_block_hash_to_block.get_one_block(
-        make_block_hash_with_group_id(block_hash, GROUP))
+    return pool.cached_block_hash_to_block.get_one_block(make_block_hash_with_group_id(block_hash, GROUP))
 
 
 def ref_count(block: Any) -> int:
@@ -215,10 +219,15 @@ def evict(parts: EngineParts, blocks: list) -> int:
     The dropped blocks move to the front of the free queue, where vLLM keeps the free blocks
     that hold nothing (``BlockPool.free_blocks`` prepends those): the next allocation takes them
     before it evicts any cached block, so the room made here is the room used next."""
+    return pool_evict(parts.block_pool, blocks)
+
+
+def pool_evict(pool: Any, blocks: list) -> int:
+    """:func:`evict` on a ``BlockPool`` itself (a KV connector holds the pool, not the engine).
+    ``BlockPool.evict_blocks`` is the call vLLM's connectors use; the free-queue move is ours."""
     dropped = [b for b in blocks if b.ref_cnt == 0 and b.block_hash is not None and not b.is_null]
     if not dropped:
         return 0
-    pool = parts.block_pool
     pool.evict_blocks({b.block_id for b in dropped})
     queue = pool.free_block_queue
     moved = []
