@@ -327,6 +327,95 @@ def remove_http_application(scheduler: Scheduler, app: Any) -> None:
         apps.remove(app)
 
 
+# -- Dask's /groups page on agent workflows ---------------------------------------------------
+#
+# Reported upstream (distributed 2026.8.0 with dask 2026.8): the task-group graph of /groups
+# (``distributed.dashboard.components.scheduler.TaskGroupGraph.update_layout``) orders the groups
+# with ``dask.order.order(dsk={name: 1, ...}, dependencies=...)`` and places each group after its
+# dependencies. With literal values dask.order orders a chain backwards
+# (``order(dsk={"A": 1, "B": 1}, dependencies={"B": {"A"}})`` is ``{"B": 0, "A": 1}``), so the
+# layout reads a dependency not placed yet and raises ``KeyError`` (``'Developer'`` for a
+# Planner -> Developer -> Tester run): /groups answers 500. Agent workflows also make cycles of
+# groups (Developer -> Tester -> Developer on a retry), which no order can place. When Dask's
+# own layout fails, the wrapper below lays the page out again in topological order, with the
+# edges that close a cycle left out (an edge to a group created after the dependent group).
+
+class _Group:
+    """A TaskGroup seen without the dependencies that close a cycle."""
+
+    def __init__(self, group: Any, dependencies: set):
+        self._group, self.dependencies = group, dependencies
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+
+class _Groups:
+    """A scheduler seen through :class:`_Group`: what the /groups layout reads."""
+
+    def __init__(self, scheduler: Any):
+        self._scheduler = scheduler
+        created = {name: i for i, name in enumerate(scheduler.task_groups)}  # creation order
+        self.task_groups = {
+            name: _Group(tg, {d for d in tg.dependencies
+                              if created.get(d.name, -1) < created[name] and d.name != name})
+            for name, tg in scheduler.task_groups.items()}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scheduler, name)
+
+
+def _topological_order(dsk: dict, dependencies: dict, **kwargs: Any) -> dict:
+    """``{key: position}`` with every key after its dependencies (ties in ``dsk``'s order);
+    the graph must be acyclic."""
+    pending = {k: set(dependencies.get(k, ())) & dsk.keys() for k in dsk}
+    out: dict = {}
+    while pending:
+        ready = [k for k, deps in pending.items() if deps <= out.keys()]
+        if not ready:
+            raise ValueError("the graph has a cycle")
+        for k in ready:
+            out[k] = len(out)
+            del pending[k]
+    return out
+
+
+def acyclic_task_group_layout() -> bool:
+    """Make Dask's /groups page lay out cyclic task-group graphs (see above); idempotent.
+    Returns False when the dashboard component is not where this expects it (nothing done)."""
+    try:
+        from distributed.dashboard.components.scheduler import TaskGroupGraph
+    except ImportError:  # no bokeh: no dashboard
+        return False
+    original = getattr(TaskGroupGraph, "update_layout", None)
+    if original is None:
+        return False
+    if getattr(original, "_dask_agents_acyclic", False):
+        return True
+
+    def update_layout(self: Any) -> Any:
+        try:
+            return original(self)
+        except KeyError:
+            import dask.order
+
+            scheduler, order = self.scheduler, dask.order.order
+            self.scheduler = _Groups(scheduler)
+            # (swapped only for this call, on the event loop: a dask.order elsewhere in this
+            # process meanwhile would get a valid topological order, not dask's heuristic one)
+            dask.order.order = _topological_order
+            try:
+                return original(self)
+            finally:
+                self.scheduler, dask.order.order = scheduler, order
+
+    update_layout._dask_agents_acyclic = True  # type: ignore[attr-defined]
+    update_layout._dask_agents_original = original  # type: ignore[attr-defined]
+    update_layout.__doc__ = original.__doc__
+    TaskGroupGraph.update_layout = update_layout
+    return True
+
+
 # -- fault handling: calls stranded by a lost worker -----------------------------------------
 
 def dependencies_in_memory(ts: Any) -> bool:

@@ -151,6 +151,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if agents_config.get("control.enabled"):
             self.control.start()
         metrics.register(self)
+        dask_compat.acyclic_task_group_layout()  # agent workflows make cycles of task groups
         if agents_config.get("dashboard.enabled"):
             from scheduler_plugin import dashboard
 

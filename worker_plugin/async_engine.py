@@ -108,6 +108,9 @@ class AsyncEngineHost:
                     f"engine {self.name!r} (engine: vllm-async) starts vLLM's engine core in a child process, "
                     "which a daemonic worker process cannot have: start the worker with the Dask config "
                     "`distributed.worker.daemon: false` (or without a nanny), or use `engine: vllm`")
+            from worker_plugin.logs import engine_loaded, quiet_engines
+
+            quiet_engines()  # before vLLM is imported (the engine core inherits the environment)
             with _LOAD_LOCK:  # vLLM's and transformers' lazy imports race between loading threads
                 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -115,6 +118,8 @@ class AsyncEngineHost:
             from kv.runtime import vllm_compat
 
             self.vocab_size = vllm_compat.vocab_size(self._engine)
+            engine_loaded(self.name, self.settings.model, self.settings.kv_bytes(),
+                          time.time() - (self.started_at or time.time()))
         except BaseException as e:  # reported to every caller by wait_loaded
             logger.exception("loading engine %s failed", self.name)
             self.load_error = e

@@ -191,6 +191,9 @@ class EngineHost(SessionKVHost):
 
     def _load(self) -> Any:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from worker_plugin.logs import quiet_engines
+
+        quiet_engines()  # before vLLM is imported: it reads its log level then
         from kv.runtime import vllm_compat
 
         s = self.settings
@@ -498,6 +501,11 @@ class EngineHost(SessionKVHost):
             self.geometry = self._geometry()
             self.kv = self._session_kv()
             self.kv_manager = self._make_manager()
+            from worker_plugin.logs import engine_loaded
+
+            cache = self._engine.vllm_config.cache_config
+            engine_loaded(self.name, self.settings.model, self.settings.kv_bytes(),
+                          time.time() - (self.started_at or time.time()), cache.num_gpu_blocks, cache.block_size)
         except BaseException as e:  # reported to every caller by wait_loaded
             logger.exception("loading engine %s failed", self.name)
             self.load_error = e

@@ -90,6 +90,9 @@ class AgentsWorkerPlugin(WorkerPlugin):
 
     async def setup(self, worker: Worker) -> None:
         self.worker = worker
+        from worker_plugin.logs import quiet_engines
+
+        quiet_engines()  # before any engine library is imported on this worker
         models = self._models_for(worker)
         self.engines = Engines(worker.address, models)
         self.engines.on_announce = self._announce

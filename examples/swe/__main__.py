@@ -17,7 +17,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8, help="concurrent requests (sessions)")
     parser.add_argument("--workers", type=int, default=2, help="workers, each hosting an engine")
     parser.add_argument("--threads", type=int, default=16, help="threads per worker (agents mostly wait)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated issues")
+    parser.add_argument("--log-level", default="ERROR",
+                        help="vLLM's and torch's logs on the workers (agents.llm.log-level; its default is WARNING)")
     args = parser.parse_args()
 
     import pandas as pd
@@ -27,11 +29,15 @@ def main() -> None:
     from examples.common import call_columns, wait_for_telemetry
     from examples.swe.workflow import make_issues, solve
 
+    import dask
+
+    dask.config.set({"agents.llm.log-level": args.log_level})  # the workers inherit the config
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", args.log_level.upper())  # and the environment
     t_start = time.time()
     with LocalCluster(n_workers=args.workers, threads_per_worker=args.threads, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
         da.install(client, models=["coder"])
-        print(f"dashboard: {client.dashboard_link}")
+        print(f"dashboard: {client.dashboard_link.replace('/status', '/agents')}")
         print(f"cluster: {args.workers} workers x {args.threads} threads, model 'coder' "
               "(vLLM CPU, tiny dummy-weight Llama) on each; loading engines...", flush=True)
         da.llm("coder").generate("warm up", max_tokens=1).value(600)  # first engine is up
