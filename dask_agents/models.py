@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections import Counter
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -10,6 +11,12 @@ CallState = Literal["pending", "waiting", "queued", "processing", "running", "fi
 """Life of a call: created on the client (pending), known to the scheduler and waiting on
 dependencies (waiting), runnable but held on the scheduler (queued), assigned to a worker
 (processing), executing (running), and terminal (finished / erred / cancelled)."""
+
+STATE_COLORS = {
+    "pending": "#bdbdbd", "waiting": "#9e9e9e", "queued": "#fdd835", "processing": "#fb8c00",
+    "running": "#1e88e5", "finished": "#43a047", "erred": "#e53935", "cancelled": "#424242",
+}
+"""Colour of a call node by state (session graphs: the Agents page, ``SessionGraph.visualize``)."""
 
 DRIVER = "driver"
 """Creator of calls made by the user's program rather than by another call."""
@@ -58,6 +65,88 @@ class SessionGraph(BaseModel):
             if n.call_id == call_id:
                 return n
         raise KeyError(call_id)
+
+    def __repr__(self) -> str:
+        states = Counter(n.state for n in self.nodes)
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(states.items()))
+        return (f"<SessionGraph {self.session!r} {self.state}: {len(self.nodes)} calls"
+                f"{f' ({counts})' if counts else ''}, {len(self.edges)} edges>")
+
+    __str__ = __repr__
+
+    def to_networkx(self) -> Any:
+        """The graph as a ``networkx.DiGraph``: one node per call (its ``CallMeta`` fields as
+        attributes), one edge per ``GraphEdge`` (``kind``: "dependency" or "created"); the
+        session id and state as graph attributes. Needs networkx."""
+        try:
+            import networkx as nx
+        except ImportError:
+            raise ImportError("SessionGraph.to_networkx needs networkx (pip install networkx)") from None
+        g = nx.DiGraph(session=self.session, state=self.state, progress=self.progress)
+        for n in self.nodes:
+            g.add_node(n.call_id, **n.model_dump(exclude={"call_id"}))
+        for e in self.edges:
+            g.add_edge(e.src, e.dst, kind=e.kind)
+        return g
+
+    def layout(self) -> dict[str, tuple[int, int]]:
+        """``call id -> (x, y)``: x = depth (the longest chain of dependencies and creators
+        before the call), y = its order within that depth (creation order)."""
+        preds: dict[str, list[str]] = {n.call_id: [] for n in self.nodes}
+        for e in self.edges:
+            if e.src in preds and e.dst in preds and e.src != e.dst:
+                preds[e.dst].append(e.src)
+        depth: dict[str, int] = {}
+
+        def d(k: str, seen: frozenset = frozenset()) -> int:
+            if k not in depth:
+                depth[k] = 1 + max((d(p, seen | {k}) for p in preds[k] if p not in seen), default=-1)
+            return depth[k]
+
+        rows: Counter = Counter()
+        out = {}
+        for n in sorted(self.nodes, key=lambda n: n.created):
+            x = d(n.call_id)
+            out[n.call_id] = (x, rows[x])
+            rows[x] += 1
+        return out
+
+    def visualize(self, filename: str | None = None) -> Any:
+        """A Bokeh figure of the graph as the Agents page draws it (x: depth, nodes coloured by
+        state, labelled by component; dashed edges: "created"); written as HTML to
+        ``filename`` when given. Returns the figure."""
+        from bokeh.models import ColumnDataSource, HoverTool, LabelSet
+        from bokeh.plotting import figure, output_file, save
+
+        pos = self.layout()
+        nodes = {"key": [], "x": [], "y": [], "component": [], "state": [], "color": []}
+        for n in self.nodes:
+            x, y = pos[n.call_id]
+            nodes["key"].append(n.call_id)
+            nodes["x"].append(x)
+            nodes["y"].append(-y)
+            nodes["component"].append(n.component)
+            nodes["state"].append(n.state)
+            nodes["color"].append(STATE_COLORS.get(n.state, "#9e9e9e"))
+        fig = figure(title=repr(self), height=420, sizing_mode="stretch_width", toolbar_location="above",
+                     x_axis_label="depth")
+        fig.yaxis.visible = False
+        for kind, dash in (("dependency", "solid"), ("created", "dashed")):
+            es = [e for e in self.edges if e.kind == kind and e.src in pos and e.dst in pos]
+            if es:
+                fig.segment([pos[e.src][0] for e in es], [-pos[e.src][1] for e in es],
+                            [pos[e.dst][0] for e in es], [-pos[e.dst][1] for e in es],
+                            line_color="#9e9e9e", line_dash=dash, legend_label=kind)
+        src = ColumnDataSource(nodes)
+        r = fig.scatter("x", "y", source=src, size=14, color="color", line_color="#424242")
+        fig.add_layout(LabelSet(x="x", y="y", text="component", source=src, x_offset=9, y_offset=-6,
+                                text_font_size="9pt"))
+        fig.add_tools(HoverTool(renderers=[r], tooltips=[("call", "@key"), ("component", "@component"),
+                                                         ("state", "@state")]))
+        if filename is not None:
+            output_file(filename, title=f"session {self.session}")
+            save(fig)
+        return fig
 
 
 class ComponentStats(BaseModel):

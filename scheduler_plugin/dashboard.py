@@ -175,7 +175,7 @@ _BAR = ('<div style="background:#e0e0e0;width:100%;height:14px;margin-top:4px;po
 
 
 def _table(source: Any, spec: list[tuple[str, str, Any]], height: int, name: str,
-           widths: dict[str, int] | None = None) -> Any:
+           widths: dict[str, int] | None = None, view: Any = None) -> Any:
     from bokeh.models import CustomJS, DataTable, NumberFormatter, StringFormatter, TableColumn
 
     cols = []
@@ -188,7 +188,7 @@ def _table(source: Any, spec: list[tuple[str, str, Any]], height: int, name: str
             formatter = fmt
         cols.append(TableColumn(field=field, title=title, formatter=formatter, width=(widths or {}).get(field, 60)))
     table = DataTable(source=source, columns=cols, height=height, sizing_mode="stretch_width",
-                      index_position=None, name=name, reorderable=False)
+                      index_position=None, name=name, reorderable=False, **({"view": view} if view else {}))
     # BokehJS's DataTable redraws when its view's indices change (data replaced, rows streamed),
     # not on a patch of existing rows: poke it so patched cells show.
     source.js_on_change("patching", CustomJS(args={"table": table}, code="table.view.change.emit()"))
@@ -345,10 +345,13 @@ class AgentsPage:
     def __init__(self, dash: Dashboard, session: str = ""):
         from bokeh.layouts import column, row
         from bokeh.models import (
+            CDSView,
             ColumnDataSource,
             Div,
+            GroupFilter,
             HoverTool,
             HTMLTemplateFormatter,
+            InversionFilter,
             LabelSet,
             Select,
         )
@@ -356,7 +359,7 @@ class AgentsPage:
 
         self.dash = dash
         self.model = dash.model
-        self.follow = not session  # follow the newest live session until one is chosen
+        self.follow = not session  # follow the longest-running live session until one is chosen
         self.session = session or None
         self.ticks_seen = 0
         self.decisions_seen = (0, 0)
@@ -367,12 +370,21 @@ class AgentsPage:
 
         self.sessions_src = ColumnDataSource({c: [] for c in SESSION_COLUMNS}, name="agents-sessions")
         self.sessions_sync = SessionsSync(self.sessions_src)
-        self.sessions_table = _table(self.sessions_src, [
+        # One source, two views: live sessions on top (oldest first: the slowest), the latest
+        # completed below; a row moves between them when its state cell is patched. The
+        # browser filters (and sorts, by a click on a header), the server sends rows once.
+        columns = [
             ("session", "session", None), ("state", "state", None),
             ("pct", "progress", HTMLTemplateFormatter(template=_BAR)),
             ("age_s", "age s", "0.00"), ("current", "current component", None), ("open", "open calls", "0"),
             ("retries", "retries", "0"), ("failed", "failed", "0"), ("tenant", "tenant", None),
-        ], 360, "agents-sessions-table", {"session": 190, "pct": 90, "current": 110})
+        ]
+        widths = {"session": 190, "pct": 90, "current": 110}
+        done = GroupFilter(column_name="state", group="completed")
+        self.sessions_table = _table(self.sessions_src, columns, 240, "agents-sessions-table", widths,
+                                     CDSView(filter=InversionFilter(operand=done)))
+        self.completed_table = _table(self.sessions_src, columns, 160, "agents-completed-table", widths,
+                                      CDSView(filter=done))
         self.sessions_src.selected.on_change("indices", self._on_select_row)
 
         self.components_src = ColumnDataSource({c: [] for c in COMPONENT_COLUMNS}, name="agents-components")
@@ -412,7 +424,7 @@ class AgentsPage:
         ], 200, "agents-decisions-table", {"details": 300})
 
         self.graph_title = Div(text="", name="agents-graph-title", sizing_mode="stretch_width")
-        self.select = Select(title="session graph", value="", options=[("", "(newest live session)")],
+        self.select = Select(title="session graph", value="", options=[("", "(longest-running live session)")],
                              name="agents-graph-select", width=420)
         self.select.on_change("value", self._on_select)
         self.nodes_src = ColumnDataSource({c: [] for c in ("key", "component", "method", "state", "color", "x", "y",
@@ -443,7 +455,8 @@ class AgentsPage:
 
         self.root = column(
             self.summary,
-            row(column(h("Sessions"), self.sessions_table, sizing_mode="stretch_width"),
+            row(column(h("Live sessions"), self.sessions_table, h("Completed sessions (latest)"),
+                       self.completed_table, sizing_mode="stretch_width"),
                 column(h("Session graph"), self.select, self.graph_title, g, legend, sizing_mode="stretch_width"),
                 sizing_mode="stretch_width"),
             h("Components"), self.components_table,
@@ -548,14 +561,16 @@ class AgentsPage:
         if ticks:
             self.ticks_src.stream({"tick": [t for t, _ in ticks], "ms": [dt * 1000 for _, dt in ticks]}, rollover=600)
         self.decisions_seen, rows = m.new_decisions(self.decisions_seen)
-        if rows:
-            self.decisions_src.stream({c: [r[c] for r in rows] for c in DECISION_COLUMNS}, rollover=m.decisions)
+        if rows:  # newest on top (a stream only appends: the small table is replaced)
+            old = self.decisions_src.data
+            self.decisions_src.data = {c: ([r[c] for r in reversed(rows)] + list(old[c]))[:m.decisions]
+                                       for c in DECISION_COLUMNS}
 
     def _update_choices(self, now: float) -> None:
         if now - self._choices_at < 5 * self.model.interval:
             return
         self._choices_at = now
-        options = [("", "(newest live session)"), *self.model.session_choices()]
+        options = [("", "(longest-running live session)"), *self.model.session_choices()]
         if self.session and self.session not in dict(options):
             options.append((self.session, self.session))
         if options != [tuple(o) if not isinstance(o, str) else (o, o) for o in self.select.options]:

@@ -17,15 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import dask_agents.config as agents_config
+from dask_agents.models import STATE_COLORS  # (the page's legend and node colours)
 from scheduler_plugin.metrics import TIERS, engine_records, queue_counts
 
 logger = logging.getLogger(__name__)
 
-STATE_COLORS = {
-    "pending": "#bdbdbd", "waiting": "#9e9e9e", "queued": "#fdd835", "processing": "#fb8c00",
-    "running": "#1e88e5", "finished": "#43a047", "erred": "#e53935", "cancelled": "#424242",
-}
-"""Colour of a call node by state (session graph)."""
 SESSION_COLORS = {"active": "#1e88e5", "closing": "#fb8c00", "completed": "#43a047"}
 """Colour of a session's progress bar by state."""
 
@@ -418,9 +414,10 @@ class DashboardModel:
 
     # -- a session's graph -----------------------------------------------------------------------
     def pick_session(self) -> str | None:
-        """The session a page follows by default: the newest live one, else the newest."""
+        """The session a page follows by default: the live one running longest (the slowest:
+        the newest has always just started), else the newest."""
         sessions = self.plugin.state.sessions
-        for sid in reversed(sessions):
+        for sid in sessions:  # creation order
             if sessions[sid].state != "completed":
                 return sid
         return next(reversed(sessions), None)

@@ -110,6 +110,21 @@ def test_session_summary_reports_current_components():
     assert st.open_by_state[("c", "processing")] == 1 and st.open_by_state[("a", "pending")] == 0
 
 
+def test_the_page_follows_the_live_session_running_longest():
+    """The newest session has always just started (two nodes): the page's default graph is the
+    oldest live one; with none live, the newest."""
+    from types import SimpleNamespace
+
+    st = WorkflowState()
+    for i, sid in enumerate(["done", "old", "new"]):
+        st.add_call(f"a-{sid}", {"session": sid, "component": "a"}, [], 1.0 + i)
+    model = DashboardModel(SimpleNamespace(state=st))
+    st.sessions["done"].state = "completed"
+    assert model.pick_session() == "old"
+    st.sessions["old"].state = st.sessions["new"].state = "completed"
+    assert model.pick_session() == "new"
+
+
 class RecordingSource:
     """A ColumnDataSource that records what a page would send."""
 
@@ -264,6 +279,9 @@ def test_agents_page_in_chromium():
                 # the sessions table: one row per session, with state and progress
                 for s in [*done, live]:
                     page.locator(".slick-row", has_text=s.id).first.wait_for(timeout=20_000)
+                # live sessions first: the live table comes before the completed one
+                assert live.id in page.locator(".slick-row").first.inner_text()
+                assert page.locator(".slick-row", has_text=live.id).count() == 1
                 live_row = page.locator(".slick-row", has_text=live.id).first
                 live_summary = plugin.state.session_summary(live.id, time.time())
                 assert "closing" in live_row.inner_text()
@@ -283,6 +301,9 @@ def test_agents_page_in_chromium():
                 for text in ("Planner", "Developer", "llm.emu", "emulated (EMULATED)", "prefix hit rate",
                              "pass last", "set_priority"):
                     page.get_by_text(text).first.wait_for(timeout=10_000)
+                times = page.evaluate("""() => Array.from(
+                    Bokeh.documents[0].get_model_by_name("agents-decisions").get_column("time"))""")
+                assert times and times == sorted(times, reverse=True)  # newest decision on top
                 page.wait_for_timeout(500)
                 page.screenshot(path=shot, full_page=True)
                 # live updates: release the review, the row turns completed without a reload
@@ -290,6 +311,8 @@ def test_agents_page_in_chromium():
                 client.gather(held)
                 page.locator(".slick-row", has_text=live.id).filter(has_text="completed").first.wait_for(
                     timeout=20_000)
+                assert page.locator(".slick-row", has_text=live.id).count() == 1  # moved to the completed table
+                assert page.get_by_text("Completed sessions").count() == 1
                 # clicking a row shows that session's graph
                 page.locator(".slick-row", has_text=done[0].id).first.click()
                 page.locator("text=session " + done[0].id).first.wait_for(timeout=10_000)
