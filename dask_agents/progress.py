@@ -5,9 +5,10 @@
     da.progress(s)                      # terminal: blocks, redrawing, until the session completes
     da.progress([s1, s2, fut1, fut2])   # sessions and futures (AgentFutures or plain) together
 
-A session's bar is its finished calls over the calls known so far (a live graph grows, so the
-bar can move back); it is complete when the session is (the driver left and every call
-ended). Futures are grouped by component (key prefix), one bar per group. In a notebook
+A session's bar is its finished calls over the calls a session makes, as the completed
+sessions of the cluster did (their mean), or the calls known so far when more (a live graph
+grows: measured against what is known alone, the bar would move back); it is complete when the
+session is (the driver left and every call ended). Futures are grouped by component (key prefix), one bar per group. In a notebook
 (``notebook=None`` detects a kernel) it returns an ipywidgets display that updates in the
 background; with an asynchronous client, ``await da.progress(...)``.
 """
@@ -75,20 +76,24 @@ class Tracker:
                     rows.append(Row(sid, 0, 0, "completed" if done else "unknown", done))
                     continue
                 self._seen.add(sid)
+                complete = d["state"] == "completed"
+                expected = d.get("expected")
+                total = d["calls"] if complete or not expected else max(d["calls"], expected)
                 detail = f"{d['progress']}/{d['calls']} calls"
+                if total > d["calls"]:
+                    detail += f" (~{total} expected)"
                 if d["open"]:
                     detail += f", {d['open']} open"
                 if d["current"]:
                     detail += f", in {d['current']}"
                 if d["retries"]:
-                    detail += f", {d['retries']} retries"
+                    detail += f", {_plural(d['retries'], 'retry', 'retries')}"
                 if d["failed"]:
                     detail += f", {d['failed']} failed"
-                complete = d["state"] == "completed"
                 if complete and d["calls"] == 0:
                     first = self._empty_since.setdefault(sid, time.monotonic())
                     complete = time.monotonic() - first >= self.EMPTY_GRACE
-                rows.append(Row(sid, d["progress"], d["calls"], d["state"] if complete or d["calls"] else "active",
+                rows.append(Row(sid, d["progress"], total, d["state"] if complete or d["calls"] else "active",
                                 complete, detail))
         groups: dict[str, list[Future]] = {}
         for f in self.futures:
@@ -106,6 +111,10 @@ class Tracker:
     def finished(rows: list[Row]) -> bool:
         """True when every row is complete."""
         return all(r.complete for r in rows)
+
+
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _flatten(items: Iterable[Any], out: list) -> list:

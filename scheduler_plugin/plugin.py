@@ -889,7 +889,12 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
     def _progress(self, sessions: list[str] | None = None) -> dict:
         sessions = validate.sessions(sessions, "agents_progress: sessions")
         now = time.time()
-        return {sid: self.state.session_summary(sid, now) for sid in sessions or ()}
+        expected = self.state.expected_calls()
+        out = {}
+        for sid in sessions or ():
+            d = self.state.session_summary(sid, now)
+            out[sid] = None if d is None else {**d, "expected": expected}
+        return out
 
     def _workflow_graph(self) -> dict:
         return self.state.workflow_graph().model_dump(mode="json")

@@ -157,6 +157,7 @@ class WorkflowState:
         self.open_by_state: Counter[tuple[str, str]] = Counter()
         self.terminal_per_component: Counter[tuple[str, str]] = Counter()
         self.sessions_completed = 0
+        self.calls_of_completed = 0  # calls the completed sessions made, in all
         # Sessions changed since the control loop's view index last looked (it drains this):
         # the view redoes only these, not every live session each tick.
         self.touched: set[str] = set()
@@ -372,6 +373,7 @@ class WorkflowState:
             s.version += 1
             self.touched.add(s.id)
             self.sessions_completed += 1
+            self.calls_of_completed += len(s.calls)
             self.completed[s.id] = now
             self.completed.move_to_end(s.id)
             self.activity.pop(s.id, None)
@@ -458,6 +460,13 @@ class WorkflowState:
             "progress": s.progress, "open": s.open_calls, "failed": s.failed, "retries": s.retries,
             "current": ", ".join(sorted(current)), "version": s.version,
         }
+
+    def expected_calls(self) -> int | None:
+        """Calls a session makes in all, as the completed ones did (the mean; None before any
+        completed): what a live session's progress is measured against while its graph grows."""
+        if not self.sessions_completed:
+            return None
+        return round(self.calls_of_completed / self.sessions_completed)
 
     def session_rows(self, now: float) -> list[dict]:
         """One row per retained session (telemetry's sessions table)."""

@@ -64,6 +64,29 @@ async def test_progress_waits_for_sessions_and_futures(c: Client, s: Scheduler, 
     assert "100% |" in text and f"{slow.id} | 3/3 calls" in text and "4/4 complete" in text
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], timeout=60)
+async def test_a_live_sessions_bar_is_measured_against_what_sessions_make(c: Client, s: Scheduler, a: Worker):
+    """The denominator does not race the growing graph: two sessions made 4 calls each, so a
+    session with 1 call known so far is at 0 of 4, not 0 of 1 (and never of fewer than known)."""
+    await da.install(c)
+    for name in ("one", "two"):
+        async with da.session(c, name=name):
+            await c.gather([da.stub(quick)(i) for i in range(4)])
+    GATE.clear()
+    async with da.session(c, name="live") as live:
+        held = da.stub(gated)(0)
+        await async_wait_for(lambda: len(a.state.executing) == 1)
+        (row,) = await Tracker(c, [live.id], []).poll()
+        assert (row.done, row.total, row.complete) == (0, 4, False)
+        assert row.detail.startswith("0/1 calls (~4 expected), 1 open")
+        GATE.set()
+        await held
+        more = [da.stub(quick)(i) for i in range(5)]  # past the expectation: known calls count
+        await c.gather(more)
+        (row,) = await Tracker(c, [live.id], []).poll()
+        assert row.total == 6 and "expected" not in row.detail
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], timeout=60)
 async def test_tty_redraws_in_place_and_reports_failures(c: Client, s: Scheduler, a: Worker):
     await da.install(c)
@@ -82,6 +105,22 @@ async def test_tty_redraws_in_place_and_reports_failures(c: Client, s: Scheduler
 def test_unknown_inputs_are_rejected():
     with pytest.raises(TypeError, match="sessions .* futures"):
         da.progress(42)
+
+
+def test_session_details_read_as_english():
+    from types import SimpleNamespace
+
+    def summary(retries: int, failed: int) -> dict:
+        return {"progress": 3, "calls": 4, "open": 1, "current": "Tester", "retries": retries, "failed": failed,
+                "state": "active", "expected": None}
+
+    async def agents_progress(sessions):
+        return {"a": summary(1, 0), "b": summary(2, 1)}
+
+    t = Tracker(SimpleNamespace(scheduler=SimpleNamespace(agents_progress=agents_progress)), ["a", "b"], [])
+    a, b = asyncio.run(t.poll())
+    assert a.detail == "3/4 calls, 1 open, in Tester, 1 retry"
+    assert b.detail == "3/4 calls, 1 open, in Tester, 2 retries, 1 failed"
 
 
 def test_rows_and_text_format():
