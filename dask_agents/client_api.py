@@ -123,7 +123,8 @@ TABLES = {"calls": COLUMNS, "sessions": SESSION_COLUMNS, "kv": KV_COLUMNS}
 
 
 def telemetry(client: Client, session: Any = None, table: str = "calls"):
-    """Telemetry as a pandas DataFrame (timestamps are POSIX seconds).
+    """Telemetry as a pandas DataFrame (timestamps are POSIX seconds; ``emulated`` is a bool:
+    whether an emulated engine or tool served the call, so its times are EMULATED).
 
     ``table="calls"`` (default): one row per call; ``queue_s`` is runnable -> started,
     ``service_s`` started -> finished (the workers' exact times), ``retry`` marks a re-visit
@@ -139,8 +140,14 @@ def telemetry(client: Client, session: Any = None, table: str = "calls"):
         raise ValueError(f"unknown telemetry table {table!r} (one of {', '.join(TABLES)})")
     sid = getattr(session, "id", session)
     columns = TABLES[table]
-    return _call(client, "agents_telemetry", lambda rows: pd.DataFrame(rows, columns=columns), session=sid,
-                 table=table)
+
+    def frame(rows: list) -> Any:
+        df = pd.DataFrame(rows, columns=columns)
+        if "emulated" in df.columns:  # True for calls an emulated engine or tool served, else False
+            df["emulated"] = df["emulated"].astype("boolean").fillna(False).astype(bool)
+        return df
+
+    return _call(client, "agents_telemetry", frame, session=sid, table=table)
 
 
 def session_progress(client: Client, sessions: list[str]) -> dict[str, dict | None]:

@@ -224,6 +224,9 @@ async def test_page_is_served_and_model_shows_the_workflow(c: Client, s: Schedul
     await c.gather(futs)
     await async_wait_for(lambda: plugin.state.sessions[live.id].state == "completed")
     assert model.graph(live.id)[0] != version  # the session moved: the graph is redone
+    df = await da.telemetry(c, live)
+    assert df["emulated"].dtype == bool  # True where an emulated engine served the call, else False
+    assert df.loc[df["kind"] == "llm", "emulated"].all() and not df.loc[df["kind"] != "llm", "emulated"].any()
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=CONFIG)
