@@ -20,7 +20,7 @@ import math
 import threading
 import weakref
 from collections import Counter, deque
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from scheduler_plugin import dask_compat, validate
 
@@ -293,21 +293,40 @@ def _call_families(plugin: Any) -> Iterator[Any]:
     yield c
 
 
+def worker_label(plugin: Any) -> Callable[[str], str]:
+    """Address -> the ``worker`` label: the worker's name, which survives a restart (an
+    address does not); the address of a worker the scheduler no longer knows."""
+    scheduler = getattr(plugin, "scheduler", None)
+
+    def label(address: str) -> str:
+        name = dask_compat.worker_name(scheduler, address) if scheduler is not None else address
+        return str(name if name is not None else address)
+    return label
+
+
+def _summed(family: Any, items: Iterable[tuple[tuple, float]]) -> Any:
+    """Add ``(labels, value)`` to ``family``, summing values whose labels coincide (two
+    addresses of one worker name: before and after a restart)."""
+    total: dict[tuple, float] = {}
+    for labels, v in items:
+        total[labels] = total.get(labels, 0) + v
+    for labels, v in sorted(total.items()):
+        family.add_metric(list(labels), v)
+    return family
+
+
 def _queue_families(plugin: Any) -> Iterator[Any]:
     from prometheus_client.core import GaugeMetricFamily
 
     waiting, running, held = queue_counts(plugin)
-    g = GaugeMetricFamily(_name("queue_length"), "Calls waiting to start, by component and worker "
+    name = worker_label(plugin)
+    g = GaugeMetricFamily(_name("calls_queued"), "Calls waiting to start, by component and worker name "
                           "(worker=\"scheduler\": held back on the scheduler)", labels=["component", "worker"])
-    for (comp, w), n in sorted(waiting.items()):
-        g.add_metric([comp, w], n)
-    for comp, n in sorted(held.items()):
-        g.add_metric([comp, "scheduler"], n)
-    yield g
-    g = GaugeMetricFamily(_name("running"), "Calls running, by component and worker", labels=["component", "worker"])
-    for (comp, w), n in sorted(running.items()):
-        g.add_metric([comp, w], n)
-    yield g
+    yield _summed(g, [((comp, name(w)), n) for (comp, w), n in waiting.items()]
+                  + [((comp, "scheduler"), n) for comp, n in held.items()])
+    g = GaugeMetricFamily(_name("calls_running"), "Calls running, by component and worker name",
+                          labels=["component", "worker"])
+    yield _summed(g, [((comp, name(w)), n) for (comp, w), n in running.items()])
 
 
 def _histogram_families(plugin: Any) -> Iterator[Any]:
@@ -366,11 +385,10 @@ def _admission_families(plugin: Any) -> Iterator[Any]:
                                  labels=["worker", "model"])
     inflight = GaugeMetricFamily(_name("admission_calls_bound"), "LLM calls bound to an engine and not ended, "
                                  "by worker and model", labels=["worker", "model"])
-    for r in list(adm.engines.values()):
-        resident.add_metric([r.worker, r.model], adm.resident(r))
-        inflight.add_metric([r.worker, r.model], len(r.inflight))
-    yield resident
-    yield inflight
+    name = worker_label(plugin)
+    engines = list(adm.engines.values())
+    yield _summed(resident, [((name(r.worker), r.model), adm.resident(r)) for r in engines])
+    yield _summed(inflight, [((name(r.worker), r.model), len(r.inflight)) for r in engines])
 
 
 def _engine_families(plugin: Any) -> Iterator[Any]:
@@ -392,18 +410,36 @@ def _engine_families(plugin: Any) -> Iterator[Any]:
     kv_control = GaugeMetricFamily(_name("kv_control"), "1 if the engine has per-session KV control, 0 if "
                                    "it runs with plain prefix caching (the reason is in the engine's log and "
                                    "on the Agents page)", labels=["worker", "model"])
+    running = GaugeMetricFamily(_name("engine_requests_running"), "Requests the engine runs now (its batch), "
+                                "by worker and model", labels=["worker", "model"])
+    waiting = GaugeMetricFamily(_name("engine_requests_waiting"), "Requests queued inside the engine (admitted by "
+                                "the scheduler, not yet scheduled by the engine), by worker and model",
+                                labels=["worker", "model"])
+    name = worker_label(plugin)
+    rows: dict[str, list] = {k: [] for k in ("kv", "cap", "traffic", "emulated", "kv_actions", "kv_control",
+                                             "running", "waiting")}
     for w, model, st in engine_records(agg):
+        w = name(w)
         if "kv_control" in st:
-            kv_control.add_metric([w, model], 1 if st["kv_control"] else 0)
-        for tier, b in sorted((st.get("kv_bytes") or {}).items()):
-            kv.add_metric([w, model, tier], b)
-        for tier, b in sorted((st.get("kv_capacity_bytes") or {}).items()):
-            cap.add_metric([w, model, tier], b)
-        for direction, b in sorted((st.get("kv_traffic_bytes") or {}).items()):
-            traffic.add_metric([w, model, direction], b)
-        emulated.add_metric([w, model], 1 if st.get("emulated") else 0)
-        for kind, n in sorted((st.get("kv_actions") or {}).items()):
-            kv_actions.add_metric([w, model, kind], n)
+            rows["kv_control"].append(((w, model), 1 if st["kv_control"] else 0))
+        for tier, b in (st.get("kv_bytes") or {}).items():
+            rows["kv"].append(((w, model, tier), b))
+        for tier, b in (st.get("kv_capacity_bytes") or {}).items():
+            rows["cap"].append(((w, model, tier), b))
+        for direction, b in (st.get("kv_traffic_bytes") or {}).items():
+            rows["traffic"].append(((w, model, direction), b))
+        rows["emulated"].append(((w, model), 1 if st.get("emulated") else 0))
+        for kind, n in (st.get("kv_actions") or {}).items():
+            rows["kv_actions"].append(((w, model, kind), n))
+        for k in ("running", "waiting"):
+            if st.get(k) is not None:
+                rows[k].append(((w, model), st[k]))
+    for fam, key in ((kv, "kv"), (cap, "cap"), (traffic, "traffic"), (emulated, "emulated"),
+                     (kv_actions, "kv_actions"), (kv_control, "kv_control"), (running, "running"),
+                     (waiting, "waiting")):
+        _summed(fam, rows[key])
+    yield running
+    yield waiting
     yield kv
     yield kv_actions
     yield kv_control
@@ -442,12 +478,12 @@ def _token_families(plugin: Any) -> Iterator[Any]:
         ("recomputed_tokens", "Prompt tokens computed by prefill (prompt - cached)"),
         ("output_tokens", "Generated tokens"),
     )}
-    for (w, model), (n, prompt, cached, out) in sorted(agg.tokens.items()):
-        fams["calls"].add_metric([w, model], n)
-        fams["prompt_tokens"].add_metric([w, model], prompt)
-        fams["cached_tokens"].add_metric([w, model], cached)
-        fams["recomputed_tokens"].add_metric([w, model], max(prompt - cached, 0))
-        fams["output_tokens"].add_metric([w, model], out)
+    name = worker_label(plugin)
+    rows = [((name(w), model), t) for (w, model), t in agg.tokens.items()]
+    for i, key in enumerate(("calls", "prompt_tokens", "cached_tokens")):
+        _summed(fams[key], [(labels, t[i]) for labels, t in rows])
+    _summed(fams["recomputed_tokens"], [(labels, max(t[1] - t[2], 0)) for labels, t in rows])
+    _summed(fams["output_tokens"], [(labels, t[3]) for labels, t in rows])
     yield from fams.values()
 
 

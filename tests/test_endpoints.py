@@ -145,14 +145,14 @@ async def test_one_bad_record_never_breaks_metrics_or_the_agents_page(c: Client,
     await async_wait_for(lambda: a.address in plugin.aggregates.engines, timeout=15)
     code, series = await _metrics(port)
     assert code == 200
-    assert series["dask_agents_kv_bytes"] == {(("model", "emu"), ("tier", "device"), ("worker", a.address)): 4096}
+    assert series["dask_agents_kv_bytes"] == {(("model", "emu"), ("tier", "device"), ("worker", str(a.name))): 4096}
     assert series["dask_agents_calls_created_total"] == {(("component", "echo"),): 1}
     # 2. records that reached the stores without a check (as a bug elsewhere could put them there)
     plugin.aggregates.engines["tcp://127.0.0.1:9"] = {"time": "later", "models": {"emu": bad, 7: None}}
     rec.started = "soon"
     code, series = await _metrics(port)
     assert code == 200  # the other records and every other series are still served
-    assert series["dask_agents_kv_bytes"] == {(("model", "emu"), ("tier", "device"), ("worker", a.address)): 4096}
+    assert series["dask_agents_kv_bytes"] == {(("model", "emu"), ("tier", "device"), ("worker", str(a.name))): 4096}
     assert series["dask_agents_sessions_started_total"] == {(): 1}
     assert series["dask_agents_render_skipped_total"][()] >= 2  # the bad engine records were left out
     assert await _page(port) == 200 and await _page(port, f"?session={sess.id}") == 200

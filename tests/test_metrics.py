@@ -119,7 +119,9 @@ async def test_metrics_match_telemetry(c: Client, s: Scheduler, a: Worker, b: Wo
     # LLM tokens per worker and model, against the calls' own numbers
     llm = df[df["kind"] == "llm"]
     assert llm["cached_tokens"].sum() > 0
-    for w, rows in llm.groupby("worker"):
+    names = {a.address: str(a.name), b.address: str(b.name)}  # series are labelled by worker name
+    for addr, rows in llm.groupby("worker"):
+        w = names[addr]
         prompt, cached = rows["prompt_tokens"].sum(), rows["cached_tokens"].sum()
         assert value(series, "dask_agents_llm_calls_total", worker=w, model="emu") == len(rows)
         assert value(series, "dask_agents_llm_prompt_tokens_total", worker=w, model="emu") == prompt
@@ -130,13 +132,15 @@ async def test_metrics_match_telemetry(c: Client, s: Scheduler, a: Worker, b: Wo
     # KV bytes per tier: the emulated engines' own accounting, the latest sample of each
     kv = await da.telemetry(c, table="kv")
     assert set(kv["tier"]) == {"device"}
-    for w in (a.address, b.address):
-        latest = plugin.aggregates.engines[w]["models"]["emu"]
+    for addr, w in names.items():
+        latest = plugin.aggregates.engines[addr]["models"]["emu"]
         assert value(series, "dask_agents_kv_bytes", worker=w, model="emu", tier="device") == \
             latest["kv_bytes"]["device"]
         assert value(series, "dask_agents_kv_capacity_bytes", worker=w, model="emu", tier="device") > 0
         assert value(series, "dask_agents_engine_emulated", worker=w, model="emu") == 1
-        assert kv[kv["worker"] == w]["bytes"].iloc[-1] >= 0
+        assert value(series, "dask_agents_engine_requests_running", worker=w, model="emu") == latest["running"]
+        assert ("worker", w) in dict.fromkeys(k for key in series["dask_agents_engine_requests_waiting"] for k in key)
+        assert kv[kv["worker"] == addr]["bytes"].iloc[-1] >= 0
     assert not any(dict(k).get("tier") in ("host", "disk") for k in series.get("dask_agents_kv_bytes", {}))
 
     # the control loop
@@ -159,10 +163,12 @@ async def test_queue_lengths_while_calls_wait(c: Client, s: Scheduler, a: Worker
         await async_wait_for(lambda: metrics.queue_counts(plugin)[1].get(("held", a.address)) == 1, timeout=15)
         series = await scrape(s.http_server.port)
         # waiting: on the worker (assigned, not started) or held back on the scheduler (Dask's queuing)
-        on_worker = value(series, "dask_agents_queue_length", component="held", worker=a.address)
-        on_scheduler = value(series, "dask_agents_queue_length", component="held", worker="scheduler")
+        # labelled by worker name, not by its (ephemeral) address
+        on_worker = value(series, "dask_agents_calls_queued", component="held", worker=str(a.name))
+        on_scheduler = value(series, "dask_agents_calls_queued", component="held", worker="scheduler")
         assert on_worker + on_scheduler == 2 and on_worker >= 0
-        assert value(series, "dask_agents_running", component="held", worker=a.address) == 1
+        assert value(series, "dask_agents_calls_running", component="held", worker=str(a.name)) == 1
+        assert not any(a.address in line for line in series if "calls_running" in line)
         assert value(series, "dask_agents_calls", component="held", state="processing") == 1 + on_worker
         assert value(series, "dask_agents_calls", component="held", state="queued") == on_scheduler
         gate.set()
