@@ -39,6 +39,9 @@ from scheduler_plugin.dashboard_data import (
     STATE_COLORS,
     DashboardModel,
 )
+from scheduler_plugin.timeseries import COLUMNS as TIMESERIES_COLUMNS
+
+TS_COLUMNS = (*TIMESERIES_COLUMNS, "t_ms")  # t_ms: the sample's time for Bokeh's datetime axis
 
 logger = logging.getLogger(__name__)
 
@@ -411,6 +414,32 @@ class AgentsPage:
             ("kv_control", "per-session KV control", None), ("stats_age_s", "stats age s", "0.0"),
         ], 160, "agents-engines-table", {"worker": 110, "engine": 110})
 
+        # Time series, sampled by the scheduler whether or not a page is open (timeseries.py):
+        # a new page gets the kept window at once, then each new sample.
+        self.ts_seen = 0
+        self.ts_src = ColumnDataSource({c: [] for c in TS_COLUMNS}, name="agents-timeseries")
+        ts_figs = []
+        for title, lines in (
+                ("sessions and calls waiting", (("live_sessions", "live sessions", "#1e88e5"),
+                                                ("admission_waiting", "held for admission", "#fb8c00"),
+                                                ("engine_running", "engine running", "#43a047"),
+                                                ("engine_waiting", "engine waiting", "#e53935"))),
+                ("session latency (s, completed in the last window)", (("latency_p50_s", "P50", "#43a047"),
+                                                                       ("latency_p95_s", "P95", "#fb8c00"),
+                                                                       ("latency_p99_s", "P99", "#e53935"))),
+                ("throughput", (("completions_per_s", "sessions completed /s", "#1e88e5"),)),
+                ("LLM tokens /s", (("tokens_per_s", "tokens /s", "#8e24aa"),)),
+                ("prefix-cache hit rate (LLM calls of the last sample)", (("hit_rate", "hit rate", "#43a047"),)),
+                ("KV on the engines' devices (bytes)", (("kv_device_bytes", "device KV", "#00897b"),))):
+            f = figure(height=180, sizing_mode="stretch_width", title=title, tools="", toolbar_location=None,
+                       x_axis_type="datetime")
+            _no_sync_back(f)
+            for col, label, color in lines:
+                f.line("t_ms", col, source=self.ts_src, line_width=1.5, color=color, legend_label=label)
+            f.legend.location, f.legend.label_text_font_size, f.legend.background_fill_alpha = "top_left", "8pt", 0.5
+            ts_figs.append(f)
+        self.ts_figs = ts_figs
+
         self.control_div = Div(text="", name="agents-control", sizing_mode="stretch_width")
         self.ticks_src = ColumnDataSource({"tick": [], "ms": []}, name="agents-ticks")
         ticks_fig = figure(height=200, sizing_mode="stretch_width", title="control-loop pass (ms)",
@@ -455,6 +484,8 @@ class AgentsPage:
 
         self.root = column(
             self.summary,
+            row(*self.ts_figs[:3], sizing_mode="stretch_width"),
+            row(*self.ts_figs[3:], sizing_mode="stretch_width"),
             row(column(h("Live sessions"), self.sessions_table, h("Completed sessions (latest)"),
                        self.completed_table, sizing_mode="stretch_width"),
                 column(h("Session graph"), self.select, self.graph_title, g, legend, sizing_mode="stretch_width"),
@@ -505,6 +536,7 @@ class AgentsPage:
         self._section("components", lambda: _small_sync(self.components_src, m.components(now), COMPONENT_COLUMNS))
         self._section("engines", lambda: _small_sync(self.engines_src, m.engines(now), ENGINE_COLUMNS))
         self._section("control loop", self._update_control)
+        self._section("time series", self._update_timeseries)
         self._section("session choices", lambda: self._update_choices(now))
         self._section("session graph", self._update_graph)
         if view is not None:
@@ -565,6 +597,16 @@ class AgentsPage:
             old = self.decisions_src.data
             self.decisions_src.data = {c: ([r[c] for r in reversed(rows)] + list(old[c]))[:m.decisions]
                                        for c in DECISION_COLUMNS}
+
+    def _update_timeseries(self) -> None:
+        ts = getattr(self.dash.plugin, "timeseries", None)
+        if ts is None:
+            return
+        self.ts_seen, rows = ts.since(self.ts_seen)
+        if rows:
+            data = {c: [r[c] for r in rows] for c in TS_COLUMNS if c != "t_ms"}
+            data["t_ms"] = [r["time"] * 1000 for r in rows]  # Bokeh's datetime axis: ms since the epoch
+            self.ts_src.stream(data, rollover=ts.samples.maxlen)
 
     def _update_choices(self, now: float) -> None:
         if now - self._choices_at < 5 * self.model.interval:

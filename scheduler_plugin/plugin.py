@@ -32,6 +32,7 @@ from scheduler_plugin.kv_hints import KVHints
 from scheduler_plugin.policies import prioritize
 from scheduler_plugin.recovery import Recovery
 from scheduler_plugin.state import WorkflowState
+from scheduler_plugin.timeseries import TimeSeries
 from scheduler_plugin.view_index import BindingMap, PlacedMap, Tally, ViewIndex
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.provision_for: deque[str] = deque()  # models new workers should host
         # what the dashboard and /metrics show (scheduler_plugin/metrics.py, dashboard.py)
         self.aggregates = metrics.Aggregates()
+        self.timeseries = TimeSeries(self, agents_config.seconds("dashboard.timeseries-interval"),
+                                     agents_config.seconds("dashboard.timeseries-window"),
+                                     agents_config.seconds("dashboard.window"))
         self.dashboard: Any = None
         # calls pinned to a worker that died or left: re-placed or failed (scheduler_plugin/recovery.py)
         self.recovery = Recovery(self)
@@ -151,6 +155,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if agents_config.get("control.enabled"):
             self.control.start()
         metrics.register(self)
+        # sampled whether or not a page is open: a page opened late shows the last minutes
+        dask_compat.add_periodic(scheduler, "dask-agents-timeseries", self.timeseries.sample,
+                                 self.timeseries.interval_s)
         dask_compat.acyclic_task_group_layout()  # agent workflows make cycles of task groups
         if agents_config.get("dashboard.enabled"):
             from scheduler_plugin import dashboard
@@ -165,6 +172,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if self.scheduler is not None:
             dask_compat.remove_periodic(self.scheduler, "dask-agents-housekeeping")
             dask_compat.remove_periodic(self.scheduler, "dask-agents-admission")
+            dask_compat.remove_periodic(self.scheduler, "dask-agents-timeseries")
             if self.control is not None:
                 self.control.close()
             if self._unkeep_stealing is not None:
@@ -690,6 +698,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 return
             s.ended = True
             self.aggregates.on_session_completed(s)
+            self.timeseries.on_session_completed(s)
         self.orphans.pop(sid, None)
         self.kv_hints.on_session_end(sid)
         self.admission.on_session_ended(sid)

@@ -176,7 +176,8 @@ def test_integral_floats_pass_both_checks():
 POSITIVE = ["client.batched-send-interval", "scheduler.batched-send-interval", "scheduler.housekeeping-interval",
             "control.interval", "control.policy-timeout", "control.watchdog-interval", "control.stall-timeout",
             "worker.report-interval", "worker.batched-send-interval", "dashboard.update-interval",
-            "dashboard.window", "dashboard.engine-stats-interval", "kv.tick", "kv.ttl-max",
+            "dashboard.window", "dashboard.engine-stats-interval", "dashboard.timeseries-interval",
+            "dashboard.timeseries-window", "kv.tick", "kv.ttl-max",
             "scheduler.session-idle-timeout", "scheduler.admission.interval"]
 NON_NEGATIVE = ["scheduler.session-retention", "kv.prefetch-margin", "scheduler.session-grace",
                 "scheduler.instance-linger", "scheduler.admission.max-wait"]

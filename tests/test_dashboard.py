@@ -304,6 +304,16 @@ def test_agents_page_in_chromium():
                 for text in ("Planner", "Developer", "llm.emu", "emulated (EMULATED)", "prefix hit rate",
                              "pass last", "set_priority"):
                     page.get_by_text(text).first.wait_for(timeout=10_000)
+                # time series: sampled in the scheduler each second, kept from the start, so the page
+                # opened late has the past ones; it grows in real time (poll for 3 more)
+                ts_len = """() => Bokeh.documents[0].get_model_by_name("agents-timeseries").get_length()"""
+                n0 = page.evaluate(ts_len)
+                assert n0 >= 1
+                page.wait_for_function(f"() => ({ts_len})() >= {n0 + 3}", timeout=20_000)
+                live_ts = page.evaluate("""() => Array.from(
+                    Bokeh.documents[0].get_model_by_name("agents-timeseries").get_column("live_sessions"))""")
+                kept = [r["live_sessions"] for r in plugin.timeseries.samples]
+                assert live_ts[-3:] == kept[len(live_ts) - 3:len(live_ts)] and live_ts[-1] == 1
                 times = page.evaluate("""() => Array.from(
                     Bokeh.documents[0].get_model_by_name("agents-decisions").get_column("time"))""")
                 assert times and times == sorted(times, reverse=True)  # newest decision on top
@@ -317,8 +327,16 @@ def test_agents_page_in_chromium():
                 assert page.locator(".slick-row", has_text=live.id).count() == 1  # moved to the completed table
                 assert page.get_by_text("Completed sessions").count() == 1
                 # clicking a row shows that session's graph
-                page.locator(".slick-row", has_text=done[0].id).first.click()
-                page.locator("text=session " + done[0].id).first.wait_for(timeout=10_000)
+                # (the tables redraw their rows every refresh: a click can land on a row being
+                # replaced, so it is repeated until the page shows the choice)
+                title = page.locator("text=session " + done[0].id).first
+                for attempt in range(5):
+                    page.locator(".slick-row", has_text=done[0].id).first.click()
+                    try:
+                        title.wait_for(timeout=6_000)
+                        break
+                    except Exception:
+                        assert attempt < 4, "the page never showed the clicked session's graph"
                 assert sorted(_graph_data(page)["key"]) == sorted(
                     n.call_id for n in da.session_graph(client, done[0]).nodes)
                 assert not errors, errors

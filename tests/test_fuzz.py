@@ -185,7 +185,8 @@ CONFIG_KEYS = sorted(set(_leaves(agents_config.DEFAULTS["agents"])) | {
 })
 TIME_KEYS = [k for k in CONFIG_KEYS if k.rsplit(".", 1)[-1] in {
     "session-retention", "batched-send-interval", "housekeeping-interval", "interval", "report-interval",
-    "update-interval", "window", "engine-stats-interval", "tick", "ttl-max", "prefetch-margin",
+    "update-interval", "window", "engine-stats-interval", "timeseries-interval", "timeseries-window", "tick",
+    "ttl-max", "prefetch-margin",
     "policy-timeout", "watchdog-interval", "stall-timeout"}]
 
 
