@@ -4,6 +4,9 @@
     dask-agents replay mooncake --tiers 4GiB     # KV policies vs the offline optimum (kv/offline/replay.py)
     dask-agents report telemetry.parquet -o report/   # PNG plots (dask_agents/report.py)
     dask-agents whatif telemetry.parquet --gpus 4      # another allocation, predicted (whatif.py)
+
+The same group is ``dask agents ...`` (Dask's ``dask_cli`` entry point, as ``dask cuda`` is) and
+``python -m dask_agents ...``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import click
 from dask_agents.report import report_command
 
 
-@click.group()
+@click.group(name="agents")
+@click.version_option(package_name="dask-agents", prog_name="dask-agents")
 def main() -> None:
     """dask-agents: workflow-aware serving of agentic applications on Dask."""
 

@@ -84,6 +84,16 @@ class EngineStoppedError(AgentsError, RuntimeError):
         return (type(self), (self.args[0], self.crashed))
 
 
+class EngineLoadError(AgentsError, RuntimeError):
+    """An LLM engine failed to load: the message names the model and the cause, and says how
+    to install vLLM when it is missing."""
+
+
+INSTALL_HINT = ("install an engine: on CPU machines `pip install 'dask-agents[cpu]' --extra-index-url "
+                "https://download.pytorch.org/whl/cpu` (vLLM's CPU build and torch's CPU wheel), on GPU "
+                "machines `pip install 'dask-agents[gpu]'` (the two exclude each other)")
+
+
 class InstanceLostError(CallFailedError):
     """A stateful call's instance is gone: its worker died, left or was retired, or the
     instance was released when its session completed.

@@ -168,3 +168,20 @@ def test_leaving_a_session_whose_client_closed_inside_it_is_quiet(client):
     other = Client(client.cluster)
     with da.session(other, name="gone"):
         other.close()
+
+
+def test_a_missing_engine_library_says_how_to_install_it(monkeypatch):
+    """No vLLM in the worker's environment: a da.EngineLoadError naming the model and the
+    install line, not a bare RuntimeError."""
+    from worker_plugin.engine import EngineHost, ModelSettings
+
+    def no_vllm(self):
+        raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
+
+    monkeypatch.setattr(EngineHost, "_load", no_vllm)
+    host = EngineHost("nolib", ModelSettings(model="builtin:tiny-llama", load_format="dummy", tokenizer="byte"))
+    host.start()
+    with pytest.raises(da.EngineLoadError, match=r"engine for model 'nolib' failed to load: ModuleNotFoundError.*"
+                                                 r"dask-agents\[cpu\].*download.pytorch.org/whl/cpu.*dask-agents\[gpu\]"):
+        host.wait_loaded(60)
+    host.close()

@@ -124,7 +124,12 @@ def wait_loaded(host: Any, timeout: float | None = None) -> None:
     if not host.loaded.wait(timeout):
         raise TimeoutError(f"engine for model {host.name!r} did not load within {timeout}s")
     if host.load_error is not None:
-        raise RuntimeError(f"engine for model {host.name!r} failed to load: {host.load_error}")
+        from dask_agents.errors import INSTALL_HINT, EngineLoadError
+
+        e = host.load_error
+        missing = isinstance(e, ImportError) and (getattr(e, "name", None) or "").split(".")[0] in ("vllm", "torch")
+        raise EngineLoadError(f"engine for model {host.name!r} failed to load: {type(e).__name__}: {e}"
+                              + (f"; {INSTALL_HINT}" if missing else "")) from None
 
 
 # Seeds torch's generators take (vLLM seeds one per request inside the step: a larger one crashes it).

@@ -1,0 +1,36 @@
+"""The command line as Dask users reach it: ``dask-agents``, ``dask agents`` (Dask's
+``dask_cli`` entry point, as ``dask cuda``) and ``python -m dask_agents``; ``--version``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+import dask_agents
+from dask_agents.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args: str) -> str:
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_version_and_python_m():
+    assert _run("-m", "dask_agents", "--version").strip() == f"dask-agents, version {dask_agents.__version__}"
+    assert "replay" in _run("-m", "dask_agents", "--help")
+
+
+def test_dask_agents_is_a_dask_cli_subcommand():
+    eps = [ep for ep in metadata.entry_points(group="dask_cli") if ep.name == "agents"]
+    if not eps:
+        pytest.fail("the dask_cli entry point 'agents' is not installed (pip install -e . registers it)")
+    assert eps[0].load() is main and main.name == "agents"
+    text = _run("-m", "dask", "agents", "--help")
+    assert "stubgen" in text and "replay" in text and "whatif" in text
