@@ -28,7 +28,7 @@ Traces (three families)
                time scale 0.01) of coding-agent-like sessions with growing prompts, read back from
                ``da.telemetry(client)`` (saved as CSV beside the JSON) by
                :func:`kv.offline.traces.load_telemetry`. ``--telemetry PATH`` replays a saved frame instead.
-``mooncake``   ``../shared/traces/mooncake-synthetic`` (or ``$DASK_AGENTS_TRACES``), all 3993
+``mooncake``   the Mooncake synthetic trace the package ships (or ``$DASK_AGENTS_TRACES``), all 3993
                requests; skipped (and said so) when absent.
 
 Each family is replayed a second time without session ends (``<family>-no-ends``,

@@ -492,7 +492,7 @@ def test_tiny_router_run_schema_and_completion(tmp_path, monkeypatch):
 
     try:
         router.make_specs(6, 0, 2)
-    except FileNotFoundError as e:  # the Azure trace lives outside the repository (../shared)
+    except FileNotFoundError as e:  # (the Azure trace ships with the package: DASK_AGENTS_TRACES elsewhere)
         pytest.skip(str(e))
     preset = {"loads": [4.0], "calibration_load": 4.0, "requests": 6, "phases": 2, "warmup": 0, "threads": 4,
               "splits": [[1, 3], [2, 2]]}

@@ -6,9 +6,12 @@ import json
 import math
 import statistics
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
+import dask_agents.data
 from dask_agents.client_api import COLUMNS
 from kv.offline import traces
 from kv.offline.traces import GenParams, Step, Trace, generate, load, load_mooncake, load_steps, load_telemetry, save
@@ -167,10 +170,8 @@ def test_mooncake_is_found_through_the_environment(tmp_path, monkeypatch):
 
 
 def test_the_real_mooncake_trace():
-    try:
-        path = traces.mooncake_path()
-    except FileNotFoundError:
-        pytest.skip("../shared/traces/mooncake-synthetic is absent")
+    path = traces.mooncake_path()  # the copy the package ships, found without ../shared or the env
+    assert path.is_relative_to(Path(dask_agents.data.__file__).parent)
     t = load_mooncake(path)
     assert len(t) == 3993 and len(t.sessions()) == 2211 and t.block_size == 512
     assert 0.6 < t.summary()["unlimited_cache_hit_rate"] < 0.7

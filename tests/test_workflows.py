@@ -44,11 +44,7 @@ def synthetic_dir(tmp_path) -> Path:
 
 @pytest.fixture(scope="module")
 def real_trace() -> tr.Trace:
-    try:
-        d = tr.trace_dir(tr.REPO.parent / "shared" / "traces")
-    except FileNotFoundError:
-        pytest.skip("../shared/traces/azure-llm-2023 is absent")
-    return tr.Trace.load(d)
+    return tr.Trace.load(tr.trace_dir())  # the copy the package ships (dask_agents/data/traces)
 
 
 # -- (a) the trace loader --------------------------------------------------------------------
@@ -145,8 +141,7 @@ def test_skewed_phases_are_dominated_by_one_label(source, synthetic_dir, request
 
 def test_synthetic_text_routes_as_labeled(synthetic_dir, request):
     trace = tr.Trace.load(synthetic_dir)
-    if (tr.REPO.parent / "shared" / "traces" / tr.SUBDIR).is_dir():
-        trace = tr.Trace(list(trace) + list(request.getfixturevalue("real_trace")[:3000]))
+    trace = tr.Trace(list(trace) + list(request.getfixturevalue("real_trace")[:3000]))
     reqs = router_requests(trace, seed=5, max_prompt_tokens=600, max_output_tokens=16)
     assert all(route_of(r.text) == BRANCH[r.label] for r in reqs)
     assert all(24 <= len(r.text.encode()) <= 600 and 1 <= r.max_tokens <= 16 for r in reqs)
@@ -221,11 +216,7 @@ def test_finance_follow_ups_reuse_the_session_kv(client):
 
 
 def _router_trace(request) -> tr.Trace:
-    try:
-        d = tr.trace_dir(tr.REPO.parent / "shared" / "traces")
-    except FileNotFoundError:
-        return tr.Trace.load(request.getfixturevalue("synthetic_dir"))
-    return tr.Trace.load(d).window(270, 60).head(16)  # 10 conversation, then 6 code requests
+    return tr.Trace.load(tr.trace_dir()).window(270, 60).head(16)  # 10 conversation, then 6 code requests
 
 
 def test_router_routes_by_trace_label_to_the_right_model(client, request):

@@ -9,7 +9,7 @@ every LLM number they yield is EMULATED and labeled so) and uses the trace's siz
 
 ``--time-scale`` scales the arrival times, the emulated tools and the emulated engine (0.1:
 ten times faster than the trace). ``--skewed`` replaces the natural mix by phases in which one
-branch dominates (>90%), then the other. The trace files stay in ``../shared`` (CC-BY 4.0, see
+branch dominates (>90%), then the other. The trace files ship with the package (CC-BY 4.0, see
 :mod:`examples.router.trace`); ``--traces`` or ``DASK_AGENTS_TRACES`` points elsewhere.
 """
 
@@ -55,7 +55,7 @@ def main() -> None:
                         help="trace second to start from (code traffic is bursty: from 260 both labels alternate)")
     parser.add_argument("--skewed", action="store_true", help="phases dominated by one branch, then the other")
     parser.add_argument("--phases", type=int, default=2, help="phases with --skewed")
-    parser.add_argument("--traces", default=None, help="trace directory (default $DASK_AGENTS_TRACES or ../shared)")
+    parser.add_argument("--traces", default=None, help="trace directory (default $DASK_AGENTS_TRACES, else the package's copy)")
     parser.add_argument("--max-prompt-tokens", type=int, default=None, help="prompt cap (default 8192 emulated, 256 real)")
     parser.add_argument("--max-output-tokens", type=int, default=None, help="output cap (default 512 emulated, 8 real)")
     args = parser.parse_args()

@@ -1,10 +1,9 @@
 """The Azure LLM inference trace 2023 (code and conversation services) as an arrival sequence.
 
-The trace files are not part of this repository: they are read from
-``<repo>/../shared/traces/azure-llm-2023/`` (``AzureLLMInferenceTrace_code.csv`` and
-``AzureLLMInferenceTrace_conv.csv``), or from the directory given as ``directory=`` or in the
-environment variable ``DASK_AGENTS_TRACES`` (either the ``azure-llm-2023`` directory itself or a
-directory holding it).
+The trace files ship with the package (``dask_agents/data/traces/azure-llm-2023/``:
+``AzureLLMInferenceTrace_code.csv`` and ``AzureLLMInferenceTrace_conv.csv``, the licence beside
+them); a directory given as ``directory=`` or in the environment variable ``DASK_AGENTS_TRACES``
+(the ``azure-llm-2023`` directory itself or a directory holding it) is read instead.
 
 Data: Azure Public Dataset, "Azure LLM inference trace 2023", © Microsoft, licensed under
 Creative Commons Attribution 4.0 International (CC-BY 4.0,
@@ -38,7 +37,6 @@ SUBDIR = "azure-llm-2023"
 FILES = {"code": "AzureLLMInferenceTrace_code.csv", "conversation": "AzureLLMInferenceTrace_conv.csv"}
 LABELS = tuple(FILES)
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -62,12 +60,14 @@ class Arrival:
 
 def trace_dir(directory: str | os.PathLike | None = None) -> Path:
     """The directory holding the two CSV files: ``directory``, else ``$DASK_AGENTS_TRACES``, else
-    ``<repo>/../shared/traces/azure-llm-2023``. A given directory may be the trace directory itself
-    or one that holds ``azure-llm-2023`` (so ``shared/traces`` works too).
+    the copy the package ships (``dask_agents/data/traces``). A given directory may be the trace
+    directory itself or one that holds ``azure-llm-2023``.
 
     FileNotFoundError (saying where it looked) if the files are not there."""
     if directory is None:
-        directory = os.environ.get(ENV) or REPO.parent / "shared" / "traces" / SUBDIR
+        from dask_agents.data import traces_dir
+
+        directory = traces_dir()
     base = Path(directory).expanduser()
     for cand in (base, base / SUBDIR):
         if all((cand / f).is_file() for f in FILES.values()):

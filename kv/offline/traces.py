@@ -50,7 +50,6 @@ MOONCAKE_FILE = "synthetic_trace.jsonl"
 MOONCAKE_BLOCK = 512
 MOONCAKE_DEPTH = 5  # steps from the 6th on share one AEG node
 ROOT_FANOUT = 16  # a block with this many distinct next blocks is a shared prefix, not a session
-REPO = Path(__file__).resolve().parents[2]
 FORMAT = "dask-agents-kv-trace"
 FAMILIES = ("generated", "telemetry", "mooncake", "file")
 MAX_TOKENS = 1 << 24
@@ -500,11 +499,13 @@ def load_steps(path: str | os.PathLike) -> Trace:
 # -- (c) Mooncake ------------------------------------------------------------------------------
 
 def mooncake_path(directory: str | os.PathLike | None = None) -> Path:
-    """The Mooncake trace file: in ``directory``, else ``$DASK_AGENTS_TRACES``, else
-    ``<repo>/../shared/traces/mooncake-synthetic``; a directory may be the trace directory itself
-    or one holding ``mooncake-synthetic``. FileNotFoundError saying where it looked."""
+    """The Mooncake trace file: in ``directory``, else ``$DASK_AGENTS_TRACES``, else the copy the
+    package ships (``dask_agents/data/traces``); a directory may be the trace directory itself or
+    one holding ``mooncake-synthetic``. FileNotFoundError saying where it looked."""
     if directory is None:
-        directory = os.environ.get(ENV) or REPO.parent / "shared" / "traces" / MOONCAKE_SUBDIR
+        from dask_agents.data import traces_dir
+
+        directory = traces_dir()
     base = Path(directory).expanduser()
     if base.is_file():
         return base
