@@ -57,9 +57,19 @@ def kv_path(path: str) -> str:
     return f"{stem}.kv{ext}"
 
 
+REQUIRED = ("session", "component", "created", "started", "finished")
+"""Columns of ``da.telemetry(client)`` the plots read."""
+
+
 def load_telemetry(path: str, kv: str | None = None) -> tuple[Any, Any]:
-    """(calls, kv samples or None) from a parquet (or csv) file and its ``.kv`` sibling."""
+    """(calls, kv samples or None) from a parquet (or csv) file and its ``.kv`` sibling;
+    ValueError naming the missing columns when ``path`` is not a ``da.telemetry`` calls table."""
     calls = _read(path)
+    missing = [c for c in REQUIRED if c not in calls.columns]
+    if missing:
+        raise ValueError(f"{path} is not a da.telemetry calls table: it has no {', '.join(missing)} column"
+                         f"{'s' if len(missing) > 1 else ''} (write one with "
+                         "dask_agents.report.save_telemetry(client, path))")
     kv = kv or kv_path(path)
     return calls, (_read(kv) if os.path.exists(kv) else None)
 

@@ -98,3 +98,13 @@ def test_benchmarks_can_plot_their_own_latencies(tmp_path):
     out = report.plot_latency_cdf({"dask": [1.0, 2.0, 3.0], "dask-agents": [0.5, 1.0, 1.5]},
                                   str(tmp_path / "cdf.png"), title="bench")
     assert os.path.getsize(out) > 5000
+
+
+def test_report_on_a_file_that_is_not_telemetry_names_the_missing_columns(tmp_path):
+    path = str(tmp_path / "other.csv")
+    pd.DataFrame({"time": [1.0, 2.0], "value": [3, 4]}).to_csv(path, index=False)
+    result = CliRunner().invoke(report.report_command, [path, "-o", str(tmp_path / "r")])
+    assert result.exit_code != 0
+    assert ("is not a da.telemetry calls table: it has no session, component, created, started, finished "
+            "columns") in result.output
+    assert "Error: 'session'" not in result.output
