@@ -13,6 +13,12 @@ def emulated_models(time_scale: float, names: tuple[str, ...] = ("chat", "coder"
     return {name: dict(entry) for name in names}
 
 
+def agents_page(client) -> str:
+    """The address of the Agents page (Dask's dashboard address, ``/agents`` for ``/status``)."""
+    link = client.dashboard_link
+    return link[: -len("/status")] + "/agents" if link.endswith("/status") else link.rstrip("/") + "/agents"
+
+
 def wait_for_telemetry(client, timeout: float = 10.0):
     """Telemetry once every call's exact start time has arrived (workers report in batches)."""
     import dask_agents as da

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from examples.common import call_columns, emulated_models, wait_for_telemetry  # noqa: E402
+from examples.common import agents_page, call_columns, emulated_models, wait_for_telemetry  # noqa: E402
 
 
 def table(outcomes, df):
@@ -66,7 +66,7 @@ def main() -> None:
         da.install(client, models=["coder"])
         engine = ("EMULATED engine (cost model)" if args.engine == "emulated"
                   else "vLLM CPU, tiny dummy-weight Llama")
-        print(f"dashboard: {client.dashboard_link}")
+        print(f"Agents page: {agents_page(client)}")
         print(f"cluster: {args.workers} workers x {args.threads} threads, model 'coder' ({engine}) on each; "
               f"time scale {args.time_scale:g}; loading engines...", flush=True)
         da.llm("coder").generate("warm up", max_tokens=1).value(600)  # first engine is up

@@ -21,7 +21,7 @@ import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from examples.common import call_columns, emulated_models, wait_for_telemetry  # noqa: E402
+from examples.common import agents_page, call_columns, emulated_models, wait_for_telemetry  # noqa: E402
 
 
 def table(outcomes, df):
@@ -89,7 +89,7 @@ def main() -> None:
                          dashboard_address=":0") as cluster, Client(cluster) as client:
         da.install(client, models=hosted)
         engine = "EMULATED engines (cost model)" if not real else "vLLM CPU, tiny dummy-weight Llama"
-        print(f"dashboard: {client.dashboard_link}")
+        print(f"Agents page: {agents_page(client)}")
         print(f"cluster: {args.workers} workers x {args.threads} threads, models {hosted} ({engine}) on each; "
               f"roles {models}; loading engines...", flush=True)
         for m in hosted:

@@ -15,6 +15,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=8, help="concurrent requests (sessions)")
+    parser.add_argument("--engine", choices=("real", "emulated"), default="real",
+                        help="real: a vLLM CPU engine (tiny dummy-weight Llama) per worker; emulated: the "
+                             "EMULATED cost model (its LLM numbers are labeled so)")
     parser.add_argument("--workers", type=int, default=2, help="workers, each hosting an engine")
     parser.add_argument("--threads", type=int, default=16, help="threads per worker (agents mostly wait)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated issues")
@@ -26,20 +29,23 @@ def main() -> None:
     from distributed import Client, LocalCluster
 
     import dask_agents as da
-    from examples.common import call_columns, wait_for_telemetry
+    from examples.common import agents_page, call_columns, emulated_models, wait_for_telemetry
     from examples.swe.workflow import make_issues, solve
 
     import dask
 
     dask.config.set({"agents.llm.log-level": args.log_level})  # the workers inherit the config
+    if args.engine == "emulated":
+        dask.config.set({"agents.llm.models": emulated_models(1.0, ("coder",))})
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", args.log_level.upper())  # and the environment
     t_start = time.time()
     with LocalCluster(n_workers=args.workers, threads_per_worker=args.threads, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
         da.install(client, models=["coder"])
-        print(f"dashboard: {client.dashboard_link.replace('/status', '/agents')}")
-        print(f"cluster: {args.workers} workers x {args.threads} threads, model 'coder' "
-              "(vLLM CPU, tiny dummy-weight Llama) on each; loading engines...", flush=True)
+        print(f"Agents page: {agents_page(client)}")
+        engine = "EMULATED engine (cost model)" if args.engine == "emulated" else "vLLM CPU, tiny dummy-weight Llama"
+        print(f"cluster: {args.workers} workers x {args.threads} threads, model 'coder' ({engine}) on each; "
+              "loading engines...", flush=True)
         da.llm("coder").generate("warm up", max_tokens=1).value(600)  # first engine is up
         issues = make_issues(args.requests, args.seed)
         t0 = time.time()
@@ -57,11 +63,14 @@ def main() -> None:
         rows.append({"request": o.issue.id, "latency_s": round(o.latency, 2), "retries": o.retries,
                      "passed": o.passed, **call_columns(calls)})
     table = pd.DataFrame(rows)
+    tag = "EMULATED " if args.engine == "emulated" else ""
     print()
+    if tag:
+        print("EMULATED: LLM latencies and token counts below come from the emulated engine (a cost model)")
     print(table.to_string(index=False))
     hit = table["cached_tokens"].sum() / max(table["prompt_tokens"].sum(), 1)
     print()
-    print(f"{len(outcomes)} concurrent requests, {n_calls} calls, wall {wall:.1f}s, "
+    print(f"{tag}{len(outcomes)} concurrent requests, {n_calls} calls, wall {wall:.1f}s, "
           f"mean latency {table['latency_s'].mean():.2f}s, p95 {table['latency_s'].quantile(0.95):.2f}s, "
           f"prefix-cache hit rate {hit:.0%} (token-weighted); total {time.time() - t_start:.0f}s")
     p99 = ctl["tick_seconds_p99"]
