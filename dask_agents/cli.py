@@ -27,7 +27,8 @@ def main() -> None:
 @click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False),
               help="Directory to write the stub modules into (created if missing).")
 @click.option("--package-root", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Directory the source import paths are relative to (default: each file's stem).")
+              help="Directory the source import paths are relative to (default: the directory above "
+                   "the file's outermost package, or the file's stem outside a package).")
 def stubgen_command(files: tuple[str, ...], out: str, package_root: str | None) -> None:
     """Write an importable stub module for each component file in FILES.
 

@@ -524,13 +524,21 @@ def generate_stub_source(source: str, module_name: str, filename: str = "<string
 def module_name_for(path: str, package_root: str | None = None) -> str:
     """The import path of the module in ``path``.
 
-    Without ``package_root`` it is the file's stem (``agents.py`` -> ``agents``). With it, the
-    path relative to the root, dotted (``root/app/agents.py`` -> ``app.agents``; a package's
-    ``__init__.py`` gives the package name). Raises ValueError if ``path`` is outside the root.
+    Without ``package_root``: the file's stem (``agents.py`` -> ``agents``) for a file outside
+    any package; inside one (its directory holds an ``__init__.py``), the root is inferred as the
+    directory above the outermost package, as Python would import it from there
+    (``root/app/agents.py`` with ``root/app/__init__.py`` -> ``app.agents``). With it, the path
+    relative to the root, dotted (a package's ``__init__.py`` gives the package name). Raises
+    ValueError if ``path`` is outside the root.
     """
     stem = os.path.splitext(os.path.basename(path))[0]
     if package_root is None:
-        return stem
+        root = os.path.dirname(os.path.abspath(path))
+        while os.path.isfile(os.path.join(root, "__init__.py")):
+            root = os.path.dirname(root)
+        if root == os.path.dirname(os.path.abspath(path)):
+            return stem
+        package_root = root
     rel = os.path.relpath(os.path.abspath(path), os.path.abspath(package_root))
     if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
         raise ValueError(f"{path}: not under the package root {package_root}")

@@ -236,6 +236,11 @@ def test_module_names_and_output_guards(tmp_path):
     assert module_name_for(str(pkg), str(tmp_path)) == "app.agents"
     with pytest.raises(ValueError, match="not under the package root"):
         module_name_for(str(pkg), str(tmp_path / "elsewhere"))
+    # inside a package, the root is inferred (the stub's import path then works from there)
+    (pkg.parent / "__init__.py").write_text("")
+    assert module_name_for(str(pkg)) == "app.agents"
+    assert module_name_for(str(pkg.parent / "__init__.py")) == "app"
+    (pkg.parent / "__init__.py").unlink()
     with pytest.raises(ValueError, match="overwrite its own source"):
         write_stubs([str(pkg)], str(pkg.parent))
     written = write_stubs([str(pkg)], str(tmp_path / "stubs"), package_root=str(tmp_path))
