@@ -142,6 +142,11 @@ def whatif_command(telemetry: str, gpus: int | None, replicas: tuple[str, ...], 
     click.echo("prediction error on the recording: " + ", ".join(f"{k} {v:+.0%}" for k, v in check["errors"].items()))
     click.echo(row(f"predicted {asked} x{load_scale:g}", pred))
     click.echo("(predictions: EMULATED engine calibrated on the recording)")
+    untrusted = w.warnings_for(fits, check)
+    for why in untrusted:
+        click.secho(f"WARNING: do not trust these predictions: {why}", fg="red", bold=True, err=True)
+    if untrusted:
+        click.secho(f"WARNING: to fix it, {w.RECORDING_HINT}", fg="red", err=True)
     if json_path:
         def strict(x: object) -> object:  # NaN (no sample) is null: the file stays valid JSON
             if isinstance(x, dict):
@@ -149,7 +154,8 @@ def whatif_command(telemetry: str, gpus: int | None, replicas: tuple[str, ...], 
             if isinstance(x, float) and x != x:
                 return None
             return x
-        doc = {"telemetry": telemetry, "emulated": True, "calibration": {m: vars(f) for m, f in fits.items()},
+        doc = {"telemetry": telemetry, "emulated": True, "trusted": not untrusted, "warnings": untrusted,
+               "calibration": {m: vars(f) for m, f in fits.items()},
                "validation": check, "whatif": {"replicas": asked, "load_scale": load_scale, **kw, "predicted": pred}}
         with open(json_path, "w") as fh:
             json.dump(strict(doc), fh, indent=2, allow_nan=False)

@@ -495,6 +495,28 @@ def recorded(scripts: list[Script]) -> dict[str, Any]:
     return summarize(lat, llm, end, cached / prompt if prompt else None)
 
 
+MIN_R2 = 0.5  # a calibration explaining less of the recorded LLM call times is not trusted
+MAX_SELF_CHECK_ERROR = 0.25  # nor a replay of the recording off by more than this on any measure
+RECORDING_HINT = ("record a run whose LLM calls vary: several concurrent sessions, prompts from hundreds to "
+                  "thousands of tokens and a range of output lengths, after the engines have loaded (the "
+                  "calibration fits decode per step, per sequence and prefill per token; one prompt shape "
+                  "or calls one at a time leave those apart undetermined)")
+
+
+def warnings_for(fits: Mapping[str, EngineFit], check: Mapping[str, Any]) -> list[str]:
+    """Why the predictions should not be trusted: a poor calibration fit (R^2 below ``MIN_R2``)
+    or a self-check (the recording replayed on its own allocation) off by more than
+    ``MAX_SELF_CHECK_ERROR``; empty when neither."""
+    out = [f"the calibration of {m} explains {f.r2:.0%} of the recorded LLM call times (R^2 {f.r2:.2f} < {MIN_R2})"
+           for m, f in fits.items() if not f.r2 >= MIN_R2]
+    off = {k: v for k, v in (check.get("errors") or {}).items() if abs(v) > MAX_SELF_CHECK_ERROR}
+    if off:
+        out.append("replayed on its own allocation, the recording is predicted "
+                   + ", ".join(f"{k} {v:+.0%}" for k, v in off.items())
+                   + f" off (more than {MAX_SELF_CHECK_ERROR:.0%})")
+    return out
+
+
 def validate(scripts: list[Script], fits: Mapping[str, EngineFit], **kw: Any) -> dict[str, Any]:
     """Replay the recording on its own allocation: measured, predicted and relative errors."""
     measured = recorded(scripts)

@@ -141,3 +141,22 @@ def test_concurrency_is_the_mean_number_in_service():
              w.Call("c", "llm", "llm", None, 5.0, 5.0, 6.0)]
     # a: 2 s alone, 2 s with b -> 1.5; b: always with a -> 2; c: alone -> 1
     assert w._concurrency(calls) == [pytest.approx(1.5), pytest.approx(2.0), pytest.approx(1.0)]
+
+
+def test_a_poor_fit_or_self_check_warns_loudly_and_says_what_recording_fixes_it(tmp_path, monkeypatch):
+    good = {"coder": w.EngineFit(1e-3, 1e-4, 1e-6, 40, 0.93)}
+    assert w.warnings_for(good, {"errors": {"mean_s": 0.05, "p95_s": -0.1}}) == []
+    poor = {"coder": w.EngineFit(1e-3, 1e-4, 1e-6, 40, -0.001)}
+    why = w.warnings_for(poor, {"errors": {"mean_s": 1.61, "p95_s": 0.1}})
+    assert why == ["the calibration of coder explains -0% of the recorded LLM call times (R^2 -0.00 < 0.5)",
+                   "replayed on its own allocation, the recording is predicted mean_s +161% off (more than 25%)"]
+    # the command line: the warnings and the hint, trusted: false in the JSON (no fit reaches R^2 2)
+    path = tmp_path / "t.csv"
+    pd.DataFrame([r for i in range(8) for r in agent_session(f"s{i}", 0.5 * i)]).to_csv(path, index=False)
+    monkeypatch.setattr(w, "MIN_R2", 2.0)
+    res = CliRunner().invoke(main, ["whatif", str(path), "--gpus", "2", "--json", str(tmp_path / "w.json")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "w.json").read_text())
+    assert doc["trusted"] is False and doc["warnings"][0].startswith("the calibration of coder explains")
+    assert "WARNING: do not trust these predictions: the calibration of coder" in res.output
+    assert "WARNING: to fix it, record a run whose LLM calls vary" in res.output
