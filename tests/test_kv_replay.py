@@ -96,3 +96,17 @@ def test_replay_without_session_ends(small_trace, tmp_path):
                                     "--tiers", "accelerator=90%", "--no-offline", "--json", str(out_json)])
     assert res.exit_code == 0, res.output
     assert json.loads(out_json.read_text())["trace"]["family"] == "generated-no-ends"
+
+
+def test_the_replay_table_cuts_nothing_and_explains_its_columns(small_trace):
+    path, _ = small_trace
+    res = CliRunner().invoke(main, ["replay", str(path), "--policy", "lru", "--no-offline",
+                                    "--tiers", "accelerator=90%,host=50%"])
+    assert res.exit_code == 0, res.output
+    rows = [line for line in res.output.splitlines() if " lru " in line]
+    assert rows and rows[0].startswith("generated(sessions=6,seed=4")  # the trace's whole name
+    header = res.output.splitlines()[0]
+    assert "offl GiB" in header and "GB " not in header  # one unit, the tiers' own
+    assert "vs opt: recomputed / the optimum's" in res.output  # the columns explained
+    tiers = rows[0].split()[1]
+    assert tiers.startswith("accelerator=") and ",host=" in tiers  # not cut at 30 characters

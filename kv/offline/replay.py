@@ -131,19 +131,35 @@ def _num(x: float | None, width: int, digits: int) -> str:
     return f"{'-':>{width}s}" if x is None else f"{x:{width}.{digits}f}"
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    """The rows as a text table (tiers, then policies; the optimum first)."""
-    hdr = (f"{'trace':22s} {'tiers':30s} {'acc/peak':>8s} {'policy':10s} {'hit rate':>8s} "
-           f"{'recomp Mtok':>11s} {'vs opt':>7s} {'excess':>7s} {'offl GB':>8s} {'pref GB':>8s} {'stall s':>8s} "
-           f"{'peak GB':>8s}")
+COLUMN_NOTES = (
+    "acc/peak: accelerator capacity / the trace's peak footprint; hit rate: reused prompt tokens / prompt "
+    "tokens; recomp Mtok: prompt tokens recomputed (millions); vs opt: recomputed / the optimum's; excess: the "
+    "same over the avoidable part (first uses and prompt tails left out); offl, pref GiB: bytes offloaded to and "
+    "prefetched from lower tiers; stall s: time steps waited for restores; peak GiB: most accelerator bytes in "
+    "use; policy 'opt' with the bound's kind: the optimum (a lower bound, knowing the future); 'offline': the "
+    "cost-aware schedule that knows the future")
+
+
+def format_table(rows: Sequence[Row], notes: bool = True) -> str:
+    """The rows as a text table (tiers, then policies; the optimum first), with what each
+    column means below it unless ``notes`` is False. Columns are as wide as their longest value:
+    nothing is cut; sizes are in GiB, as the tiers are written."""
+    gib = 2**30
+    tw = max([len("trace"), *(len(r.trace) for r in rows)])
+    sw = max([len("tiers"), *(len(r.tiers) for r in rows)])
+    hdr = (f"{'trace':{tw}s} {'tiers':{sw}s} {'acc/peak':>8s} {'policy':10s} {'hit rate':>8s} "
+           f"{'recomp Mtok':>11s} {'vs opt':>7s} {'excess':>7s} {'offl GiB':>8s} {'pref GiB':>8s} {'stall s':>8s} "
+           f"{'peak GiB':>8s}")
     lines = [hdr, "-" * len(hdr)]
     for r in rows:
         name = f"opt/{r.bound}" if r.policy == OPTIMUM else r.policy
         lines.append(
-            f"{r.trace[:22]:22s} {r.tiers[:30]:30s} {r.accelerator_share:8.2f} {name:10s} {r.hit_rate:8.3f} "
+            f"{r.trace:{tw}s} {r.tiers:{sw}s} {r.accelerator_share:8.2f} {name:10s} {r.hit_rate:8.3f} "
             f"{r.recomputed_tokens / 1e6:11.3f} {r.ratio:7.3f} {_num(r.excess_ratio, 7, 2)} "
-            f"{r.bytes_offloaded / 1e9:8.1f} "
-            f"{r.bytes_prefetched / 1e9:8.1f} {r.stall_s:8.2f} {r.peak_accelerator_bytes / 1e9:8.1f}")
+            f"{r.bytes_offloaded / gib:8.1f} "
+            f"{r.bytes_prefetched / gib:8.1f} {r.stall_s:8.2f} {r.peak_accelerator_bytes / gib:8.1f}")
+    if notes:
+        lines += ["", COLUMN_NOTES]
     return "\n".join(lines)
 
 
