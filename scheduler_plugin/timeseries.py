@@ -14,6 +14,7 @@ from collections import deque
 from typing import Any
 
 from dask_agents.stats import percentile
+from scheduler_plugin.metrics import engine_records
 
 COLUMNS = ("time", "live_sessions", "completions_per_s", "latency_p50_s", "latency_p95_s", "latency_p99_s",
            "tokens_per_s", "engine_running", "engine_waiting", "kv_device_bytes", "hit_rate", "admission_waiting")
@@ -49,12 +50,10 @@ class TimeSeries:
         for _, p, c, o in agg.tokens.values():
             prompt, cached, output = prompt + p, cached + c, output + o
         running = waiting = kv = 0
-        for rep in list(agg.engines.values()):
-            for st in (rep.get("models") or {}).values() if isinstance(rep, dict) else ():
-                if isinstance(st, dict):
-                    running += int(st.get("running") or 0)
-                    waiting += int(st.get("waiting") or 0)
-                    kv += int((st.get("kv_bytes") or {}).get("device") or 0)
+        for _, _, st in engine_records(agg):
+            running += st.get("running") or 0
+            waiting += st.get("waiting") or 0
+            kv += (st.get("kv_bytes") or {}).get("device") or 0
         while self._latencies and self._latencies[0][0] < now - self.latency_window_s:
             self._latencies.popleft()
         lat = sorted(x for _, x in self._latencies)

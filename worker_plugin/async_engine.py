@@ -206,8 +206,7 @@ class AsyncEngineHost:
         if args:
             raise KVDirectiveError(f"KV directive {op!r} through the KV connector takes no arguments; "
                                    f"got {', '.join(map(repr, sorted(args)))}")
-        if op in connector.REFUSED or op not in connector.OPS:
-            connector.control(self.name, op, session)  # raises, naming the reason
+        connector.check(op)  # here, before a round trip to the engine core
         if self._engine is None or self._closed:
             raise KVDirectiveError(f"engine {self.name!r} is not running")
         rpc = self._engine.collective_rpc("dask_agents_kv", args=(self.name, op, session))

@@ -19,6 +19,7 @@ import warnings
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOGGER = "dask_agents"  # engine loads and other once-per-engine news
+_filtered: list[str] = []  # the libraries' deprecation warnings are already filtered in this process
 
 
 def level(name: str | None = None) -> str:
@@ -41,7 +42,8 @@ def quiet_engines(name: str | None = None) -> str:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "INFO" if lvl in ("DEBUG", "INFO") else lvl)
     # (also before vLLM is imported: its import logs a warning before its logging is set up)
     logging.getLogger("vllm").setLevel(lvl)
-    if logging.getLevelName(lvl) > logging.INFO:
+    if logging.getLevelName(lvl) > logging.INFO and not _filtered:
+        _filtered.append(lvl)  # once per process: every engine load (and restart) comes here
         for module in (r"vllm(\..*)?", r"torch(\..*)?"):
             warnings.filterwarnings("ignore", category=FutureWarning, module=module)
             warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)

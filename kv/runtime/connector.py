@@ -177,12 +177,18 @@ def transfer_config(name: str, host_bytes: int) -> Any:
                             kv_connector_extra_config={"store": name, "host_bytes": int(host_bytes)})
 
 
-def control(name: str, op: str, session: str) -> dict:
-    """Apply one directive to engine ``name``'s store (``OPS``); KVDirectiveError otherwise."""
+def check(op: str) -> None:
+    """KVDirectiveError unless ``op`` is a directive the connector applies (``OPS``), naming
+    the reason for one it refuses (``REFUSED``)."""
     if op in REFUSED:
         raise KVDirectiveError(f"KV directive {op!r} is not available through the KV connector: {REFUSED[op]}")
     if op not in OPS:
         raise KVDirectiveError(f"unknown KV directive {op!r} (known: {', '.join(OPS)})")
+
+
+def control(name: str, op: str, session: str) -> dict:
+    """Apply one directive to engine ``name``'s store (``OPS``); KVDirectiveError otherwise."""
+    check(op)
     s = _STORES.get(name)
     if s is None or s.manager is None:
         raise KVDirectiveError(f"engine {name!r} has no dask-agents KV connector in this process")
