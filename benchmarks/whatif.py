@@ -50,7 +50,7 @@ def run(workers: int, rate: float, n: int, seed: int) -> tuple[Any, dict]:
         deadline = time.time() + 30
         while True:  # the workers' exact timings arrive in batches
             df = da.telemetry(backend.client)
-            df = df[df["created"] >= t0]
+            df = df[df["created"] >= pd.Timestamp(t0, unit="s", tz="UTC")]
             # the workers' reports (exact start times, tokens) trail the scheduler's transitions
             if (len(df) and df[["started", "finished"]].notna().all(axis=None)
                     and df.loc[df["kind"] == "llm", "output_tokens"].notna().all()):

@@ -113,6 +113,7 @@ COLUMNS = [
     "key", "session", "component", "method", "kind", "creator", "state", "worker", "created",
     "ready", "started", "finished", "n_dependencies", "prompt_tokens", "cached_tokens", "output_tokens", "kv_bytes",
     "emulated", "migrations", "priority_changes", "tenant", "model", "retry", "queue_s", "service_s",
+    "ttft_s", "tpot_s", "error",
 ]
 SESSION_COLUMNS = [
     "session", "tenant", "state", "created", "completed", "age_s", "calls", "progress", "open", "failed",
@@ -120,20 +121,52 @@ SESSION_COLUMNS = [
 ]
 KV_COLUMNS = ["time", "worker", "model", "tier", "bytes", "capacity_bytes"]
 TABLES = {"calls": COLUMNS, "sessions": SESSION_COLUMNS, "kv": KV_COLUMNS}
+TIME_COLUMNS = ("created", "ready", "started", "finished", "completed", "time")
+"""Timestamp columns of the telemetry tables: ``datetime64[ns, UTC]`` in ``da.telemetry``'s
+frames (NaT when unknown); :func:`posix_seconds` turns them back into POSIX seconds."""
+
+
+def posix_seconds(df: Any) -> Any:
+    """``df`` with its timestamp columns (:data:`TIME_COLUMNS`) as POSIX seconds (floats, NaN
+    when unknown), whether they hold datetimes (``da.telemetry``), ISO strings (its CSV files)
+    or seconds already (older files): what arithmetic on times (``report``, ``whatif``) reads."""
+    import pandas as pd
+
+    out = df.copy()
+    for c in TIME_COLUMNS:
+        if c not in out.columns:
+            continue
+        col = out[c]
+        if pd.api.types.is_numeric_dtype(col) and not pd.api.types.is_bool_dtype(col):
+            out[c] = col.astype(float)
+            continue
+        if not pd.api.types.is_datetime64_any_dtype(col):
+            col = pd.to_datetime(col, utc=True, format="ISO8601")
+        elif col.dt.tz is None:
+            col = col.dt.tz_localize("UTC")
+        # (whatever the unit a file kept: ns from pandas, us from parquet)
+        out[c] = (col.dt.tz_convert("UTC") - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
+    return out
 
 
 def telemetry(client: Client, session: Any = None, table: str = "calls"):
-    """Telemetry as a pandas DataFrame (timestamps are POSIX seconds; ``emulated`` is a bool:
-    whether an emulated engine or tool served the call, so its times are EMULATED).
+    """Telemetry as a pandas DataFrame. Timestamps (``created``, ``ready``, ``started``,
+    ``finished``, ``completed``, ``time``) are ``datetime64[ns, UTC]`` (NaT when unknown; durations
+    are the ``*_s`` columns, in seconds; :func:`posix_seconds` gives POSIX seconds back);
+    ``emulated`` is a bool: whether an emulated engine or tool served the call, so its times are
+    EMULATED.
 
     ``table="calls"`` (default): one row per call; ``queue_s`` is runnable -> started,
     ``service_s`` started -> finished (the workers' exact times), ``retry`` marks a re-visit
-    (see the dashboard's retries), tokens for LLM calls.
+    (see the dashboard's retries), tokens for LLM calls and, as their worker measured them,
+    ``ttft_s`` (time to first token, from the engine's receipt of the request) and ``tpot_s``
+    (time per output token after the first); ``error`` the text of a failed call's exception.
     ``table="sessions"``: one row per retained session (state, age or latency, calls,
     progress, open, failed, retries, current components).
     ``table="kv"``: the engines' KV residency samples (time, worker, model, tier, bytes,
     capacity), one per engine and tier about every ``agents.dashboard.engine-stats-interval``;
-    only engines that report KV bytes appear (today: the emulated engine)."""
+    only engines that report KV bytes appear (those with per-session KV control: vLLM's and
+    the emulated one)."""
     import pandas as pd
 
     if table not in TABLES:
@@ -145,6 +178,9 @@ def telemetry(client: Client, session: Any = None, table: str = "calls"):
         df = pd.DataFrame(rows, columns=columns)
         if "emulated" in df.columns:  # True for calls an emulated engine or tool served, else False
             df["emulated"] = df["emulated"].astype("boolean").fillna(False).astype(bool)
+        for c in TIME_COLUMNS:
+            if c in df.columns:
+                df[c] = pd.to_datetime(pd.to_numeric(df[c], errors="coerce"), unit="s", utc=True)
         return df
 
     return _call(client, "agents_telemetry", frame, session=sid, table=table)

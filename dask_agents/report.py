@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import click
 
+from dask_agents.client_api import posix_seconds
 from dask_agents.stats import percentiles
 
 
@@ -41,12 +42,13 @@ def _plt() -> Any:
 # -- telemetry files ------------------------------------------------------------------------------
 
 def _read(path: str) -> Any:
+    """A telemetry table from parquet or csv, its timestamps as POSIX seconds."""
     import pandas as pd
 
     if path.endswith(".csv"):
-        return pd.read_csv(path)
+        return posix_seconds(pd.read_csv(path))
     try:
-        return pd.read_parquet(path)
+        return posix_seconds(pd.read_parquet(path))
     except ImportError as e:
         raise RuntimeError(f"reading {path} needs pyarrow (pip install pyarrow), or give a .csv") from e
 
@@ -98,7 +100,7 @@ def session_latencies(calls: Any) -> Any:
     all finished; others are still running or failed and have no latency)."""
     import pandas as pd
 
-    df = calls[calls["session"].notna()]
+    df = posix_seconds(calls[calls["session"].notna()])
     if df.empty:
         return pd.DataFrame(columns=["session", "workflow", "created", "finished", "latency_s"])
     df = df.sort_values("created")
@@ -123,7 +125,7 @@ def component_times(calls: Any) -> Any:
     """Per component: calls, mean/P95 queueing and service seconds (calls with worker times)."""
     import pandas as pd
 
-    df = calls.copy()
+    df = posix_seconds(calls)
     num = (lambda c: pd.to_numeric(df[c], errors="coerce") if c in df.columns else pd.Series(float("nan"), df.index))
     df["queue_s"] = num("queue_s").fillna(num("started") - num("ready"))
     df["service_s"] = num("service_s").fillna(num("finished") - num("started"))
@@ -201,6 +203,7 @@ def plot_kv_residency(kv: Any, path: str, title: str = "KV residency over time")
     until its next one); ``kv``: time, worker, model, tier, bytes (``table="kv"``)."""
     import numpy as np
 
+    kv = posix_seconds(kv)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 5))
     t0 = float(kv["time"].min())

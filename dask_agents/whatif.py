@@ -133,10 +133,12 @@ def scripts_from_frame(df: Any) -> list[Script]:
     whose calls all finished are kept: a replay needs whole sessions)."""
     import pandas as pd
 
+    from dask_agents.client_api import posix_seconds
+
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise WhatIfError(f"telemetry lacks column(s) {', '.join(missing)} (a da.telemetry(client) calls table has them)")
-    rows = df[df["session"].notna()]
+    rows = posix_seconds(df[df["session"].notna()])
     out: list[Script] = []
     origin = None
     for sid, g in rows.groupby("session", sort=False):

@@ -145,6 +145,7 @@ class Admission:
         self.typical: dict[str, float] = {}  # model -> EWMA of ended sessions' peak contexts
         self.shared: dict[str, float] = {}  # model -> EWMA of the tokens sessions share (first calls' hits)
         self.counts: Counter = Counter()
+        self.waits_by_model: Counter = Counter()  # model -> LLM calls that were held for room
         self.recent: deque[Admitted] = deque(maxlen=200)
         self.waits: deque[float] = deque(maxlen=1000)
         self.explicit: set[str] = set()  # models some worker hosted at its hello (not lazily loaded)
@@ -223,6 +224,7 @@ class Admission:
                 return True
         self.held[h.key] = h
         self.counts["held"] += 1
+        self.waits_by_model[model] += 1
         dask_compat.restrict_to_worker(ts, HELD)
         return True
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Callable, Iterable
 
 from distributed.utils import import_term
@@ -76,6 +76,7 @@ class ControlLoop:
         self.policy_seconds: deque[float] = deque(maxlen=1000)
         self.errors: dict[str, str] = {}
         self.policy_errors = 0
+        self.policy_error_counts: Counter[str] = Counter()  # policy -> errors (raised or timed out)
         self._idle_since: dict[str, float] = {}
         self.incremental = True  # build views from the plugin's ViewIndex (False: full rescan)
         self.view_seconds: deque[float] = deque(maxlen=1000)  # the view-building part of each pass

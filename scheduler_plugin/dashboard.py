@@ -5,14 +5,19 @@ Registered by the scheduler plugin whenever it starts (``da.install(client)`` or
 served from the scheduler's own HTTP server, under Dask's dashboard prefix, with Dask's page
 template and a link in Dask's navigation bar. Sections:
 
-- sessions: live ones and the latest completed (progress bar, state, age, current
+- time series (kept in the scheduler, ``timeseries.py``): live sessions, admission, engine
+  queues, latency percentiles, throughput, tokens/s, hit rate, KV blocks and bytes;
+- sessions: live ones on top, the latest completed below (progress bar, state, age, current
   component, retries, failures); click a row to see its graph;
-- components: replicas, ready queue per replica, busy fraction, service/arrival rates,
-  mean queueing and service time, the bottleneck;
-- engines and KV: per worker and model, sessions bound, engine queue, KV bytes per tier,
-  prefix-cache hit rate, cached and recomputed tokens, tier traffic;
-- control loop: tick times (plot), counters, recent decisions;
-- a session's live call graph, nodes coloured by state.
+- a session's live call graph, nodes coloured by state, and its timeline (each call a bar on
+  its worker or engine, coloured by component, retries and failures hatched);
+- errors: the latest failed calls with their error and a link to Dask's task page;
+- components: replicas, capacity, ready queue per replica, utilization (from the workers'
+  timings), service/arrival rates, mean queueing and service time, the bottleneck;
+- engines and KV: per worker and model, sessions bound, engine queue, KV bytes per tier and
+  the device's blocks (referenced, retained, evictable), prefix-cache hit rate, cached and
+  recomputed tokens, tier traffic;
+- control loop: tick times (plot), counters, recent decisions (newest first).
 
 Cost: one :class:`~scheduler_plugin.dashboard_data.DashboardModel` computes for every open
 page at most once per refresh; each page then sends only what changed (ColumnDataSource
@@ -35,10 +40,13 @@ from scheduler_plugin.dashboard_data import (
     COMPONENT_COLUMNS,
     DECISION_COLUMNS,
     ENGINE_COLUMNS,
+    ERROR_COLUMNS,
     SESSION_COLUMNS,
     STATE_COLORS,
+    TIMELINE_COLUMNS,
     DashboardModel,
 )
+from scheduler_plugin.state import TERMINAL
 from scheduler_plugin.timeseries import COLUMNS as TIMESERIES_COLUMNS
 
 TS_COLUMNS = (*TIMESERIES_COLUMNS, "t_ms")  # t_ms: the sample's time for Bokeh's datetime axis
@@ -177,19 +185,32 @@ _BAR = ('<div style="background:#e0e0e0;width:100%;height:14px;margin-top:4px;po
         '<%= progress %>/<%= calls %></span></div>')
 
 
-def _table(source: Any, spec: list[tuple[str, str, Any]], height: int, name: str,
-           widths: dict[str, int] | None = None, view: Any = None) -> Any:
-    from bokeh.models import CustomJS, DataTable, NumberFormatter, StringFormatter, TableColumn
+def _formatter(cache: dict, kind: Any, fmt: str) -> Any:
+    """One formatter per kind and format on a page (``cache``: the page's): every Bokeh model
+    of a page adds to the cost of each message to its browser (the serializer indexes them all).
+    Models belong to one document, so pages do not share them."""
+    key = (kind.__name__, fmt)
+    if key not in cache:
+        cache[key] = kind(format=fmt, nan_format="—", null_format="—") if fmt else kind()
+    return cache[key]
 
+
+def _table(source: Any, spec: list[tuple[str, str, Any]], height: int, name: str,
+           widths: dict[str, int] | None = None, view: Any = None, formatters: dict | None = None) -> Any:
+    from bokeh.models import CustomJS, DataTable, NumberFormatter, StringEditor, StringFormatter, TableColumn
+
+    formatters = {} if formatters is None else formatters
+    editor = formatters.setdefault("editor", StringEditor())  # (the tables are read-only: one will do)
     cols = []
     for field, title, fmt in spec:
         if fmt is None:
-            formatter = StringFormatter()
+            formatter = _formatter(formatters, StringFormatter, "")
         elif isinstance(fmt, str):
-            formatter = NumberFormatter(format=fmt, nan_format="—", null_format="—")
+            formatter = _formatter(formatters, NumberFormatter, fmt)
         else:
             formatter = fmt
-        cols.append(TableColumn(field=field, title=title, formatter=formatter, width=(widths or {}).get(field, 60)))
+        cols.append(TableColumn(field=field, title=title, formatter=formatter, editor=editor,
+                                width=(widths or {}).get(field, 60)))
     table = DataTable(source=source, columns=cols, height=height, sizing_mode="stretch_width",
                       index_position=None, name=name, reorderable=False, **({"view": view} if view else {}))
     # BokehJS's DataTable redraws when its view's indices change (data replaced, rows streamed),
@@ -350,7 +371,11 @@ class AgentsPage:
         from bokeh.models import (
             CDSView,
             ColumnDataSource,
+            DataRange1d,
+            DatetimeTicker,
+            DatetimeTickFormatter,
             Div,
+            FactorRange,
             GroupFilter,
             HoverTool,
             HTMLTemplateFormatter,
@@ -364,12 +389,12 @@ class AgentsPage:
         self.model = dash.model
         self.follow = not session  # follow the longest-running live session until one is chosen
         self.session = session or None
-        self.ticks_seen = 0
         self.decisions_seen = (0, 0)
         self._choices_at = 0.0
         self._graph_version: tuple[str | None, int] | None = None
 
         self.summary = Div(text="", name="agents-summary", sizing_mode="stretch_width")
+        table = functools.partial(_table, formatters={})  # the page's tables share formatters
 
         self.sessions_src = ColumnDataSource({c: [] for c in SESSION_COLUMNS}, name="agents-sessions")
         self.sessions_sync = SessionsSync(self.sessions_src)
@@ -384,30 +409,33 @@ class AgentsPage:
         ]
         widths = {"session": 190, "pct": 90, "current": 110}
         done = GroupFilter(column_name="state", group="completed")
-        self.sessions_table = _table(self.sessions_src, columns, 240, "agents-sessions-table", widths,
+        self.sessions_table = table(self.sessions_src, columns, 240, "agents-sessions-table", widths,
                                      CDSView(filter=InversionFilter(operand=done)))
-        self.completed_table = _table(self.sessions_src, columns, 160, "agents-completed-table", widths,
+        self.completed_table = table(self.sessions_src, columns, 160, "agents-completed-table", widths,
                                       CDSView(filter=done))
         self.sessions_src.selected.on_change("indices", self._on_select_row)
 
         self.components_src = ColumnDataSource({c: [] for c in COMPONENT_COLUMNS}, name="agents-components")
-        self.components_table = _table(self.components_src, [
+        self.components_table = table(self.components_src, [
             ("component", "component", None), ("kind", "kind", None), ("replicas", "replicas", "0"),
+            ("slots", "capacity (slots)", "0"),
             ("queued", "queued", "0"), ("per_replica", "ready queue per replica", None),
-            ("running", "running", "0"), ("busy", "busy fraction", "0.00"),
-            ("service_rate", "service rate /s per busy replica", "0.00"),
+            ("running", "running", "0"), ("busy", "utilization", "0.0%"),
+            ("service_rate", "service rate /s per busy slot", "0.00"),
             ("throughput", "done /s", "0.00"), ("arrival_rate", "arrivals /s", "0.00"),
             ("mean_queue_s", "mean queue s", "0.000"), ("mean_service_s", "mean service s", "0.000"),
             ("capacity_x", "capacity x", "0.00"), ("bottleneck", "bottleneck", None),
         ], 200, "agents-components-table", {"per_replica": 160, "bottleneck": 140, "kind": 90})
 
         self.engines_src = ColumnDataSource({c: [] for c in ENGINE_COLUMNS}, name="agents-engines")
-        self.engines_table = _table(self.engines_src, [
+        self.engines_table = table(self.engines_src, [
             ("worker", "worker", None), ("model", "model", None), ("engine", "engine", None),
             ("sessions", "sessions bound", "0"), ("running", "running", "0"), ("waiting", "waiting", "0"),
             ("held", "held for room (model)", "0"), ("bound", "calls bound", "0"),
             ("working_set", "admitted working sets", None),
             ("kv_device", "KV device", None), ("kv_capacity", "KV device capacity", None),
+            ("kv_referenced", "blocks referenced", "0,0"), ("kv_retained", "blocks retained", "0,0"),
+            ("kv_evictable", "blocks evictable", "0,0"), ("kv_blocks", "blocks", "0,0"),
             ("kv_host", "KV host", None), ("kv_disk", "KV disk", None), ("hit_rate", "prefix hit rate", "0.0%"),
             ("cached_tokens", "cached tokens", "0,0"), ("recomputed_tokens", "recomputed tokens", "0,0"),
             ("offloaded", "offloaded", None), ("restored", "restored", None), ("evictions", "evictions", "0"),
@@ -418,6 +446,18 @@ class AgentsPage:
         # a new page gets the kept window at once, then each new sample.
         self.ts_seen = 0
         self.ts_src = ColumnDataSource({c: [] for c in TS_COLUMNS}, name="agents-timeseries")
+        # The time plots share one time axis (zoom or pan one, they all follow) and one ticker
+        # and formatter: fewer models on the page, each of which costs every message to the
+        # browser a little (see _formatter).
+        shared_x = DataRange1d(syncable=False)
+        ticker, tick_format = DatetimeTicker(), DatetimeTickFormatter()
+
+        def time_figure(**kw: Any) -> Any:
+            f = figure(x_axis_type="datetime", x_range=shared_x, **kw)
+            f.xaxis.ticker, f.xaxis.formatter = ticker, tick_format
+            f.xgrid.ticker = ticker
+            return f
+
         ts_figs = []
         for title, lines in (
                 ("sessions and calls waiting", (("live_sessions", "live sessions", "#1e88e5"),
@@ -430,9 +470,12 @@ class AgentsPage:
                 ("throughput", (("completions_per_s", "sessions completed /s", "#1e88e5"),)),
                 ("LLM tokens /s", (("tokens_per_s", "tokens /s", "#8e24aa"),)),
                 ("prefix-cache hit rate (LLM calls of the last sample)", (("hit_rate", "hit rate", "#43a047"),)),
-                ("KV on the engines' devices (bytes)", (("kv_device_bytes", "device KV", "#00897b"),))):
-            f = figure(height=180, sizing_mode="stretch_width", title=title, tools="", toolbar_location=None,
-                       x_axis_type="datetime")
+                ("KV blocks on the engines' devices", (("kv_referenced_blocks", "referenced", "#1e88e5"),
+                                                       ("kv_retained_blocks", "retained (pinned)", "#fb8c00"),
+                                                       ("kv_evictable_blocks", "evictable (cached)", "#43a047"))),
+                ("KV bytes (device, host)", (("kv_device_bytes", "device", "#00897b"),
+                                             ("kv_host_bytes", "host", "#8e24aa")))):
+            f = time_figure(height=180, sizing_mode="stretch_width", title=title, tools="", toolbar_location=None)
             _no_sync_back(f)
             for col, label, color in lines:
                 f.line("t_ms", col, source=self.ts_src, line_width=1.5, color=color, legend_label=label)
@@ -441,16 +484,45 @@ class AgentsPage:
         self.ts_figs = ts_figs
 
         self.control_div = Div(text="", name="agents-control", sizing_mode="stretch_width")
-        self.ticks_src = ColumnDataSource({"tick": [], "ms": []}, name="agents-ticks")
-        ticks_fig = figure(height=200, sizing_mode="stretch_width", title="control-loop pass (ms)",
-                           tools="", toolbar_location=None, x_axis_label="pass")
+        self._control_stable, self._control_at = "", 0.0
+        # control-loop pass times: from the time series (one message per refresh less)
+        ticks_fig = time_figure(height=200, sizing_mode="stretch_width", title="control-loop passes (ms, per sample)",
+                                tools="", toolbar_location=None)
         _no_sync_back(ticks_fig)
-        ticks_fig.line("tick", "ms", source=self.ticks_src, line_width=1.5)
+        for col, label, color in (("control_pass_p50_ms", "median", "#1e88e5"), ("control_pass_max_ms", "longest",
+                                                                                  "#e53935")):
+            ticks_fig.line("t_ms", col, source=self.ts_src, line_width=1.5, color=color, legend_label=label)
+        ticks_fig.legend.location, ticks_fig.legend.label_text_font_size = "top_left", "8pt"
         self.decisions_src = ColumnDataSource({c: [] for c in DECISION_COLUMNS}, name="agents-decisions")
-        self.decisions_table = _table(self.decisions_src, [
+        self.decisions_table = table(self.decisions_src, [
             ("time", "time", None), ("action", "action", None), ("policy", "policy", None),
             ("details", "details", None),
         ], 200, "agents-decisions-table", {"details": 300})
+
+        self.errors_seen = 0
+        self.errors_src = ColumnDataSource({c: [] for c in ERROR_COLUMNS}, name="agents-errors")
+        link = HTMLTemplateFormatter(template='<a href="<%= link %>" target="_blank">task page</a>')
+        self.errors_table = table(self.errors_src, [
+            ("time", "time", None), ("session", "session", None), ("call", "call", None),
+            ("component", "component", None), ("worker", "worker", None), ("error", "error", None),
+            ("link", "Dask", link),
+        ], 160, "agents-errors-table", {"session": 150, "call": 200, "error": 420, "link": 70})
+        self.errors_title = Div(text="", name="agents-errors-title", sizing_mode="stretch_width")
+
+        self.timeline_src = ColumnDataSource({c: [] for c in TIMELINE_COLUMNS}, name="agents-timeline")
+        self.timeline_version: tuple[str | None, int] | None = None
+        self._growing: list[int] = []  # rows of the timeline whose call still runs
+        tl = figure(height=260, sizing_mode="stretch_width", tools="xpan,xwheel_zoom,reset", toolbar_location="above",
+                    x_axis_type="datetime", y_range=FactorRange(), name="agents-timeline-plot",
+                    title="session timeline: each call on its worker (hatched red: retry /, erred x)")
+        tl.x_range.syncable = False
+        bars = tl.hbar(y="lane", left="start_ms", right="end_ms", height=0.6, source=self.timeline_src,
+                       fill_color="color", line_color="line", hatch_pattern="hatch", hatch_color="#e53935",
+                       hatch_alpha=0.8)
+        tl.add_tools(HoverTool(renderers=[bars], tooltips=[
+            ("call", "@key"), ("component", "@component.@method"), ("state", "@state"), ("on", "@lane"),
+            ("seconds", "@duration"), ("", "@mark")]))
+        self.timeline = tl
 
         self.graph_title = Div(text="", name="agents-graph-title", sizing_mode="stretch_width")
         self.select = Select(title="session graph", value="", options=[("", "(longest-running live session)")],
@@ -488,8 +560,10 @@ class AgentsPage:
             row(*self.ts_figs[3:], sizing_mode="stretch_width"),
             row(column(h("Live sessions"), self.sessions_table, h("Completed sessions (latest)"),
                        self.completed_table, sizing_mode="stretch_width"),
-                column(h("Session graph"), self.select, self.graph_title, g, legend, sizing_mode="stretch_width"),
+                column(h("Session graph"), self.select, self.graph_title, g, legend, self.timeline,
+                       sizing_mode="stretch_width"),
                 sizing_mode="stretch_width"),
+            h("Errors"), self.errors_title, self.errors_table,
             h("Components"), self.components_table,
             h("Engines and KV"), self.engines_table,
             h("Control loop"), self.control_div,
@@ -535,10 +609,12 @@ class AgentsPage:
             self._section("sessions table", lambda: self.sessions_sync.sync(view, now))
         self._section("components", lambda: _small_sync(self.components_src, m.components(now), COMPONENT_COLUMNS))
         self._section("engines", lambda: _small_sync(self.engines_src, m.engines(now), ENGINE_COLUMNS))
-        self._section("control loop", self._update_control)
+        self._section("control loop", lambda: self._update_control(now))
         self._section("time series", self._update_timeseries)
         self._section("session choices", lambda: self._update_choices(now))
         self._section("session graph", self._update_graph)
+        self._section("timeline", lambda: self._update_timeline(now))
+        self._section("errors", self._update_errors)
         if view is not None:
             self._section("summary", lambda: self._update_summary(view))
 
@@ -571,7 +647,7 @@ class AgentsPage:
         if self.summary.text != text:
             self.summary.text = text
 
-    def _update_control(self) -> None:
+    def _update_control(self, now: float) -> None:
         m = self.model
         st = m.control_summary()
         if st:
@@ -579,19 +655,21 @@ class AgentsPage:
             applied = ", ".join(f"{k}: {v}" for k, v in sorted(st.get("applied", {}).items())) or "none"
             rejected = ", ".join(f"{k}: {v}" for k, v in sorted(st.get("rejected", {}).items())) or "none"
             drains = st.get("drains", {})
-            text = (f"{'running' if st['running'] else 'stopped'} every {st['interval'] * 1000:.0f} ms; "
-                    f"passes {st['ticks']}; pass last {ms(st['tick_seconds_last'])}, p50 {ms(st['tick_seconds_p50'])},"
-                    f" p99 {ms(st['tick_seconds_p99'])}, max {ms(st['tick_seconds_max'])}; policies "
-                    f"{', '.join(st['policies']) or 'none'}<br>applied: {applied}; rejected: {rejected}; "
-                    f"engine moves (reallocation): {drains.get('completed', 0)} done, "
-                    f"{len(drains.get('in_progress', {}))} in progress; policy errors: {st['policy_errors']}")
+            stable = (f"{'running' if st['running'] else 'stopped'} every {st['interval'] * 1000:.0f} ms; policies "
+                      f"{', '.join(st['policies']) or 'none'}<br>applied: {applied}; rejected: {rejected}; "
+                      f"engine moves (reallocation): {drains.get('completed', 0)} done, "
+                      f"{len(drains.get('in_progress', {}))} in progress; policy errors: {st['policy_errors']}")
+            passes = (f"<br>passes {st['ticks']}; pass last {ms(st['tick_seconds_last'])}, p50 "
+                      f"{ms(st['tick_seconds_p50'])}, p99 {ms(st['tick_seconds_p99'])}, max {ms(st['tick_seconds_max'])}"
+                      f" (as of {time.strftime('%H:%M:%S', time.localtime(now))}; each pass over time: the plot)")
         else:
-            text = "no control loop"
-        if self.control_div.text != text:
-            self.control_div.text = text
-        self.ticks_seen, ticks = m.new_ticks(self.ticks_seen)
-        if ticks:
-            self.ticks_src.stream({"tick": [t for t, _ in ticks], "ms": [dt * 1000 for _, dt in ticks]}, rollover=600)
+            stable, passes = "no control loop", ""
+        # The pass counters move every refresh; each text change is one more message to the
+        # browser (and one costs as much as a table patch): they are re-sent every 10 s, what
+        # the plot does not show (actions, errors) at once.
+        if stable != self._control_stable or now - self._control_at >= 10.0:
+            self._control_stable, self._control_at = stable, now
+            self.control_div.text = stable + passes
         self.decisions_seen, rows = m.new_decisions(self.decisions_seen)
         if rows:  # newest on top (a stream only appends: the small table is replaced)
             old = self.decisions_src.data
@@ -607,6 +685,48 @@ class AgentsPage:
             data = {c: [r[c] for r in rows] for c in TS_COLUMNS if c != "t_ms"}
             data["t_ms"] = [r["time"] * 1000 for r in rows]  # Bokeh's datetime axis: ms since the epoch
             self.ts_src.stream(data, rollover=ts.samples.maxlen)
+
+    def _update_errors(self) -> None:
+        state = self.dash.plugin.state
+        self.errors_seen, rows = self.model.errors(self.errors_seen)
+        if rows:  # newest on top
+            old = self.errors_src.data
+            n = state.errors.maxlen or len(state.errors)
+            self.errors_src.data = {c: ([r[c] for r in reversed(rows)] + list(old[c]))[:n] for c in ERROR_COLUMNS}
+        text = (f"calls failed: <b>{state.calls_erred}</b> &nbsp; sessions completed with a failed call: "
+                f"<b>{state.sessions_failed}</b> &nbsp; (newest first; the last {state.errors.maxlen} kept)")
+        if self.errors_title.text != text:
+            self.errors_title.text = text
+
+    def _update_timeline(self, now: float) -> None:
+        m = self.model
+        sid = m.pick_session() if self.follow else self.session
+        s = self.dash.plugin.state.sessions.get(sid) if sid else None
+        if s is not None and self.timeline_version == (sid, s.version):
+            # nothing new in the session: only the bars of its running calls grow (one patch)
+            if self._growing:
+                end = now * 1000
+                self.timeline_src.patch({"end_ms": [(i, end) for i in self._growing]})
+            return
+        got = m.timeline(sid, now)
+        if got is None:
+            if self.timeline_version != (sid, -1):
+                self.timeline_version = (sid, -1)
+                self._growing = []
+                self.timeline_src.data = {c: [] for c in TIMELINE_COLUMNS}
+                self.timeline.y_range.factors = []
+            return
+        version, cols = got
+        self.timeline_version = (sid, version)
+        self._growing = [i for i, st in enumerate(cols["state"]) if st not in TERMINAL]
+        lanes = sorted(set(cols["lane"]))
+        if list(self.timeline.y_range.factors) != lanes:
+            self.timeline.y_range.factors = lanes
+        self.timeline_src.data = cols
+        retries = sum(1 for x in cols["mark"] if x == "retry")
+        self.timeline.title.text = (f"session {sid} timeline: {len(cols['key'])} calls on {len(lanes)} lanes, "
+                                    f"{retries} {'retry' if retries == 1 else 'retries'} (hatched /), "
+                                    f"{sum(1 for x in cols['mark'] if x == 'erred')} erred (hatched x)")
 
     def _update_choices(self, now: float) -> None:
         if now - self._choices_at < 5 * self.model.interval:

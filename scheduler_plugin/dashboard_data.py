@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import dask_agents.config as agents_config
+from scheduler_plugin import dask_compat
 from dask_agents.models import STATE_COLORS  # (the page's legend and node colours)
 from scheduler_plugin.metrics import TIERS, engine_records, queue_counts
 
@@ -27,13 +28,22 @@ SESSION_COLORS = {"active": "#1e88e5", "closing": "#fb8c00", "completed": "#43a0
 
 SESSION_COLUMNS = ["session", "tenant", "state", "age_s", "progress", "calls", "open", "pct", "current",
                    "retries", "failed", "color"]
-COMPONENT_COLUMNS = ["component", "kind", "replicas", "queued", "per_replica", "running", "busy", "service_rate",
+COMPONENT_COLUMNS = ["component", "kind", "replicas", "slots", "queued", "per_replica", "running", "busy", "service_rate",
                      "throughput", "arrival_rate", "mean_queue_s", "mean_service_s", "capacity_x", "bottleneck"]
 ENGINE_COLUMNS = ["worker", "model", "engine", "sessions", "running", "waiting", "held", "bound", "working_set",
-                  "kv_device", "kv_capacity",
+                  "kv_device", "kv_capacity", "kv_referenced", "kv_retained", "kv_evictable", "kv_blocks",
                   "kv_host", "kv_disk", "hit_rate", "cached_tokens", "recomputed_tokens", "offloaded", "restored",
                   "evictions", "kv_control", "stats_age_s"]
 DECISION_COLUMNS = ["time", "action", "policy", "details"]
+ERROR_COLUMNS = ["time", "session", "call", "component", "worker", "error", "link"]
+TIMELINE_COLUMNS = ["key", "lane", "component", "method", "start_ms", "end_ms", "duration", "state", "color",
+                    "mark", "hatch", "line"]
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+           "#aec7e8")
+"""Component colours of the timeline (Category10 less its red, kept for errors)."""
+BOTTLENECK_MARGIN = 0.1
+"""Another component becomes the bottleneck only when its capacity is this much lower than the
+current one's (near-equal components do not make the label flip every refresh)."""
 
 
 def short(address: str | None) -> str:
@@ -65,8 +75,7 @@ def fmt_bytes(n: float | None) -> str:
 @dataclass
 class _Sample:
     time: float
-    created: Counter
-    busy: Counter  # component -> replicas with a call running
+    created: Counter  # component -> calls created so far (arrival rates)
 
 
 @dataclass
@@ -83,11 +92,55 @@ class SessionsView:
         return self.rows[sid][1]
 
 
+class BusyTime:
+    """Busy call-seconds per component over the last ``seconds``, from the workers' exact
+    start/finish reports: each call is split across the ``width``-second buckets it spans, so
+    a short call counts as much as it ran (page-refresh samples never saw it), and the window's
+    sum is O(buckets) however many calls finished in it."""
+
+    def __init__(self, seconds: float, width: float = 1.0):
+        self.seconds = seconds
+        self.width = width
+        self.keep = int(math.ceil(seconds / width)) + 2
+        self.buckets: dict[str, dict[int, float]] = {}  # component -> bucket -> seconds
+
+    def add(self, component: str, started: float, finished: float) -> None:
+        """One call ran from ``started`` to ``finished``."""
+        if not finished > started:
+            return
+        w = self.width
+        b0, b1 = int(started // w), int(finished // w)
+        b0 = max(b0, b1 - self.keep)  # older than the window: never read
+        d = self.buckets.setdefault(component, {})
+        for b in range(b0, b1 + 1):
+            part = min(finished, (b + 1) * w) - max(started, b * w)
+            if part > 0:
+                d[b] = d.get(b, 0.0) + part
+
+    def total(self, component: str, now: float) -> float:
+        """Busy seconds of ``component`` within ``[now - seconds, now]`` (the oldest bucket in
+        proportion to its overlap). ``now`` may only grow from call to call: buckets before the
+        window are dropped."""
+        d = self.buckets.get(component)
+        if not d:
+            return 0.0
+        w = self.width
+        horizon = now - self.seconds
+        first = int(horizon // w)
+        for b in [b for b in d if b < first]:
+            del d[b]
+        total = 0.0
+        for b, x in d.items():
+            total += x * ((b + 1) * w - horizon) / w if b == first else x
+        return total
+
+
 class _Window:
     """Per-component sums over the workers' reports of the last ``seconds`` (incremental)."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
+        self.busy = BusyTime(seconds)
         self.seen = 0
         self.entries: deque[tuple[float, str, str | None, float | None, float]] = deque()
         self.done: Counter = Counter()
@@ -105,6 +158,7 @@ class _Window:
                 q = max(started - ready, 0.0) if ready is not None else None
                 self.entries.append((finished, comp, w, q, finished - started))
                 self._add(comp, w, q, finished - started, 1)
+                self.busy.add(comp, started, finished)
         horizon = now - self.seconds
         while self.entries and self.entries[0][0] < horizon:
             _, comp, w, q, svc = self.entries.popleft()
@@ -121,6 +175,19 @@ class _Window:
             ws[w] += sign
             if ws[w] <= 0:
                 del ws[w]
+
+
+def pick_bottleneck(candidates: dict[str, dict], current: str | None,
+                    margin: float = BOTTLENECK_MARGIN) -> str | None:
+    """The component with the lowest ``capacity_x`` among ``candidates`` (rows with waiting
+    work), except that ``current`` stays while it is a candidate and no other is lower by more
+    than ``margin`` (a fraction of its capacity)."""
+    if not candidates:
+        return None
+    low = min(candidates, key=lambda c: (candidates[c]["capacity_x"], c))
+    if current in candidates and candidates[low]["capacity_x"] >= candidates[current]["capacity_x"] * (1 - margin):
+        return current
+    return low
 
 
 class DashboardModel:
@@ -144,6 +211,8 @@ class DashboardModel:
         self._window = _Window(self.window)
         self._bad_rows: set[tuple[Any, Any]] = set()  # engine rows that failed to render (logged once)
         self.since = time.time()
+
+    _bottleneck: str | None = None
 
     def _fresh(self, cached: tuple[float, Any] | None, now: float) -> bool:
         return cached is not None and now - cached[0] < self.interval / 2
@@ -190,54 +259,67 @@ class DashboardModel:
 
     # -- components ----------------------------------------------------------------------------
     def components(self, now: float | None = None) -> list[dict]:
-        """One row per component: replicas, queues, busy fraction, rates, bottleneck."""
+        """One row per component: replicas, queues, utilization, rates, bottleneck.
+
+        ``busy`` (utilization): the fraction of the component's capacity in use over the
+        window, from the workers' exact timings: call-seconds run (reports of finished calls,
+        plus the executing time the workers report for running ones) over capacity x window.
+        Capacity: the threads of the workers running the component (a call holds a thread),
+        for an LLM component the batch slots of its engines."""
         now = time.time() if now is None else now
         if self._fresh(self._components, now):
             return self._components[1]
         p = self.plugin
         state = p.state
+        calls = state.calls
         waiting, running, held = queue_counts(p)
-        busy_now: Counter = Counter()
+        threads: dict[str, int] = {}
+        running_s: Counter = Counter()  # call-seconds within the window of calls running now
+        for ws in dask_compat.workers(p.scheduler):
+            address, nthreads = dask_compat.worker_summary(ws)[:2]
+            threads[address] = nthreads
+            for ts, elapsed in dask_compat.executing(ws):
+                rec = calls.get(dask_compat.task_key(ts))
+                if rec is not None and rec.started is None:  # not reported finished (counted above)
+                    running_s[rec.component] += min(max(elapsed, 0.0), self.window)
         workers_of: dict[str, set[str]] = {}
-        for (comp, w), n in itertools.chain(running.items(), waiting.items()):
+        for (comp, w), _n in itertools.chain(running.items(), waiting.items()):
             workers_of.setdefault(comp, set()).add(w)
-        for (comp, _w), n in running.items():
-            busy_now[comp] += 1
-        self._samples.append(_Sample(now, Counter(state.calls_per_component), busy_now))
+        self._samples.append(_Sample(now, Counter(state.calls_per_component)))
         while len(self._samples) > 2 and now - self._samples[0].time > self.window:
             self._samples.popleft()
         first = self._samples[0]
         span = now - first.time
-        # busy replica-seconds: each sample's busy count held until the next sample
-        busy_s: Counter = Counter()
-        for a, b in zip(self._samples, itertools.islice(self._samples, 1, None)):
-            for comp, n in a.busy.items():
-                busy_s[comp] += n * (b.time - a.time)
-        # completions and mean times from the workers' reports within the window
         win_ = self._window
         win_.advance(p.aggregates, now)
         done, q_sum, q_n, s_sum = win_.done, win_.q_sum, win_.q_n, win_.s_sum
         win = max(min(self.window, now - self.since), 1e-9)
         model_of = {p.component_of(m): m for m in p.model_workers}
+        slots_of = self._engine_slots()
         bottleneck_policy = self._policy_bottleneck()
         rows = []
         for comp in sorted(state.calls_per_component):
             model = model_of.get(comp)
             if model is not None:
-                replicas = len(p.model_workers.get(model) or ())
+                hosts = sorted(p.model_workers.get(model) or ())
+                replicas = len(hosts)
+                slots = sum(slots_of.get((w, model)) or threads.get(w, 1) for w in hosts)
                 kind = f"llm ({model})"
             else:
-                replicas = len(workers_of.get(comp, set()) | set(win_.workers.get(comp, ())))
+                hosts = sorted(workers_of.get(comp, set()) | set(win_.workers.get(comp, ())))
+                replicas = len(hosts)
+                slots = sum(threads.get(w, 1) for w in hosts)
                 kind = self._kind(comp)
             per = {w: waiting.get((comp, w), 0) for w in sorted(workers_of.get(comp, ()))}
             queued = sum(per.values()) + held.get(comp, 0)
             arrivals = state.calls_per_component[comp] - first.created.get(comp, 0) if span > 0 else 0
             lam = arrivals / span if span > 0 else None
-            busy_frac = busy_s[comp] / (replicas * span) if replicas and span > 0 else None
-            mu = done[comp] / busy_s[comp] if busy_s[comp] > 0 else None
-            x = replicas * mu / max(lam, 1e-3) if mu is not None and lam is not None and replicas else None
+            busy_s = win_.busy.total(comp, now) + running_s[comp]
+            busy_frac = busy_s / (slots * win) if slots else None
+            mu = done[comp] / busy_s if busy_s > 0 and done[comp] else None
+            x = slots * mu / max(lam, 1e-3) if mu is not None and lam is not None and slots else None
             rows.append({
-                "component": comp, "kind": kind, "replicas": replicas, "queued": queued,
+                "component": comp, "kind": kind, "replicas": replicas, "slots": slots, "queued": queued,
                 "per_replica": " ".join(f"{short(w)}:{n}" for w, n in per.items())
                 + (f" scheduler:{held[comp]}" if held.get(comp) else ""),
                 "running": sum(n for (c, _w), n in running.items() if c == comp),
@@ -250,10 +332,12 @@ class DashboardModel:
                 "capacity_x": None if x is None else round(x, 3),
                 "bottleneck": "",
             })
-        # Nalar's bottleneck: the smallest normalized capacity among components with waiting work
-        candidates = [r for r in rows if r["capacity_x"] is not None and r["queued"] > 0]
-        if candidates:
-            min(candidates, key=lambda r: r["capacity_x"])["bottleneck"] = "lowest capacity"
+        # Nalar's bottleneck: the smallest normalized capacity among components with waiting
+        # work; the current one keeps the label unless another is clearly lower (hysteresis)
+        candidates = {r["component"]: r for r in rows if r["capacity_x"] is not None and r["queued"] > 0}
+        self._bottleneck = pick_bottleneck(candidates, self._bottleneck)
+        if self._bottleneck is not None:
+            candidates[self._bottleneck]["bottleneck"] = "lowest capacity"
         if bottleneck_policy is not None:
             comp, streak = bottleneck_policy
             for r in rows:
@@ -261,6 +345,14 @@ class DashboardModel:
                     r["bottleneck"] = f"reallocate policy ({streak} ticks)"
         self._components = (now, rows)
         return rows
+
+    def _engine_slots(self) -> dict[tuple[str, str], int]:
+        """(worker, model) -> the engine's batch slots, where it reports them."""
+        out = {}
+        for w, m, st in engine_records(self.plugin.aggregates):
+            if isinstance(st.get("max_batch"), int) and st["max_batch"] > 0:
+                out[(w, m)] = st["max_batch"]
+        return out
 
     def _kind(self, component: str) -> str:
         kind = self._kinds.get(component)
@@ -347,12 +439,16 @@ class DashboardModel:
         kv = st.get("kv_bytes") or {}
         cap = st.get("kv_capacity_bytes") or {}
         moved = st.get("kv_traffic_bytes") or {}
+        blocks = st.get("kv_blocks") or {}
         n, prompt, cached, _out = agg.tokens.get((w, m), (0, 0, 0, 0))
         engine = "invalid stats" if invalid else (st.get("engine") or "?") + (" (EMULATED)" if st.get("emulated") else "")
         return {
             "worker": short(w), "model": m, "engine": engine, "sessions": bound,
             "running": st.get("running"), "waiting": st.get("waiting"),
             "kv_device": fmt_bytes(kv.get(TIERS[0])), "kv_capacity": fmt_bytes(cap.get(TIERS[0])),
+            # the device's KV blocks as the engine reports them (None: not reported)
+            "kv_referenced": blocks.get("pinned"), "kv_retained": blocks.get("retained"),
+            "kv_evictable": blocks.get("cached"), "kv_blocks": blocks.get("capacity"),
             "kv_host": fmt_bytes(kv.get(TIERS[1])), "kv_disk": fmt_bytes(kv.get(TIERS[2])),
             "hit_rate": round(cached / prompt, 3) if prompt else None,
             "cached_tokens": cached, "recomputed_tokens": prompt - cached,
@@ -486,6 +582,74 @@ class DashboardModel:
         self._graphs[sid] = (s.version, layout)
         return self._graphs[sid]
 
+    # -- errors ----------------------------------------------------------------------------------
+    def errors(self, seen: int) -> tuple[int, list[dict]]:
+        """Calls that erred after the first ``seen`` (oldest first) as rows of the errors panel:
+        when, session, call, component, worker, the error's text, and the path of Dask's page
+        for the task (``/info/task/<key>.html``, under the dashboard's prefix)."""
+        from tornado.escape import url_escape
+
+        state = self.plugin.state
+        new = min(state.calls_erred - seen, len(state.errors))
+        if new <= 0:
+            return state.calls_erred, []
+        prefix = (dask_compat.dashboard_prefix(self.plugin.scheduler) or "/").rstrip("/")
+        rows = []
+        for rec in itertools.islice(state.errors, len(state.errors) - new, None):
+            t = rec.finished if rec.finished is not None else rec.created
+            rows.append({"time": time.strftime("%H:%M:%S", time.localtime(t)), "session": rec.session or "",
+                         "call": rec.key, "component": f"{rec.component}.{rec.method}" if rec.method else rec.component,
+                         "worker": short(rec.worker), "error": _brief(rec.error, 240),
+                         "link": f"{prefix}/info/task/{url_escape(str(rec.key), plus=False)}.html"})
+        return state.calls_erred, rows
+
+    # -- a session's timeline --------------------------------------------------------------------
+    def timeline(self, sid: str | None, now: float | None = None) -> tuple[int, dict] | None:
+        """(version, columns) of a session's timeline: one bar per call that reached a worker,
+        from its start to its finish (a call still running: from when it was handed to the
+        worker until now), on the lane of its worker (LLM calls: the worker's engine),
+        coloured by component; ``mark`` is ``retry`` for a re-visit, ``erred`` for a failed
+        call (hatched). Only the newest ``max-graph-nodes`` calls. None if unknown."""
+        s = self.plugin.state.sessions.get(sid) if sid else None
+        if s is None:
+            return None
+        now = time.time() if now is None else now
+        colors: dict[str, str] = {}
+        cols: dict[str, list] = {c: [] for c in TIMELINE_COLUMNS}
+        label = self._worker_label()
+        for r in list(s.calls.values())[-self.max_graph_nodes:]:
+            if r.worker is None:
+                continue
+            start = r.started if r.started is not None else r.ready
+            if start is None:
+                continue
+            end = r.finished if r.finished is not None else now
+            lane = label(r.worker) + (f" · engine {r.model}" if r.kind == "llm" and r.model else "")
+            mark = "erred" if r.state == "erred" else "retry" if r.retry else ""
+            color = colors.setdefault(r.component, PALETTE[len(colors) % len(PALETTE)])
+            for c, v in (("key", r.key), ("lane", lane), ("component", r.component), ("method", r.method or ""),
+                         ("start_ms", start * 1000), ("end_ms", max(end, start) * 1000),
+                         ("duration", _duration(start, end)), ("state", r.state), ("color", color),
+                         ("mark", mark), ("hatch", {"erred": "x", "retry": "/"}.get(mark, " ")),
+                         ("line", "#e53935" if mark else "#333333")):
+                cols[c].append(v)
+        return (s.version, cols)
+
+    def _worker_label(self) -> Any:
+        """Address -> the worker's name (as ``/metrics`` labels it), else the short address
+        (memoized for one use: a timeline asks once per call)."""
+        from scheduler_plugin.metrics import worker_label
+
+        name = worker_label(self.plugin)
+        memo: dict[str, str] = {}
+
+        def label(address: str) -> str:
+            out = memo.get(address)
+            if out is None:
+                out = memo[address] = short(name(address))
+            return out
+        return label
+
     def session_choices(self, limit: int = 200) -> list[tuple[str, str]]:
         """(id, label) of the newest sessions, live ones first, for the graph's selector."""
         sessions = self.plugin.state.sessions
@@ -498,6 +662,6 @@ class DashboardModel:
         return (live + done)[:limit]
 
 
-def _brief(v: Any) -> str:
+def _brief(v: Any, width: int = 48) -> str:
     s = str(v)
-    return s if len(s) <= 48 else s[:45] + "..."
+    return s if len(s) <= width else s[:width - 3] + "..."

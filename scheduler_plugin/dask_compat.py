@@ -141,6 +141,13 @@ def worker_summary(ws: Any) -> tuple[str, int, int, int]:
     return ws.address, ws.nthreads, len(ws.processing), len(ws.executing) + len(ws.long_running)
 
 
+def executing(ws: Any) -> list[tuple[Any, float]]:
+    """(task, seconds it has executed) of the tasks executing on ``ws``, as of the worker's
+    last heartbeat (seceded tasks hold no thread and are not listed; tasks that finished or
+    left since that heartbeat are not either)."""
+    return [(ts, float(d or 0.0)) for ts, d in ws.executing.items() if ts.processing_on is ws]
+
+
 def prefer_worker(ts: Any, address: str) -> None:
     """Place a not-yet-placed task on ``address`` if that worker is running, else anywhere (a
     loose restriction: Dask falls back to any worker). Call in ``update_graph``."""
@@ -268,6 +275,14 @@ def add_event(scheduler: Scheduler, topic: str, msg: dict) -> None:
 
 # -- dashboard and metrics ---------------------------------------------------------------------
 
+def task_error(ts: Any) -> str | None:
+    """The text of the exception a task erred with (its own, or the dependency's it erred
+    through: ``exception_blame``), as Dask's task page shows it; None if it has none."""
+    blame = getattr(ts, "exception_blame", None) or ts
+    text = getattr(blame, "exception_text", None)
+    return str(text) if text else None
+
+
 def task_key(ts: Any) -> Any:
     """The task's key."""
     return ts.key
@@ -275,7 +290,9 @@ def task_key(ts: Any) -> Any:
 
 def running_on_worker(ws: Any) -> list[Any]:
     """Tasks executing (or seceded) on ``ws`` as far as the scheduler knows (a heartbeat late)."""
-    out = list(ws.executing)
+    # ws.executing is refreshed by heartbeats only (never on a task's finish): it may still
+    # list tasks that finished since, or moved; only those still processing there count
+    out = [ts for ts in ws.executing if ts.processing_on is ws]
     out.extend(ts for ts in ws.long_running if ts not in ws.executing)
     return out
 

@@ -29,10 +29,19 @@ logger = logging.getLogger(__name__)
 PREFIX = "dask_agents"
 TIERS = ("device", "host", "disk")
 """KV tiers: the engine's own cache (``device``: GPU memory, CPU memory for CPU engines), host
-memory, disk. Only tiers an engine reports are shown: today only the emulated engine reports
-``device`` bytes; offload tiers appear when engines report them (``kv_report()``)."""
+memory, disk. Only tiers an engine reports are shown: ``device`` from every engine with per-session
+KV control (vLLM's and the emulated one), offload tiers from engines that have them (``kv_report()``)."""
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0, 600.0)
+# vLLM's buckets for time to first token and time per output token (vllm/v1/metrics/loggers.py),
+# with finer ones below for small models on CPUs
+TTFT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LLM_HISTOGRAMS = {"ttft": TTFT_BUCKETS, "tpot": TPOT_BUCKETS, "e2e": LATENCY_BUCKETS}
+"""Per-model LLM latency histograms: time to first token (submitted to the engine -> first
+token), time per output token (after the first), end to end (the call on its worker)."""
 TICK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -85,6 +94,7 @@ class Aggregates:
         self._ticks_seen = 0
         # (worker, model) -> [calls, prompt tokens, cached (hit) tokens, output tokens]
         self.tokens: dict[tuple[str, str], list[int]] = {}
+        self.llm: dict[str, dict[str, Histogram]] = {}  # model -> {"ttft"|"tpot"|"e2e": histogram}
         # (component, worker, ready, started, finished) of recent reports: rates over a window
         self.recent: deque[tuple[str, str | None, float | None, float, float]] = deque(maxlen=recent)
         self.reports = 0  # appended to ``recent`` so far (readers keep a cursor)
@@ -144,6 +154,14 @@ class Aggregates:
             t[1] += int(m.get("prompt_tokens") or 0)
             t[2] += int(m.get("cached_tokens") or 0)
             t[3] += int(m.get("output_tokens") or 0)
+            hists = self.llm.get(model)
+            if hists is None:
+                hists = self.llm[model] = {k: Histogram(b) for k, b in LLM_HISTOGRAMS.items()}
+            hists["e2e"].observe(max(rec.finished - rec.started, 0.0))
+            for k in ("ttft", "tpot"):
+                v = m.get(f"{k}_s")
+                if _finite(v) and v >= 0:
+                    hists[k].observe(v)
 
     def on_session_completed(self, session: Any) -> None:
         """A session completed (``session``: its SessionRecord)."""
@@ -349,6 +367,57 @@ def _histogram_families(plugin: Any) -> Iterator[Any]:
     yield h
 
 
+def _llm_families(plugin: Any) -> Iterator[Any]:
+    """Per-model LLM latency histograms, as vLLM names them (``time_to_first_token_seconds``,
+    ``time_per_output_token_seconds``, ``e2e_request_latency_seconds``)."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    agg: Aggregates = plugin.aggregates
+    for key, metric, doc in (
+        ("ttft", "llm_time_to_first_token_seconds", "Time from an LLM request reaching its engine to its first "
+         "token, by model"),
+        ("tpot", "llm_time_per_output_token_seconds", "Time per output token after the first, by model"),
+        ("e2e", "llm_e2e_request_latency_seconds", "LLM calls from start to finish on their worker, by model"),
+    ):
+        h = HistogramMetricFamily(_name(metric), doc, labels=["model"])
+        for model, hists in sorted(agg.llm.items()):
+            h.add_metric([model], hists[key].buckets(), hists[key].sum)
+        yield h
+
+
+def _fault_families(plugin: Any) -> Iterator[Any]:
+    """What went wrong, counted: faults the recovery handled, engine restarts, policy errors,
+    failed calls and sessions, LLM calls that waited for engine room."""
+    from prometheus_client.core import CounterMetricFamily
+
+    c = CounterMetricFamily(_name("faults"), "Faults handled: workers lost, calls re-placed after one "
+                            "(rerouted) or failed because of one", labels=["kind"])
+    counts = plugin.recovery.counts if getattr(plugin, "recovery", None) is not None else {}
+    for kind in ("workers_lost", "rerouted", "failed"):
+        c.add_metric([kind], counts.get(kind, 0))
+    yield c
+    c = CounterMetricFamily(_name("engine_restarts"), "Engines restarted after a crash, by worker name and "
+                            "model", labels=["worker", "model"])
+    name = worker_label(plugin)
+    yield _summed(c, [((name(w), m), st["restarts"]) for w, m, st in engine_records(plugin.aggregates)
+                      if st.get("restarts") is not None])
+    c = CounterMetricFamily(_name("policy_errors"), "Control-loop policy passes that raised or timed out, by "
+                            "policy", labels=["policy"])
+    control = plugin.control
+    for policy, n in sorted((control.policy_error_counts if control is not None else {}).items()):
+        c.add_metric([policy], n)
+    yield c
+    state = plugin.state
+    yield CounterMetricFamily(_name("calls_failed"), "Calls that erred", value=state.calls_erred)
+    yield CounterMetricFamily(_name("sessions_failed"), "Sessions that completed with at least one failed call",
+                              value=state.sessions_failed)
+    c = CounterMetricFamily(_name("admission_waits"), "LLM calls held in the scheduler until an engine had room, "
+                            "by model", labels=["model"])
+    for model, n in sorted(plugin.admission.waits_by_model.items()):
+        c.add_metric([model], n)
+    yield c
+
+
 def _control_families(plugin: Any) -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily
 
@@ -515,8 +584,8 @@ def _health_families(agg: Aggregates) -> Iterator[Any]:
 
 _failed: set[str] = set()  # sections that failed at least once (see families)
 _SECTIONS: tuple[Callable[[Any], Iterator[Any]], ...] = (
-    _session_families, _call_families, _queue_families, _histogram_families, _control_families,
-    _engine_families, _token_families, _dashboard_families, _admission_families,
+    _session_families, _call_families, _queue_families, _histogram_families, _llm_families, _control_families,
+    _engine_families, _token_families, _dashboard_families, _admission_families, _fault_families,
 )
 
 

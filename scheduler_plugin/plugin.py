@@ -492,7 +492,13 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 self.view_index.on_held(rec)
         if finish == "released" and dask_compat.is_wanted(self.scheduler, key):
             return  # released to run again (its worker was lost), not cancelled: the call goes on
-        if not self.state.on_transition(key, finish, time.time(), worker):
+        error = None
+        if finish == "erred":
+            error = kwargs.get("exception_text")
+            if not error:
+                ts = ts if ts is not None else dask_compat.task(self.scheduler, key)
+                error = dask_compat.task_error(ts) if ts is not None else None
+        if not self.state.on_transition(key, finish, time.time(), worker, error):
             return
         self._unplace(key)
         if rec.children and rec.state in ("erred", "cancelled"):

@@ -7,7 +7,7 @@ All ``on_*`` methods are O(1) (amortized) because they run on the scheduler's ev
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -54,6 +54,7 @@ class CallRecord:
     retry: bool = False  # a re-visit: see SessionRecord.retries
     children: list[str] = field(default_factory=list)  # calls it created (cancelled if it fails)
     client: str | None = None  # the Dask client that submitted it
+    error: str | None = None  # why it erred (the exception's text, as Dask's task page shows it)
 
     def meta(self) -> CallMeta:
         """As the shared pydantic model."""
@@ -80,6 +81,7 @@ class CallRecord:
             "tenant": self.tenant, "model": self.model or m.get("model"), "retry": self.retry,
             "queue_s": self.started - self.ready if self.started is not None and self.ready is not None else None,
             "service_s": self.finished - self.started if self.finished is not None and self.started is not None else None,
+            "ttft_s": m.get("ttft_s"), "tpot_s": m.get("tpot_s"), "error": self.error,
         }
 
 
@@ -170,6 +172,11 @@ class WorkflowState:
         # expired since: the worker's own guard still refuses it on the instance's worker).
         self.tombstones: OrderedDict[str, dict[str, str]] = OrderedDict()
         self.max_tombstones = 20_000
+        # The latest calls that erred (newest last, bounded: the dashboard's errors panel) and
+        # how many ever did; sessions that completed with at least one failed call.
+        self.errors: deque[CallRecord] = deque(maxlen=200)
+        self.calls_erred = 0
+        self.sessions_failed = 0
 
     # -- events -----------------------------------------------------------------------
     def session(self, sid: str, tenant: str | None, now: float) -> SessionRecord:
@@ -257,8 +264,10 @@ class WorkflowState:
             self.active(s, now)
         return rec
 
-    def on_transition(self, key: str, finish: str, now: float, worker: str | None = None) -> bool:
-        """Apply a scheduler transition; returns True if the call became terminal."""
+    def on_transition(self, key: str, finish: str, now: float, worker: str | None = None,
+                      error: str | None = None) -> bool:
+        """Apply a scheduler transition; returns True if the call became terminal.
+        ``error``: why it erred (for ``finish == "erred"``)."""
         rec = self.calls.get(key)
         if rec is None or rec.state in TERMINAL:
             return False
@@ -274,6 +283,10 @@ class WorkflowState:
         if rec.state == "running" and state == "processing":
             return False  # the worker's start report arrived first
         self._set_state(rec, state)
+        if state == "erred":
+            rec.error = error or rec.error or "unknown error"
+            self.errors.append(rec)
+            self.calls_erred += 1
         if state in TERMINAL:
             if rec.finished is None and state != "cancelled":
                 rec.finished = now
@@ -373,6 +386,8 @@ class WorkflowState:
             s.version += 1
             self.touched.add(s.id)
             self.sessions_completed += 1
+            if s.failed:
+                self.sessions_failed += 1
             self.calls_of_completed += len(s.calls)
             self.completed[s.id] = now
             self.completed.move_to_end(s.id)

@@ -273,6 +273,10 @@ def metrics(value: Any) -> dict:
             out[k] = None if v is None else count(v, "metrics['kv_bytes']")
         elif k == "model":
             out[k] = None if v is None else label(v, "metrics['model']")
+        elif k in ("ttft_s", "tpot_s"):
+            if v is not None and not (_number(v) and finite(v, f"metrics[{k!r}]", "bad metric value") >= 0):
+                raise Invalid(f"metrics[{k!r}] must be None or a finite number >= 0, got {_text(v)}", "bad metric value")
+            out[k] = None if v is None else float(v)
         elif k == "emulated":
             if not isinstance(v, bool):
                 raise Invalid(f"metrics['emulated'] must be a bool, got {_text(v)}")
@@ -344,7 +348,8 @@ def reports(plugin: Any, worker: str, value: Any, rejections: Rejections | None 
 
 # -- engine stats ------------------------------------------------------------------------------------
 
-_ENGINE_COUNTS = ("steps", "running", "waiting", "evictions", "hit_tokens", "query_tokens", "max_batch", "block_size")
+_ENGINE_COUNTS = ("steps", "running", "waiting", "evictions", "hit_tokens", "query_tokens", "max_batch", "block_size",
+                  "restarts")
 _ENGINE_MAPS = ("kv_bytes", "kv_capacity_bytes", "kv_traffic_bytes", "kv_actions", "kv_blocks")
 
 

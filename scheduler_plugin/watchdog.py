@@ -409,6 +409,7 @@ class Watchdog:
     def _timed_out(self, name: str) -> None:
         ctl = self.control
         ctl.policy_errors += 1
+        ctl.policy_error_counts[name] += 1
         ctl.errors[name] = f"timed out after {self.policy_timeout}s (quarantined until it returns)"
         self.incident("policy-timeout", policy=name, error=ctl.errors[name])
 
@@ -418,6 +419,7 @@ class Watchdog:
         first failure of a streak, then one line with the count every ``ERROR_LOG_INTERVAL``."""
         ctl = self.control
         ctl.policy_errors += 1
+        ctl.policy_error_counts[name] += 1
         ctl.errors[name] = f"{type(exc).__name__}: {exc}"
         f = self.failing.setdefault(name, Failing())
         f.failures += 1

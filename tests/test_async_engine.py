@@ -10,6 +10,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dask_agents as da
+from tests.conftest import wait_for
 from worker_plugin.async_engine import AsyncEngineHost
 from worker_plugin.engine import ModelSettings
 
@@ -37,7 +38,7 @@ def _directive(dask_worker=None) -> str:
 
 
 def test_async_engine_serves_calls_like_the_in_process_engine(client):
-    with da.session(client):
+    with da.session(client) as s:
         a1 = da.llm("async").generate(PROMPT, max_tokens=8).value(300)
         a2 = da.llm("async").generate(PROMPT + " Then add a regression test.", max_tokens=8).value(120)
         many = [da.llm("async").generate(f"{PROMPT} variant {i}", max_tokens=4) for i in range(4)]
@@ -46,6 +47,10 @@ def test_async_engine_serves_calls_like_the_in_process_engine(client):
     assert a1.token_ids == ref.token_ids  # same model, greedy: the same tokens either way
     assert a1.output_tokens == 8 and a2.cached_tokens >= 256  # vLLM's prefix cache serves the follow-up
     assert all(o.output_tokens == 4 for o in outs)
+    # both hosts time the first token (vLLM streams the async engine's outputs)
+    (df,) = wait_for(lambda: (lambda d: (d,) if d["ttft_s"].notna().sum() == 7 else None)(
+        da.telemetry(client, s.id)[lambda d: d["kind"] == "llm"]))
+    assert (df["ttft_s"] > 0).all() and (df["ttft_s"] <= df["service_s"]).all()
     # no in-process block pool: KV directives are refused with a clear error
     msg = client.run(_directive).popitem()[1]
     assert "no per-session KV control" in msg and "AsyncEngineHost" in msg

@@ -135,6 +135,14 @@ async def test_loop_keeps_serving_when_a_policy_raises(c: Client, s: Scheduler, 
     await async_wait_for(lambda: s.plugins[NAME].control.policy_errors >= 3)
     stats = await ctl.stats()
     assert stats["running"] and stats["policy_errors"] >= 3 and stats["tick_seconds_max"] < 1.0
+    # counted per policy, and so on /metrics
+    from scheduler_plugin.metrics import _fault_families
+
+    counts = s.plugins[NAME].control.policy_error_counts
+    assert set(counts) == {"broken"} and sum(counts.values()) == s.plugins[NAME].control.policy_errors
+    fam = next(f for f in _fault_families(s.plugins[NAME]) if f.name == "dask_agents_policy_errors")
+    assert [(x.labels, x.value) for x in fam.samples if x.name.endswith("_total")] == [
+        ({"policy": "broken"}, counts["broken"])]
     await ctl.stop()
     assert not (await ctl.stats())["running"]
     events = [e for _, e in await c.get_events("agents-control") if e.get("action") == "policy-error"]

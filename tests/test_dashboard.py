@@ -18,11 +18,13 @@ from distributed import Client, LocalCluster, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
 import dask_agents as da
+from dask_agents.client_api import posix_seconds
 from scheduler_plugin.dashboard import PAGE, SessionsSync
-from scheduler_plugin.dashboard_data import SESSION_COLUMNS, DashboardModel, SessionsView
+from scheduler_plugin.dashboard_data import SESSION_COLUMNS, DashboardModel, SessionsView, fmt_bytes, short
 from scheduler_plugin.plugin import NAME
 from scheduler_plugin.state import WorkflowState
 from tests.conftest import async_wait_for, wait_for
+from worker_plugin.plugin import NAME as WORKER_PLUGIN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACTS = os.path.join(ROOT, "test-artifacts")
@@ -48,6 +50,16 @@ def review(topic: str) -> str:
     return f"reviewed {topic}"
 
 
+@da.tool
+def check(patch: str) -> bool:
+    return False  # the tests fail: the developer is asked again (a retry)
+
+
+@da.tool
+def broken(what: str) -> str:
+    raise ValueError(f"broken build: {what}")
+
+
 @da.agent
 class Planner:
     def plan(self, issue: str) -> list[str]:
@@ -70,6 +82,24 @@ def solve(client: Client, issue: str, gated: bool = False) -> tuple[da.Session, 
         for p in patches:
             p.value(60)
     return s, held
+
+
+def retry_once(client: Client, issue: str) -> da.Session:
+    """Implement, test (it fails), implement again: the second Developer call is a retry."""
+    with da.session(client, name=issue) as s:
+        first = da.stub(Developer).implement(issue)
+        assert da.stub(check)(first).value(60) is False
+        da.stub(Developer).implement(issue + " again").value(60)
+    return s
+
+
+def fail_once(client: Client, issue: str) -> tuple[da.Session, str]:
+    """A session whose tool call fails (the session goes on and completes)."""
+    with da.session(client, name=issue) as s:
+        bad = da.stub(broken)(issue)
+        with pytest.raises(da.CallFailedError, match="broken build"):
+            bad.value(60)
+    return s, bad.key
 
 
 # -- data and incremental updates (no browser) ------------------------------------------------------
@@ -123,6 +153,51 @@ def test_the_page_follows_the_live_session_running_longest():
     assert model.pick_session() == "old"
     st.sessions["old"].state = st.sessions["new"].state = "completed"
     assert model.pick_session() == "new"
+
+
+def test_busy_time_counts_each_call_within_the_window_exactly():
+    """Utilization comes from the workers' exact start/finish times: a call is split across
+    the buckets it spans; the window's oldest bucket counts in proportion to its overlap."""
+    from scheduler_plugin.dashboard_data import BusyTime
+
+    busy = BusyTime(seconds=10.0, width=1.0)
+    busy.add("dev", 100.2, 100.3)  # a short call, never seen by a page-refresh sample
+    busy.add("dev", 101.5, 104.0)
+    busy.add("dev", 95.0, 99.5)  # mostly before the window [100, 110) at t=110
+    busy.add("dev", 5.0, 4.0)  # nonsense (finished before started): nothing
+    assert busy.total("dev", 105.0) == pytest.approx(0.1 + 2.5 + 4.5)  # window [95, 105]: all of them
+    # window [99.75, 109.75]: bucket 99 (0.5 s busy) overlaps it by a quarter: at most one
+    # bucket's worth off at the window's edge
+    assert busy.total("dev", 109.75) == pytest.approx(0.1 + 2.5 + 0.5 * 0.25)
+    assert busy.total("dev", 110.0) == pytest.approx(0.1 + 2.5)  # window [100, 110]: the old one is out
+    assert busy.total("tester", 110.0) == 0.0
+    assert busy.total("dev", 500.0) == 0.0 and not busy.buckets["dev"]  # old buckets are dropped
+
+
+def test_the_bottleneck_label_does_not_flip_between_near_equal_components():
+    from scheduler_plugin.dashboard_data import pick_bottleneck
+
+    rows = {"dev": {"capacity_x": 1.00}, "tester": {"capacity_x": 0.97}}
+    assert pick_bottleneck(rows, None) == "tester"  # the lowest
+    assert pick_bottleneck(rows, "dev") == "dev"  # within 10% of the current one: it stays
+    rows["tester"]["capacity_x"] = 0.85
+    assert pick_bottleneck(rows, "dev") == "tester"  # clearly lower: it moves
+    assert pick_bottleneck({"tester": rows["tester"]}, "dev") == "tester"  # dev has no waiting work
+    assert pick_bottleneck({}, "dev") is None
+
+
+def test_failed_calls_keep_their_error_and_fail_their_session():
+    st = WorkflowState()
+    st.add_call("t-1", {"session": "s", "component": "tests", "kind": "tool"}, [], 1.0)
+    st.add_call("t-2", {"session": "s", "component": "tests", "kind": "tool"}, [], 1.0)
+    st.on_transition("t-1", "erred", 2.0, worker="tcp://w1", error="ValueError('broken build')")
+    st.on_transition("t-2", "erred", 2.0, worker="tcp://w1")  # no text from Dask: still listed
+    assert [r.key for r in st.errors] == ["t-1", "t-2"] and st.calls_erred == 2
+    assert st.calls["t-1"].error == "ValueError('broken build')" and st.calls["t-2"].error == "unknown error"
+    assert st.calls["t-1"].row()["error"] == "ValueError('broken build')"
+    assert st.sessions_failed == 0
+    st.close_session("s", 3.0)
+    assert st.sessions["s"].state == "completed" and st.sessions_failed == 1
 
 
 class RecordingSource:
@@ -225,8 +300,24 @@ async def test_page_is_served_and_model_shows_the_workflow(c: Client, s: Schedul
     await async_wait_for(lambda: plugin.state.sessions[live.id].state == "completed")
     assert model.graph(live.id)[0] != version  # the session moved: the graph is redone
     df = await da.telemetry(c, live)
+    assert str(df["created"].dtype) == "datetime64[ns, UTC]" and str(df["finished"].dtype) == "datetime64[ns, UTC]"
+    assert (df["finished"] >= df["created"]).all()
     assert df["emulated"].dtype == bool  # True where an emulated engine served the call, else False
     assert df.loc[df["kind"] == "llm", "emulated"].all() and not df.loc[df["kind"] != "llm", "emulated"].any()
+
+    # utilization: the call-seconds the workers timed, over the threads of the workers that ran
+    # the component times the window (not "a call was running at the last refresh")
+    await async_wait_for(lambda: all(plugin.state.calls[f.key].started is not None for f in futs))
+    df = await da.telemetry(c, live)
+    now = time.time() + 1.0  # (past the model's cache of the last refresh)
+    win = min(dash.model.window, now - dash.model.since)
+    rows = {r["component"]: r for r in dash.model.components(now)}
+    reviews = posix_seconds(df[df["component"] == "review"])
+    hosts = set(reviews["worker"])
+    busy = (reviews["finished"] - reviews["started"].clip(lower=now - dash.model.window)).sum()
+    assert rows["review"]["slots"] == 2 * len(hosts) and rows["review"]["replicas"] == len(hosts)
+    assert rows["review"]["busy"] == pytest.approx(min(busy / (2 * len(hosts) * win), 1.0), abs=2e-3)
+    assert 0 < rows["review"]["busy"] < 1
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], config=CONFIG)
@@ -257,6 +348,20 @@ def _graph_data(page) -> dict:
     }""")
 
 
+def _columns(page, name: str, columns: tuple[str, ...]) -> dict[str, list]:
+    """Columns of the page's ColumnDataSource ``name``, as the browser holds them."""
+    return page.evaluate(f"""() => {{
+        const src = Bokeh.documents[0].get_model_by_name({name!r});
+        const out = {{}};
+        for (const c of {list(columns)!r}) out[c] = Array.from(src.get_column(c));
+        return out;
+    }}""")
+
+
+def _worker_name(cluster, address: str):
+    return next((name for name, w in cluster.workers.items() if w.address == address), None)
+
+
 def test_agents_page_in_chromium():
     sync_playwright = _playwright()
     os.makedirs(ARTIFACTS, exist_ok=True)
@@ -267,10 +372,14 @@ def test_agents_page_in_chromium():
             as cluster, Client(cluster) as client:
         da.install(client, models=["emu"])
         done = [solve(client, f"issue{i}")[0] for i in range(2)]
+        retried = retry_once(client, "issue-retry")
+        failed, bad_key = fail_once(client, "issue-broken")
         live, held = solve(client, "issue-live", gated=True)
         plugin = cluster.scheduler.plugins[NAME]
         wait_for(lambda: plugin.state.sessions[live.id].open_calls == 1)
-        wait_for(lambda: all(plugin.state.sessions[s.id].state == "completed" for s in done))
+        wait_for(lambda: all(plugin.state.sessions[s.id].state == "completed" for s in [*done, retried, failed]))
+        wait_for(lambda: plugin.state.sessions[retried.id].retries == 1)
+        hosts = {w.address: w.plugins[WORKER_PLUGIN] for w in cluster.workers.values()}
         url = f"http://127.0.0.1:{cluster.scheduler.http_server.port}/{PAGE}"
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
@@ -317,6 +426,43 @@ def test_agents_page_in_chromium():
                 times = page.evaluate("""() => Array.from(
                     Bokeh.documents[0].get_model_by_name("agents-decisions").get_column("time"))""")
                 assert times and times == sorted(times, reverse=True)  # newest decision on top
+                # the timeline follows the live session too: its running review is a bar that grows
+                tl = _columns(page, "agents-timeline", ("key", "lane", "mark", "state", "end_ms"))
+                review_key = held[0].key
+                assert set(tl["key"]) <= set(plugin.state.sessions[live.id].calls) and review_key in tl["key"]
+                end0 = tl["end_ms"][tl["key"].index(review_key)]
+                page.wait_for_function(f"""() => {{
+                    const src = Bokeh.documents[0].get_model_by_name("agents-timeline");
+                    const i = Array.from(src.get_column("key")).indexOf({review_key!r});
+                    return i >= 0 && src.get_column("end_ms")[i] > {end0};
+                }}""", timeout=10_000)
+                # the errors panel: the failed call, its error and a link to Dask's page for the task
+                page.locator(".slick-row", has_text="broken build").first.wait_for(timeout=10_000)
+                errs = _columns(page, "agents-errors", ("call", "session", "error", "link"))
+                i = errs["call"].index(bad_key)
+                assert errs["session"][i] == failed.id and "broken build: issue-broken" in errs["error"][i]
+                assert errs["link"][i].endswith(".html") and "/info/task/" in errs["link"][i]
+                link = page.locator(".slick-row", has_text="broken build").first.locator("a")
+                assert link.get_attribute("href") == errs["link"][i]
+                page.get_by_text("calls failed: 1").first.wait_for(timeout=10_000)
+                # the KV panel shows what each engine reports: blocks referenced, retained,
+                # evictable, the device's blocks and bytes (polled: reports arrive every 200 ms)
+                def kv_matches() -> bool:
+                    shown = _columns(page, "agents-engines", ("worker", "kv_referenced", "kv_retained",
+                                                              "kv_evictable", "kv_blocks", "kv_device"))
+                    want = {}
+                    for addr, wp in hosts.items():
+                        rep = wp.engine_stats()["emu"]
+                        b = rep["kv_blocks"]
+                        want[addr.split("://")[-1]] = (b["pinned"], b["retained"], b["cached"], b["capacity"],
+                                                       fmt_bytes(rep["kv_bytes"]["device"]))
+                    got = {w: tuple(v) for w, *v in zip(*shown.values())}
+                    return got == want and any(v[2] > 0 for v in want.values())
+                wait_for(kv_matches, timeout=20)
+                addr = next(iter(hosts))
+                row_text = page.locator(".slick-row", has_text="emulated (EMULATED)").filter(
+                    has_text=addr.split("://")[-1]).first.inner_text()
+                assert fmt_bytes(hosts[addr].engine_stats()["emu"]["kv_bytes"]["device"]) in row_text
                 page.wait_for_timeout(500)
                 page.screenshot(path=shot, full_page=True)
                 # live updates: release the review, the row turns completed without a reload
@@ -339,6 +485,25 @@ def test_agents_page_in_chromium():
                         assert attempt < 4, "the page never showed the clicked session's graph"
                 assert sorted(_graph_data(page)["key"]) == sorted(
                     n.call_id for n in da.session_graph(client, done[0]).nodes)
+                # a session with a retry, opened directly: its timeline marks the re-visit
+                page.goto(f"{url}?session={retried.id}")
+                page.wait_for_function("""() => {
+                    const plot = Bokeh.documents.length && Bokeh.documents[0].get_model_by_name("agents-timeline-plot");
+                    return plot && plot.title.text.includes("1 retry (hatched /)");
+                }""", timeout=20_000)
+                tl = _columns(page, "agents-timeline", ("key", "lane", "component", "mark", "start_ms", "end_ms"))
+                recs = plugin.state.sessions[retried.id].calls
+                assert sorted(tl["key"]) == sorted(recs)  # every call ran on a worker
+                assert [k for k, m in zip(tl["key"], tl["mark"]) if m == "retry"] == [
+                    k for k, r in recs.items() if r.retry]
+                retry_key = next(k for k, r in recs.items() if r.retry)
+                assert recs[retry_key].component == "Developer"
+                for k, lane, start, end in zip(tl["key"], tl["lane"], tl["start_ms"], tl["end_ms"]):
+                    r = recs[k]
+                    assert lane.split(" ")[0] in (short(r.worker), str(_worker_name(cluster, r.worker)))
+                    assert start == pytest.approx(r.started * 1000) and end == pytest.approx(r.finished * 1000)
+                page.wait_for_timeout(500)
+                page.screenshot(path=os.path.join(ARTIFACTS, "dashboard-agents-retry.png"), full_page=True)
                 assert not errors, errors
             finally:
                 browser.close()

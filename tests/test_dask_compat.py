@@ -232,8 +232,12 @@ async def test_running_and_waiting_on_worker(c: Client, s: Scheduler, a: Worker)
     running = [sc.task_key(ts) for ts in sc.running_on_worker(ws)]
     waiting = [sc.task_key(ts) for ts in sc.waiting_on_worker(ws)]
     assert sorted(running + waiting) == sorted([first.key, second.key]) and not set(running) & set(waiting)
+    [(ts, elapsed)] = sc.executing(ws)  # with how long it has run, as of the heartbeat
+    assert sc.task_key(ts) == running[0] and elapsed >= 0
     ev.set()
     await c.gather([first, second])
+    # the heartbeat's executing list is not cleared when a task finishes: finished ones do not count
+    assert sc.running_on_worker(ws) == [] and sc.executing(ws) == []
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], scheduler_kwargs={"dashboard": True, "dashboard_address": ":0"})
@@ -507,6 +511,11 @@ async def test_task_holders_and_erred_on(c: Client, s: Scheduler, a: Worker):
     await async_wait_for(lambda: bad.status == "error")
     assert sc.task_holders(sc.task(s, "held-1")) == {a.address} and sc.task_erred_on(sc.task(s, "held-1")) == set()
     assert sc.task_erred_on(sc.task(s, "erred-1")) == {a.address} and sc.task_holders(sc.task(s, "erred-1")) == set()
+    # the error's text, its own or (for a dependent) the one of the task it erred through
+    dep = c.submit(inc, bad, key="dependent-1")
+    await async_wait_for(lambda: dep.status == "error")
+    assert "boom" in sc.task_error(sc.task(s, "erred-1")) and "boom" in sc.task_error(sc.task(s, "dependent-1"))
+    assert sc.task_error(sc.task(s, "held-1")) is None
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

@@ -349,6 +349,12 @@ def test_emulated_engine_crash_is_retried_and_a_stop_is_a_clear_error():
                     assert again.token_ids == ref.token_ids  # served by the restarted engine
                     restarts = client.run(lambda dask_worker: dask_worker.plugins["dask-agents"].engines.restarts)
                     assert list(restarts.values()) == [{"emu": 1}]
+                    # ... and reported with the engine's stats (dask_agents_engine_restarts_total)
+                    from scheduler_plugin.plugin import NAME as PLUGIN
+
+                    agg = cluster.scheduler.plugins[PLUGIN].aggregates
+                    wait_for(lambda: any((rep.get("models", {}).get("emu") or {}).get("restarts") == 1
+                                         for rep in agg.engines.values()))
                     client.run(_break_engine, "stop", "slow")
                     with pytest.raises(da.EngineStoppedError) as info:
                         da.llm("slow").generate(prompt, max_tokens=200).value(30)  # seconds: outlives the stop

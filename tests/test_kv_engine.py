@@ -371,7 +371,11 @@ def test_the_real_engine_reports_slots_queue_and_blocks(host):
     assert st["capacity_blocks"] == 15 and st["block_size"] == BLOCK
     assert st["max_batch"] == host._engine.vllm_config.scheduler_config.max_num_seqs
     assert st["running"] == 0 and st["waiting"] == 0
-    assert st["used_blocks"] + st["free_blocks"] == 15
+    # pinned (referenced) + free = all; used (holding KV) = pinned + cached (free, evictable),
+    # and equals the pool's own count of blocks holding KV
+    assert st["pinned_blocks"] + st["free_blocks"] == 15
+    assert st["used_blocks"] == st["pinned_blocks"] + st["cached_blocks"] == _pool_state(host.kv.parts)[1]
+    assert st["cached_blocks"] > 0 and st["retained_blocks"] == host.kv.pinned_blocks()
     rep = engine_report(host)
     assert rep["kv_blocks"]["capacity"] == 15 and rep["max_batch"] == st["max_batch"]
     from scheduler_plugin import validate

@@ -43,6 +43,9 @@ def test_generate_and_prefix_cache_hit_in_same_session(client):
     assert list(df["cached_tokens"]) == [r1.cached_tokens, r2.cached_tokens]
     # KV footprint in whole 128-token blocks of 128 KiB (the tiny model's geometry)
     assert list(df["kv_bytes"]) == [-(-(r.prompt_tokens + 8) // 128) * 128 * 1024 for r in (r1, r2)]
+    # time to first token and per output token, from the real engine's steps: inside the call
+    assert (df["ttft_s"] > 0).all() and (df["tpot_s"] > 0).all()
+    assert (df["ttft_s"] + 7 * df["tpot_s"] <= df["service_s"] + 1e-6).all()
 
 
 def test_greedy_generation_is_deterministic_and_batches(client):

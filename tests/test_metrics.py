@@ -38,6 +38,11 @@ class Analyst:
         return da.llm("emu").generate(PROMPT + question + facts, max_tokens=4).value(30).text
 
 
+@da.tool
+def broken(question: str) -> str:
+    raise ValueError(f"no facts about {question}")
+
+
 def scrape_text(port: int) -> str:
     import urllib.request
 
@@ -81,19 +86,33 @@ async def test_metrics_match_telemetry(c: Client, s: Scheduler, a: Worker, b: Wo
             first = analyst.answer(f"question {i}")
             second = analyst.answer(f"question {i}")  # same prompt prefix: prefix-cache hits
             await c.gather([first, second])
+    async with da.session(c, name="failing"):  # a failed call: counted, and its session failed
+        with pytest.raises(da.CallFailedError, match="no facts about x"):
+            await da.stub(broken)("x")
     plugin = s.plugins[NAME]
 
     async def settled():
         df = await da.telemetry(c)
-        done = df["state"].eq("finished").all() and df["started"].notna().all()
-        return done and plugin.state.sessions_completed == n and len(plugin.aggregates.engines) == 2
+        done = df["state"].isin(["finished", "erred"]).all() and df["started"].notna().all()
+        return done and plugin.state.sessions_completed == n + 1 and len(plugin.aggregates.engines) == 2
 
     await async_wait_for(settled, timeout=30)
     df = await da.telemetry(c)
     series = await scrape(s.http_server.port)
 
+    # failures: the erred call (with its error in telemetry) and its session
+    erred = df[df["state"] == "erred"]
+    assert list(erred["component"]) == ["broken"] and "no facts about x" in erred["error"].iloc[0]
+    assert df.loc[df["state"] != "erred", "error"].isna().all()
+    assert value(series, "dask_agents_calls_failed_total") == 1
+    assert value(series, "dask_agents_sessions_failed_total") == 1
+    assert value(series, "dask_agents_calls_ended_total", component="broken", state="erred") == 1
+    for kind in ("workers_lost", "rerouted", "failed"):
+        assert value(series, "dask_agents_faults_total", kind=kind) == 0
+    df = df[df["state"] != "erred"]
+
     # calls by component and state
-    for comp, k in df.groupby("component").size().items():
+    for comp, k in df.groupby("component").size().items():  # (the finished calls)
         assert value(series, "dask_agents_calls_created_total", component=comp) == k
         assert value(series, "dask_agents_calls_ended_total", component=comp, state="finished") == k
         rows = df[df["component"] == comp]
@@ -111,10 +130,10 @@ async def test_metrics_match_telemetry(c: Client, s: Scheduler, a: Worker, b: Wo
     assert not any(k[0][1] for k in series.get("dask_agents_calls", {}))  # nothing open any more
 
     # sessions
-    assert value(series, "dask_agents_sessions", state="completed") == n
+    assert value(series, "dask_agents_sessions", state="completed") == n + 1
     assert value(series, "dask_agents_sessions", state="active") == 0
-    assert value(series, "dask_agents_sessions_completed_total") == n
-    assert value(series, "dask_agents_session_latency_seconds_count") == n
+    assert value(series, "dask_agents_sessions_completed_total") == n + 1
+    assert value(series, "dask_agents_session_latency_seconds_count") == n + 1
 
     # LLM tokens per worker and model, against the calls' own numbers
     llm = df[df["kind"] == "llm"]
@@ -128,6 +147,23 @@ async def test_metrics_match_telemetry(c: Client, s: Scheduler, a: Worker, b: Wo
         assert value(series, "dask_agents_llm_cached_tokens_total", worker=w, model="emu") == cached
         assert value(series, "dask_agents_llm_recomputed_tokens_total", worker=w, model="emu") == prompt - cached
         assert value(series, "dask_agents_llm_output_tokens_total", worker=w, model="emu") == rows["output_tokens"].sum()
+
+    # LLM latencies per model, like vLLM's: every call's time to first token and time per
+    # output token, as its worker measured them, and its end-to-end time
+    assert llm["ttft_s"].notna().all() and llm["tpot_s"].notna().all()  # 4 tokens each: both
+    assert (llm["ttft_s"] <= llm["service_s"]).all()  # the first token comes within the call
+    assert (llm["ttft_s"] + 3 * llm["tpot_s"] <= llm["service_s"] + 1e-6).all()
+    for key, column in (("time_to_first_token", "ttft_s"), ("time_per_output_token", "tpot_s"),
+                        ("e2e_request_latency", "service_s")):
+        name = f"dask_agents_llm_{key}_seconds"
+        assert value(series, f"{name}_count", model="emu") == len(llm)
+        assert value(series, f"{name}_sum", model="emu") == pytest.approx(llm[column].sum(), rel=1e-6, abs=1e-9)
+        assert value(series, f"{name}_bucket", model="emu", le="+Inf") == len(llm)
+    for addr, w in names.items():  # no engine crashed
+        assert value(series, "dask_agents_engine_restarts_total", worker=w, model="emu") == 0
+        assert ("worker", w) in {k for key in series["dask_agents_engine_restarts_total"] for k in key}
+    assert value(series, "dask_agents_admission_waits_total", model="emu") == \
+        plugin.admission.waits_by_model.get("emu", 0)
 
     # KV bytes per tier: the emulated engines' own accounting, the latest sample of each
     kv = await da.telemetry(c, table="kv")

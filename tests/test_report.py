@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pandas as pd
@@ -108,3 +109,28 @@ def test_report_on_a_file_that_is_not_telemetry_names_the_missing_columns(tmp_pa
     assert ("is not a da.telemetry calls table: it has no session, component, created, started, finished "
             "columns") in result.output
     assert "Error: 'session'" not in result.output
+
+
+def test_telemetry_times_are_datetimes_and_files_read_back_as_seconds(tmp_path):
+    """``da.telemetry`` gives datetimes; its CSV/parquet files (ISO strings there) and older
+    files in POSIX seconds all read back as the same seconds for report and whatif."""
+    import pandas as pd
+
+    from dask_agents.client_api import posix_seconds
+    from dask_agents.report import _read
+
+    secs = pd.DataFrame({"created": [1_700_000_000.25, 1_700_000_001.5], "started": [1_700_000_000.5, None],
+                         "kind": ["tool", "llm"]})
+    dt = secs.copy()
+    for c in ("created", "started"):
+        dt[c] = pd.to_datetime(dt[c], unit="s", utc=True)
+    assert str(dt["started"].dtype) == "datetime64[ns, UTC]" and dt["started"].isna().iloc[1]
+    for frame in (dt, secs):
+        for ext in (".csv", ".parquet"):
+            path = str(tmp_path / f"t{ext}")
+            frame.to_csv(path, index=False) if ext == ".csv" else frame.to_parquet(path, index=False)
+            back = _read(path)
+            assert back["created"].tolist() == pytest.approx(secs["created"].tolist())
+            assert back["started"].iloc[0] == pytest.approx(1_700_000_000.5) and math.isnan(back["started"].iloc[1])
+    assert posix_seconds(dt)["created"].tolist() == pytest.approx(secs["created"].tolist())
+    assert posix_seconds(dt)["kind"].tolist() == ["tool", "llm"]  # other columns untouched

@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from worker_plugin.engine import _LOAD_LOCK, ModelSettings, _bytes, _resolve, engine_priority, wait_loaded
+from worker_plugin.token_times import TokenTimes
 from worker_plugin.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class AsyncEngineHost:
         self.settings = settings
         self.tokenizer = ByteTokenizer() if settings.tokenizer == "byte" else None
         self.max_model_len = settings.max_model_len
+        self.token_times = TokenTimes()  # first-token times (the registry reads TTFT/TPOT)
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
         self.crashed: BaseException | None = None
@@ -164,6 +166,7 @@ class AsyncEngineHost:
                 fut.set_exception(self._stopped_error())
                 return fut
             self._pending[request_id] = fut
+            self.token_times.start(request_id)
             try:
                 self._loop.call_soon_threadsafe(begin)
             except RuntimeError:  # the loop has just closed
@@ -180,6 +183,8 @@ class AsyncEngineHost:
             priority = priority if self.settings.scheduling == "priority" else 0
             async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), sampling,
                                                    request_id, priority=priority, session_id=session):
+                if final is None and out.outputs and out.outputs[0].token_ids:
+                    self.token_times.token(request_id)
                 final = out
             self.steps += 1
             _resolve(fut, result=final)

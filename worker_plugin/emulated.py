@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from worker_plugin.token_times import TokenTimes
 from kv.runtime.engine_kv import KVDirectiveError, KVStats, Residency, TierConfig, block_count
 from kv.runtime.sizing import KVGeometry
 from worker_plugin.emulated_kv import (  # noqa: F401  (the cost model's names are this module's too)
@@ -349,6 +350,7 @@ class EmulatedEngineHost(SessionKVHost):
         # An emulated model has no tokenizer of its own: "auto" means the byte tokenizer too.
         self.tokenizer: ByteTokenizer | None = ByteTokenizer() if settings.tokenizer in ("byte", "auto") else None
         self.max_model_len = settings.max_model_len
+        self.token_times = TokenTimes()  # first-token times (the registry reads TTFT/TPOT)
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
         self.steps = 0
@@ -435,6 +437,7 @@ class EmulatedEngineHost(SessionKVHost):
         except ValueError as e:  # too big for the KV: fail now rather than wait forever
             fut.set_exception(e)
             return fut
+        self.token_times.start(request_id)
         self._inbox.put(Sequence(request_id, list(token_ids), params.max_tokens, params.seed, fut,
                                  session=session, priority=tuple(params.priority)))
         return fut
@@ -562,6 +565,12 @@ class EmulatedEngineHost(SessionKVHost):
             # The iteration "runs" now; close() interrupts the wait.
             if cost > 0 and self._stop.wait(cost * self.time_scale):
                 break
+            stamp = self.token_times.token  # the step's tokens are out now (TTFT, TPOT)
+            for s in sched.running:
+                if s.output:
+                    stamp(s.request_id)
+            for s in self._finishing:
+                stamp(s.request_id)
             for s in self._finishing:
                 with self._lock:
                     self._finished(s)

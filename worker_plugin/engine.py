@@ -22,6 +22,7 @@ from dask.utils import parse_bytes
 from pydantic import BaseModel, ConfigDict, Field
 
 from worker_plugin.host_kv import SessionKVHost
+from worker_plugin.token_times import TokenTimes
 from worker_plugin.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class EngineHost(SessionKVHost):
         self.name = name
         self.settings = settings
         self.tokenizer = ByteTokenizer() if settings.tokenizer == "byte" else None
+        self.token_times = TokenTimes()  # first-token times (the registry reads TTFT/TPOT)
         self.max_model_len = settings.max_model_len
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
@@ -286,6 +288,7 @@ class EngineHost(SessionKVHost):
         if self._closed:  # crashed (the caller retries on a restart) or closed
             fut.set_exception(self._stopped_error())
             return fut
+        self.token_times.start(request_id)
         self._inbox.put(_Request(request_id, token_ids, params, session, fut))
         self._fail_if_gone()
         return fut
@@ -353,10 +356,13 @@ class EngineHost(SessionKVHost):
         parts = kv.parts
         capacity = parts.num_blocks - 1  # the null block holds nothing
         free = min(capacity, vllm_compat.free_blocks(parts))
+        empty = min(free, vllm_compat.empty_free_blocks(parts))
+        # used: holding KV (referenced or cached); pinned: referenced (running requests and
+        # retained sessions); cached: free but holding KV (evictable), as the emulated engine
         out.update(running=vllm_compat.running_requests(parts), waiting=vllm_compat.waiting_requests(parts),
                    max_batch=vllm_compat.max_running_requests(parts), block_size=parts.block_size,
-                   capacity_blocks=capacity, free_blocks=free, used_blocks=capacity - free,
-                   pinned_blocks=capacity - free)
+                   capacity_blocks=capacity, free_blocks=free, used_blocks=capacity - empty,
+                   pinned_blocks=capacity - free, cached_blocks=free - empty, retained_blocks=kv.pinned_blocks())
         return out
 
     def kv_report(self) -> dict | None:
@@ -547,6 +553,10 @@ class EngineHost(SessionKVHost):
                     raise
                 self.steps += 1
                 for out in outputs:
+                    if out.outputs and out.outputs[0].token_ids:  # (the last step's too: 1 token)
+                        req = self._pending.get(out.request_id)
+                        if req is not None:
+                            self.token_times.token(req.request_id)
                     if out.finished:
                         req = self._pending.pop(out.request_id, None)
                         if req is not None:
@@ -817,9 +827,10 @@ class Engines:
         cached = int(out.num_cached_tokens or 0)
         kv_bytes = host.geometry.bytes_for(len(ids) + len(toks)) if host.geometry else None
         emulated = bool(getattr(out, "emulated", False))
+        times = host.token_times.pop(header[3], len(toks))
         get_plugin().record_metrics(header[3], prompt_tokens=len(ids), cached_tokens=cached,
                                     output_tokens=len(toks), model=model, kv_bytes=kv_bytes,
-                                    emulated=emulated)
+                                    emulated=emulated, **times)
         return LLMResult(
             model=model, text=host.tokenizer.decode(toks) if host.tokenizer else "",
             token_ids=toks, prompt_tokens=len(ids), cached_tokens=cached, output_tokens=len(toks),

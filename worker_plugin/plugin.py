@@ -228,6 +228,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
             if host is not None:
                 try:
                     out[model] = engine_report(host)
+                    out[model]["restarts"] = self.engines.restarts.get(model, 0)
                 except Exception as e:  # stats are best effort: never break the reports
                     logger.debug("dask-agents: stats of engine %s failed: %s", model, e)
         return out
@@ -308,7 +309,9 @@ def engine_report(host: Any) -> dict:
         out.update(running=st.get("running"), waiting=st.get("waiting"), evictions=st.get("evictions"),
                    hit_tokens=st.get("hits"), query_tokens=st.get("queries"))
         # batch slots and KV blocks: what the scheduler's admission binds calls against
-        blocks = {k: int(st[f"{k}_blocks"]) for k in ("capacity", "used", "pinned", "free", "cached")
+        # capacity; used (holding KV); pinned (referenced: running requests or retained);
+        # retained (by KV directives); free (allocatable); cached (free, holding KV: evictable)
+        blocks = {k: int(st[f"{k}_blocks"]) for k in ("capacity", "used", "pinned", "retained", "free", "cached")
                   if st.get(f"{k}_blocks") is not None}
         if blocks:
             out["kv_blocks"] = blocks
