@@ -54,6 +54,8 @@ TS_COLUMNS = (*TIMESERIES_COLUMNS, "t_ms")  # t_ms: the sample's time for Bokeh'
 logger = logging.getLogger(__name__)
 
 PAGE = "agents"
+# Texts whose counters move at every refresh are re-sent at most this often (one message each).
+TEXT_EVERY_S = 5.0
 """The page's path under Dask's dashboard prefix."""
 
 
@@ -484,7 +486,9 @@ class AgentsPage:
         self.ts_figs = ts_figs
 
         self.control_div = Div(text="", name="agents-control", sizing_mode="stretch_width")
-        self._control_stable, self._control_at = "", 0.0
+        self._control_head: Any = ()
+        self._control_at = 0.0
+        self._summary_at = 0.0
         # control-loop pass times: from the time series (one message per refresh less)
         ticks_fig = time_figure(height=200, sizing_mode="stretch_width", title="control-loop passes (ms, per sample)",
                                 tools="", toolbar_location=None)
@@ -616,7 +620,7 @@ class AgentsPage:
         self._section("timeline", lambda: self._update_timeline(now))
         self._section("errors", self._update_errors)
         if view is not None:
-            self._section("summary", lambda: self._update_summary(view))
+            self._section("summary", lambda: self._update_summary(view, now))
 
     def _section(self, name: str, fn: Any) -> Any:
         """Run one section's refresh; if it fails, the others still run. An exception here
@@ -636,7 +640,7 @@ class AgentsPage:
                 logger.debug("dask-agents: the Agents page left out its %s section again", name, exc_info=True)
             return None
 
-    def _update_summary(self, view: Any) -> None:
+    def _update_summary(self, view: Any, now: float) -> None:
         p = self.dash.plugin
         state = p.state
         live = view.live
@@ -644,7 +648,11 @@ class AgentsPage:
                 f"{state.sessions_completed} &nbsp; calls open: {sum(max(n, 0) for n in state.open_per_component.values())}"
                 f" &nbsp; calls seen: {sum(state.calls_per_component.values())} &nbsp; agents workers: "
                 f"{len(p.ready_workers)} &nbsp; rows shown: {len(self.sessions_sync.keys)}")
-        if self.summary.text != text:
+        # Its counts move at every refresh, and each text change is one more message to the
+        # browser (each costs the scheduler as much as a table patch, whatever its size): re-sent
+        # at most every TEXT_EVERY_S; the live sessions are also in the time series, every second.
+        if self.summary.text != text and (not self.summary.text or now - self._summary_at >= TEXT_EVERY_S):
+            self._summary_at = now
             self.summary.text = text
 
     def _update_control(self, now: float) -> None:
@@ -664,11 +672,14 @@ class AgentsPage:
                       f" (as of {time.strftime('%H:%M:%S', time.localtime(now))}; each pass over time: the plot)")
         else:
             stable, passes = "no control loop", ""
-        # The pass counters move every refresh; each text change is one more message to the
-        # browser (and one costs as much as a table patch): they are re-sent every 10 s, what
-        # the plot does not show (actions, errors) at once.
-        if stable != self._control_stable or now - self._control_at >= 10.0:
-            self._control_stable, self._control_at = stable, now
+        # The pass and action counters move at every refresh; each text change is one more
+        # message to the browser (and one costs as much as a table patch): re-sent at most every
+        # TEXT_EVERY_S (the passes are also in the plot, every second), a change of the loop's
+        # state or policies or a new policy error at once.
+        head = (st.get("running"), tuple(st.get("policies", ())), st.get("policy_errors")) if st else None
+        if (head != self._control_head or now - self._control_at >= TEXT_EVERY_S) and stable + passes != self.control_div.text:
+            self._control_head = head
+            self._control_at = now
             self.control_div.text = stable + passes
         self.decisions_seen, rows = m.new_decisions(self.decisions_seen)
         if rows:  # newest on top (a stream only appends: the small table is replaced)

@@ -96,13 +96,21 @@ class BusyTime:
     """Busy call-seconds per component over the last ``seconds``, from the workers' exact
     start/finish reports: each call is split across the ``width``-second buckets it spans, so
     a short call counts as much as it ran (page-refresh samples never saw it), and the window's
-    sum is O(buckets) however many calls finished in it."""
+    sum is O(buckets) however many calls finished in it.
+
+    A call is O(1) to add however many buckets it spans (hundreds of reports a second at
+    1,000 live sessions): its two end buckets get their partial seconds, the buckets between
+    them a +1/-1 change of the count of calls covering a bucket whole; :meth:`total` sums the
+    changes forward."""
 
     def __init__(self, seconds: float, width: float = 1.0):
         self.seconds = seconds
         self.width = width
         self.keep = int(math.ceil(seconds / width)) + 2
-        self.buckets: dict[str, dict[int, float]] = {}  # component -> bucket -> seconds
+        self.partial: dict[str, dict[int, float]] = {}  # component -> bucket -> seconds
+        self.cover: dict[str, dict[int, int]] = {}  # component -> bucket -> change of whole-bucket calls
+        self.base: dict[str, int] = {}  # component -> whole-bucket calls at its oldest kept bucket
+        self.last: dict[str, int] = {}  # component -> newest bucket written
 
     def add(self, component: str, started: float, finished: float) -> None:
         """One call ran from ``started`` to ``finished``."""
@@ -110,27 +118,48 @@ class BusyTime:
             return
         w = self.width
         b0, b1 = int(started // w), int(finished // w)
-        b0 = max(b0, b1 - self.keep)  # older than the window: never read
-        d = self.buckets.setdefault(component, {})
-        for b in range(b0, b1 + 1):
-            part = min(finished, (b + 1) * w) - max(started, b * w)
-            if part > 0:
-                d[b] = d.get(b, 0.0) + part
+        if b0 < b1 - self.keep:  # older than the window: never read
+            b0, started = b1 - self.keep, (b1 - self.keep) * w
+        part = self.partial.get(component)
+        if part is None:
+            part = self.partial[component] = {}
+            self.cover[component] = {}
+            self.base[component] = 0
+            self.last[component] = b1
+        if b1 > self.last[component]:
+            self.last[component] = b1
+        if b0 == b1:
+            part[b0] = part.get(b0, 0.0) + (finished - started)
+            return
+        part[b0] = part.get(b0, 0.0) + ((b0 + 1) * w - started)
+        part[b1] = part.get(b1, 0.0) + (finished - b1 * w)
+        if b1 > b0 + 1:  # whole buckets b0+1 .. b1-1
+            cover = self.cover[component]
+            cover[b0 + 1] = cover.get(b0 + 1, 0) + 1
+            cover[b1] = cover.get(b1, 0) - 1
 
     def total(self, component: str, now: float) -> float:
         """Busy seconds of ``component`` within ``[now - seconds, now]`` (the oldest bucket in
         proportion to its overlap). ``now`` may only grow from call to call: buckets before the
-        window are dropped."""
-        d = self.buckets.get(component)
-        if not d:
+        window are dropped (their coverage changes folded into the count carried forward)."""
+        part = self.partial.get(component)
+        if part is None:
             return 0.0
+        cover = self.cover[component]
         w = self.width
         horizon = now - self.seconds
         first = int(horizon // w)
-        for b in [b for b in d if b < first]:
-            del d[b]
+        for b in [b for b in part if b < first]:
+            del part[b]
+        old = [b for b in cover if b <= first]
+        if old:
+            self.base[component] += sum(cover.pop(b) for b in old)
+        count = self.base[component]  # calls covering bucket `first` whole
         total = 0.0
-        for b, x in d.items():
+        for b in range(first, self.last[component] + 1):
+            if b > first:
+                count += cover.get(b, 0)
+            x = part.get(b, 0.0) + count * w
             total += x * ((b + 1) * w - horizon) / w if b == first else x
         return total
 
@@ -171,10 +200,14 @@ class _Window:
             self.q_sum[comp] += sign * q
             self.q_n[comp] += sign
         if w:
-            ws = self.workers.setdefault(comp, Counter())
-            ws[w] += sign
-            if ws[w] <= 0:
-                del ws[w]
+            ws = self.workers.get(comp)
+            if ws is None:  # (not setdefault(comp, Counter()): a Counter built per report)
+                ws = self.workers[comp] = Counter()
+            n = ws.get(w, 0) + sign
+            if n > 0:
+                ws[w] = n
+            else:
+                ws.pop(w, None)
 
 
 def pick_bottleneck(candidates: dict[str, dict], current: str | None,

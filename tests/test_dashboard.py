@@ -171,7 +171,43 @@ def test_busy_time_counts_each_call_within_the_window_exactly():
     assert busy.total("dev", 109.75) == pytest.approx(0.1 + 2.5 + 0.5 * 0.25)
     assert busy.total("dev", 110.0) == pytest.approx(0.1 + 2.5)  # window [100, 110]: the old one is out
     assert busy.total("tester", 110.0) == 0.0
-    assert busy.total("dev", 500.0) == 0.0 and not busy.buckets["dev"]  # old buckets are dropped
+    assert busy.total("dev", 500.0) == 0.0
+    assert not busy.partial["dev"] and not busy.cover["dev"]  # old buckets are dropped
+
+
+def test_busy_time_equals_splitting_each_call_across_its_buckets():
+    """The O(1) add (partial end buckets, whole buckets as +1/-1 coverage changes) sums to what
+    splitting every call across every bucket it spans gives, as the window moves on, for calls
+    of any length, reported late or out of order."""
+    import random
+
+    from scheduler_plugin.dashboard_data import BusyTime
+
+    rng = random.Random(7)
+    seconds, width = 30.0, 1.0
+    busy = BusyTime(seconds=seconds, width=width)
+    buckets: dict[int, float] = {}  # the reference: every bucket of every call
+
+    def split(started: float, finished: float) -> None:
+        b1 = int(finished // width)
+        for b in range(max(int(started // width), b1 - busy.keep), b1 + 1):
+            part = min(finished, (b + 1) * width) - max(started, b * width)
+            if part > 0:
+                buckets[b] = buckets.get(b, 0.0) + part
+
+    now = 1000.0
+    for _ in range(400):
+        now += rng.uniform(0.0, 0.7)
+        for _ in range(rng.randrange(4)):
+            length = rng.choice([rng.uniform(0, 0.3), rng.uniform(0, 5), rng.uniform(0, 80)])
+            finished = now - rng.uniform(0, 3)  # reported up to 3 s late
+            busy.add("dev", finished - length, finished)
+            split(finished - length, finished)
+        horizon = now - seconds
+        first = int(horizon // width)
+        want = sum(x * ((b + 1) * width - horizon) / width if b == first else x
+                   for b, x in buckets.items() if b >= first)
+        assert busy.total("dev", now) == pytest.approx(want, rel=1e-9, abs=1e-9)
 
 
 def test_the_bottleneck_label_does_not_flip_between_near_equal_components():
