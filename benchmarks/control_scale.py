@@ -73,8 +73,8 @@ from distributed.collections import HeapSet  # noqa: E402
 import dask_agents as da  # noqa: E402
 from dask_agents.calls import ANNOTATION  # noqa: E402
 from dask_agents.stats import percentile  # noqa: E402
-from scheduler_plugin.control import ControlLoop  # noqa: E402
-from scheduler_plugin.plugin import AgentsSchedulerPlugin  # noqa: E402
+from dask_agents.scheduler_plugin.control import ControlLoop  # noqa: E402
+from dask_agents.scheduler_plugin.plugin import AgentsSchedulerPlugin  # noqa: E402
 
 MODEL = "coder"
 LLM = "llm.coder"

@@ -69,7 +69,7 @@ session's KV prefills ~0.02-0.05 s of a call instead of ~0.3 s: where each call 
 Resources (identical for every variant)
 ---------------------------------------
 - 2 replicas of one EMULATED engine (model ``coder``; the class
-  ``worker_plugin.emulated.EmulatedEngineHost`` in every variant): max_batch 8, 20 ms per
+  ``dask_agents.worker_plugin.emulated.EmulatedEngineHost`` in every variant): max_batch 8, 20 ms per
   iteration (+0.05 ms per running sequence), 0.1 ms per non-cached prompt token (no chunked
   prefill), 2048 KV blocks of 16 tokens per replica with vLLM-style prefix reuse (~8
   sessions' histories; 9-10 sessions are in flight at the quick run's higher load), engine
@@ -622,7 +622,7 @@ class DaskBackend:
 def _admission_state(dask_scheduler) -> dict | None:
     """``run_on_scheduler`` helper: the admission's counters and the waits of its latest
     admissions (one per admitted session, oldest first; at most the last 1000)."""
-    from scheduler_plugin.plugin import NAME
+    from dask_agents.scheduler_plugin.plugin import NAME
 
     adm = getattr(dask_scheduler.plugins.get(NAME), "admission", None)
     if adm is None:
@@ -1653,7 +1653,7 @@ def build_config(preset: dict, mode: str, seed: int, variants: list[str], scenar
         "reference_load_rps": preset["calibration_load"],
         "scenarios": sc_cfg, "seeds": seeds, "caps": preset.get("caps"),
         "engine": {"replicas": 2, "model": swe.MODEL, **swe.ENGINE, "max_model_len": swe.MAX_MODEL_LEN,
-                   "prefix_caching": True, "class": "worker_plugin.emulated.EmulatedEngineHost"},
+                   "prefix_caching": True, "class": "dask_agents.worker_plugin.emulated.EmulatedEngineHost"},
         "tools": {"doc_search": "file_io prior (P50/P95/P99 45/320/1200 ms)",
                   "code_exec": "code_exec prior (P50/P95/P99 180/2400/28000 ms)",
                   "time_scale": swe.TOOL_TIME_SCALE},

@@ -5,7 +5,7 @@ passes futures between them (the plan future goes to the developers, the patch f
 tester); agent tasks make their nested calls through ``worker_client()`` (which secedes, so a
 waiting agent holds no worker thread); each LLM call is a task that runs on a worker and
 calls the EMULATED engine that worker hosts (``EngineHostPlugin``: one
-:class:`worker_plugin.emulated.EmulatedEngineHost` per worker, the class dask-agents hosts) and
+:class:`dask_agents.worker_plugin.emulated.EmulatedEngineHost` per worker, the class dask-agents hosts) and
 waits for it, holding its thread as real work would; tools are plain tasks. Dask's own
 scheduling, queuing and work stealing decide everything else.
 

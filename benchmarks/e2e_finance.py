@@ -2,9 +2,9 @@
 the prompts every variant sends, the EMULATED resources, and the workflow in every form (plain
 Dask, dask-agents, Ray, LangGraph).
 
-Everything timed here is EMULATED: the engines are :class:`worker_plugin.emulated.EmulatedEngineHost`
+Everything timed here is EMULATED: the engines are :class:`dask_agents.worker_plugin.emulated.EmulatedEngineHost`
 (a cost model) and the ``db_query`` tool sleeps a latency drawn from SAGA's db_query prior
-(``kv.runtime.tool_latency``; P50/P95/P99 120/890/3500 ms) times ``TOOL_TIME_SCALE``.
+(``dask_agents.kv.runtime.tool_latency``; P50/P95/P99 120/890/3500 ms) times ``TOOL_TIME_SCALE``.
 
 Control flow: ``examples/finance/workflow.py``'s. One session per request: one analyst per
 aspect (revenue, profitability, risk, cash-flow) in parallel, each a ``db_query`` tool call then
@@ -73,7 +73,7 @@ from dask_agents.stats import percentile
 from benchmarks import e2e_swe as swe
 from benchmarks.e2e_peers import LangGraphPeer, RayPeer, _merge
 from examples.finance.workflow import SYSTEM, FinanceRequest, make_requests
-from kv.runtime.tool_latency import prior
+from dask_agents.kv.runtime.tool_latency import prior
 
 MODEL = swe.MODEL  # "coder": the model examples/finance's agents call
 ANALYSIS_TOKENS, SUMMARY_TOKENS, ANSWER_TOKENS = 16, 24, 16  # the example's max_tokens (summary: +8)
@@ -648,7 +648,7 @@ def build_config(preset: dict, seed: int, variants: list[str]) -> dict:
         "think_s_range": list(preset.get("think_s", THINK_FULL)),
         "latency": "arrival to completion minus the user's think time before the follow-ups",
         "engine": {"replicas": REPLICAS, "model": MODEL, **ENGINE, "max_model_len": swe.MAX_MODEL_LEN,
-                   "prefix_caching": True, "class": "worker_plugin.emulated.EmulatedEngineHost"},
+                   "prefix_caching": True, "class": "dask_agents.worker_plugin.emulated.EmulatedEngineHost"},
         "tools": {"db_query": "db_query prior (P50/P95/P99 120/890/3500 ms)", "time_scale": TOOL_TIME_SCALE},
         "requests": describe_specs(base),
         "threads": {"dask-agents": f"2 workers x {e2e.THREADS_AGENTS}", "dask": "swept",

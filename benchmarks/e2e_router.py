@@ -1,8 +1,8 @@
 """The Router workflow of ``benchmarks/e2e.py`` (``--workflow router``) under skewed phases, on
 EMULATED engines for two models (``chat``, ``coder``) on 4 engine workers.
 
-Everything timed here is EMULATED: the engines are :class:`worker_plugin.emulated.EmulatedEngineHost`
-(a cost model), the code-exec tool sleeps a latency drawn from ``kv.runtime.tool_latency``'s code_exec prior.
+Everything timed here is EMULATED: the engines are :class:`dask_agents.worker_plugin.emulated.EmulatedEngineHost`
+(a cost model), the code-exec tool sleeps a latency drawn from ``dask_agents.kv.runtime.tool_latency``'s code_exec prior.
 
 Workflow (``examples/router/workflow.py``'s control flow): a classifier (one short LLM call on
 ``coder``, max_tokens 1) routes the request by the code-fence rule; the chat branch makes one
@@ -59,7 +59,7 @@ import distributed
 
 import dask_agents as da
 from benchmarks import e2e_swe as swe
-from kv.runtime.tool_latency import prior
+from dask_agents.kv.runtime.tool_latency import prior
 
 MODELS = ("chat", "coder")
 WORKERS = 4
@@ -460,7 +460,7 @@ def _reassigns(client) -> list[dict]:
 
 
 def _model_workers(dask_scheduler=None) -> dict:
-    from scheduler_plugin.plugin import NAME
+    from dask_agents.scheduler_plugin.plugin import NAME
 
     p = dask_scheduler.plugins[NAME]
     return {m: len(p.model_workers.get(m, ())) for m in MODELS}
@@ -688,7 +688,7 @@ def build_config(preset: dict, seed: int, variants: list[str]) -> dict:
         "phase_seconds_at_reference_load": arr[-1] / preset["phases"] if arr else None,
         "warmup_requests": preset["warmup"], "calibration_load_rps": cal, "reference_load_rps": cal,
         "engine": {"models": list(MODELS), "engine_workers": WORKERS, **ENGINE, "prefix_caching": True,
-                   "class": "worker_plugin.emulated.EmulatedEngineHost",
+                   "class": "dask_agents.worker_plugin.emulated.EmulatedEngineHost",
                    "max_prompt_tokens": MAX_PROMPT_TOKENS, "max_output_tokens": MAX_OUTPUT_TOKENS},
         "tools": {"code_exec": "code_exec prior, drawn up front", "time_scale": TOOL_TIME_SCALE},
         "trace": f"Azure LLM inference trace 2023 (code + conversation), skewed phases from {TRACE_START_S:g}s, "

@@ -56,10 +56,10 @@ What else differs from ``examples/swe/workflow.py`` (on purpose, so every framew
 same work): everything random about a request is drawn up front, once, from seeded RNGs into a
 :class:`RequestSpec` (subtask count, which round fails and which subtask, every tool latency,
 every synthetic text length), and every variant reads it from there. Tool latencies are drawn
-from the SAGA priors of :mod:`kv.runtime.tool_latency` (file_io for doc search, code_exec for code
+from the SAGA priors of :mod:`dask_agents.kv.runtime.tool_latency` (file_io for doc search, code_exec for code
 runs) and slept times ``tool_time_scale``.
 
-Everything timed here is EMULATED: the engine is :class:`worker_plugin.emulated.EmulatedEngineHost`
+Everything timed here is EMULATED: the engine is :class:`dask_agents.worker_plugin.emulated.EmulatedEngineHost`
 (a cost model) and the tools sleep.
 """
 
@@ -83,7 +83,7 @@ from examples.swe.workflow import (
     _context,
     make_issues,
 )
-from kv.runtime.tool_latency import prior
+from dask_agents.kv.runtime.tool_latency import prior
 
 MODEL = "coder"  # the model name the Open-SWE agents call (da.llm("coder"))
 PLAN_TOKENS, PATCH_TOKENS, REVIEW_TOKENS = 16, 24, 8  # max_tokens of examples/swe/workflow.py
@@ -144,7 +144,7 @@ def model_entry(engine: dict | None = None) -> dict:
 def make_engine(name: str = MODEL, engine: dict | None = None):
     """One engine host, started and loaded: the class dask-agents' worker plugin hosts for the
     entry (EMULATED by default; a real vLLM engine for a real model entry, see ``model_entry``)."""
-    from worker_plugin.engine import ModelSettings, make_host
+    from dask_agents.worker_plugin.engine import ModelSettings, make_host
 
     entry = model_entry(engine)
     host = make_host(name, ModelSettings(**entry))

@@ -9,7 +9,7 @@ like Open-SWE: a shared system prompt, a per-session task, then a planner step, 
 steps and tester steps (a failed test sends the session back to a developer). Each step is one
 LLM call on the session's whole history; after it the session waits on a tool (planner:
 file_io or web_api, developer: file_io or code_exec, tester: code_exec) whose latency is drawn
-from ``kv.runtime.tool_latency``'s prior for that kind and multiplied by ``--time-scale``; the tool's
+from ``dask_agents.kv.runtime.tool_latency``'s prior for that kind and multiplied by ``--time-scale``; the tool's
 output and the model's output are appended to the history. Sessions start a little apart.
 
 Every variant replays the *same* sessions (contents, tool kinds, latencies and output lengths
@@ -19,7 +19,7 @@ except its KV policy:
 ``prefix_caching``  vLLM's prefix cache alone (``kv-policy: none``): LRU eviction, no lower tier.
 ``wa_lru``          SAGA: WA-LRU order, tool-aware TTL pins, thresholds, speculative prefetch.
 ``nalar``           Nalar Alg. 3: drop at session end, offload by predicted idle time, prefetch.
-``ours``            the full dask-agents policy (``kv.runtime.policies.Ours``).
+``ours``            the full dask-agents policy (``dask_agents.kv.runtime.policies.Ours``).
 ``lru_host``        LRU order with the same host tier: workflow-blind offloading, what vLLM's native
                     offloading or LMCache give anyone (the baseline that matters).
 
@@ -128,7 +128,7 @@ def scripts(n: int, steps: tuple[int, int], task: tuple[int, int], tool_out: tup
             time_scale: float, seed: int, stagger_s: float, system: int = 0, max_len: int = 4096) -> list[Script]:
     """``n`` Open-SWE-shaped sessions (see the module docstring), fully drawn from ``seed``;
     a session ends early rather than outgrow the model's context (``max_len``)."""
-    from kv.runtime.tool_latency import PRIORS
+    from dask_agents.kv.runtime.tool_latency import PRIORS
 
     out = []
     for i in range(n):
@@ -240,7 +240,7 @@ def _merge(a: Outcome, b: Outcome) -> Outcome:
 def settings(variant: str, args: argparse.Namespace) -> Any:
     """The engine settings of one variant (only the policy differs; prefix caching alone has no
     host tier, as vLLM has none)."""
-    from worker_plugin.engine import ModelSettings
+    from dask_agents.worker_plugin.engine import ModelSettings
 
     policy = POLICY[variant]
     extra: dict = {}
@@ -268,7 +268,7 @@ def _thread_cpu(thread: threading.Thread) -> float:
 
 def run_variant(variant: str, plan: list[Script], args: argparse.Namespace) -> Outcome:
     """Serve ``plan`` on a fresh engine running ``variant``'s KV policy."""
-    from worker_plugin.engine import make_host
+    from dask_agents.worker_plugin.engine import make_host
 
     host = make_host(f"bench-{variant}", settings(variant, args))
     host.start()

@@ -1,5 +1,5 @@
 """What one KV look costs on the engine's stepping thread, by device size: block state from vLLM's
-KV events (``kv.runtime.device_index``) against walking vLLM's free-block queue from Python.
+KV events (``dask_agents.kv.runtime.device_index``) against walking vLLM's free-block queue from Python.
 
 What runs
 ---------
@@ -47,7 +47,7 @@ def measure(blocks: int, looks: int) -> dict:
 
     import dask_agents  # noqa: F401  (agents.* defaults)
     from tests.kv_helpers import generate, prompt_ids
-    from worker_plugin.engine import EngineHost, ModelSettings
+    from dask_agents.worker_plugin.engine import EngineHost, ModelSettings
 
     settings = ModelSettings(model="builtin:tiny-llama", load_format="dummy", tokenizer="byte", dtype="bfloat16",
                              max_model_len=2048, kv_cache_memory_bytes=blocks * BLOCK_BYTES,

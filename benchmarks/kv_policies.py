@@ -2,16 +2,16 @@
 
 What is measured
 ----------------
-Each trace is replayed (``kv.offline.simulator``, open loop: every policy sees the same block-access
+Each trace is replayed (``dask_agents.kv.offline.simulator``, open loop: every policy sees the same block-access
 sequence) under LRU (vLLM's prefix cache), WA-LRU (SAGA), Nalar's idle-time policy and ours,
 side by side with
 
 ``optimum``
-    :func:`kv.offline.optimal.lower_bound`: Bélády's MIN on the same accesses with all tiers' capacity,
+    :func:`dask_agents.kv.offline.optimal.lower_bound`: Bélády's MIN on the same accesses with all tiers' capacity,
     keeping every running step's blocks while it runs. A true lower bound on every policy's
     recomputed prefill tokens (see ``kv/offline/optimal.py`` for why, and for prefix chains).
 ``offline``
-    :class:`kv.offline.optimal.Offline`, the cost-aware offline *schedule*: a feasible replay that knows
+    :class:`dask_agents.kv.offline.optimal.Offline`, the cost-aware offline *schedule*: a feasible replay that knows
     the future (an upper bound on the best feasible schedule). Where it equals ``optimum`` the
     bound is the true optimum of the simulator's rules.
 
@@ -22,17 +22,17 @@ memory avoids). Hit rate is token-weighted: reused prompt tokens / prompt tokens
 Traces (three families)
 -----------------------
 ``generated``  agent sessions shaped like the GitHub Copilot coding-agent dataset card
-               (:class:`kv.offline.traces.GenParams`: 3.95 turns per session, 7.83 LLM calls and 7.3 tool
+               (:class:`dask_agents.kv.offline.traces.GenParams`: 3.95 turns per session, 7.83 LLM calls and 7.3 tool
                calls per turn, 86% of prompt tokens cached, SAGA's tool latencies).
 ``telemetry``  recorded here: a dask-agents run (in-process cluster, EMULATED engine and tools,
                time scale 0.01) of coding-agent-like sessions with growing prompts, read back from
                ``da.telemetry(client)`` (saved as CSV beside the JSON) by
-               :func:`kv.offline.traces.load_telemetry`. ``--telemetry PATH`` replays a saved frame instead.
+               :func:`dask_agents.kv.offline.traces.load_telemetry`. ``--telemetry PATH`` replays a saved frame instead.
 ``mooncake``   the Mooncake synthetic trace the package ships (or ``$DASK_AGENTS_TRACES``), all 3993
                requests; skipped (and said so) when absent.
 
 Each family is replayed a second time without session ends (``<family>-no-ends``,
-:meth:`kv.offline.traces.Trace.without_session_ends`): on the derived traces (Mooncake,
+:meth:`dask_agents.kv.offline.traces.Trace.without_session_ends`): on the derived traces (Mooncake,
 telemetry) the end of a session is hindsight (its last request seen), so a policy's result
 with it overstates what it knows online.
 
@@ -87,10 +87,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from kv.runtime.blocks import CostModel, Tier, Tiers  # noqa: E402
-from kv.runtime.policies import Params  # noqa: E402
-from kv.offline.replay import OFFLINE, ONLINE, OPTIMUM, Row, format_table, plot, replay, write_json  # noqa: E402
-from kv.offline.traces import GenParams, Trace, generate, load_mooncake, load_telemetry, mooncake_path  # noqa: E402
+from dask_agents.kv.runtime.blocks import CostModel, Tier, Tiers  # noqa: E402
+from dask_agents.kv.runtime.policies import Params  # noqa: E402
+from dask_agents.kv.offline.replay import OFFLINE, ONLINE, OPTIMUM, Row, format_table, plot, replay, write_json  # noqa: E402
+from dask_agents.kv.offline.traces import GenParams, Trace, generate, load_mooncake, load_telemetry, mooncake_path  # noqa: E402
 
 QUICK = {"generated_sessions": 60, "telemetry_sessions": 24}
 FULL = {"generated_sessions": 200, "telemetry_sessions": 64}
@@ -184,9 +184,9 @@ def walru_demand_only(trace: Trace, cost: CostModel, params: Params, fractions, 
     room), at the accelerator-only sizes; ratios to the optimum."""
     from dataclasses import replace as dc_replace
 
-    from kv.offline.optimal import lower_bound
-    from kv.runtime.policies import WALRU
-    from kv.offline.simulator import Simulator
+    from dask_agents.kv.offline.optimal import lower_bound
+    from dask_agents.kv.runtime.policies import WALRU
+    from dask_agents.kv.offline.simulator import Simulator
 
     p = dc_replace(params, theta_low=1.0, theta_high=1.0)
     out = []

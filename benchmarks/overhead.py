@@ -18,8 +18,8 @@ Six variants on three in-process clusters of the same shape
     ``da.install`` sets (``agents.client.batched-send-interval`` 2 ms,
     ``agents.scheduler.batched-send-interval`` 2 ms, ``agents.worker.batched-send-interval``
     1 ms), set through the same helpers the plugins use
-    (``scheduler_plugin.dask_compat.set_client_stream_interval`` /
-    ``set_worker_stream_interval``, ``worker_plugin.dask_compat.set_batched_send_interval``).
+    (``dask_agents.scheduler_plugin.dask_compat.set_client_stream_interval`` /
+    ``set_worker_stream_interval``, ``dask_agents.worker_plugin.dask_compat.set_batched_send_interval``).
     **The headline ratios are against this variant**: it differs from the installed cluster
     only by the plugins, so the ratios measure the plugins, not the batching windows.
 ``plain_submit``
@@ -159,7 +159,7 @@ def tune_like_install(client: Client) -> dict:
     plugins' own helpers (client -> scheduler, scheduler -> each worker, each worker -> scheduler).
     Returns the windows read back (:func:`batched_send_intervals`)."""
     import dask_agents.config as agents_config
-    from scheduler_plugin import dask_compat as sched_compat
+    from dask_agents.scheduler_plugin import dask_compat as sched_compat
 
     client_s = agents_config.seconds("client.batched-send-interval")
     sched_s = agents_config.seconds("scheduler.batched-send-interval")
@@ -167,12 +167,12 @@ def tune_like_install(client: Client) -> dict:
     sched_compat.set_client_stream_interval(client, client_s)
 
     def on_scheduler(dask_scheduler=None, seconds=sched_s):
-        from scheduler_plugin import dask_compat
+        from dask_agents.scheduler_plugin import dask_compat
 
         dask_compat.set_worker_stream_interval(dask_scheduler, dask_compat.worker_addresses(dask_scheduler), seconds)
 
     def on_worker(dask_worker=None, seconds=worker_s):
-        from worker_plugin import dask_compat
+        from dask_agents.worker_plugin import dask_compat
 
         dask_compat.set_batched_send_interval(dask_worker, seconds)
 

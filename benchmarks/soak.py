@@ -113,7 +113,7 @@ async def one_session(client: Client, i: int, think: float = 1.0) -> None:
 
 # -- what is measured ------------------------------------------------------------------------------
 
-_OURS = ("scheduler_plugin", "worker_plugin", "kv", "dask_agents")
+_OURS = ("dask_agents",)  # every module of ours installs under it
 
 
 def _container_sizes(obj: Any, prefix: str, out: dict, depth: int, seen: set) -> None:
@@ -185,7 +185,7 @@ def _worker_sizes(dask_worker: Any = None, types: bool = False) -> dict:
                  "dask.key_split_cache": key_split.cache_info().currsize}
     _container_sizes(p, "plugin", out, 4, set())
     try:
-        from worker_plugin.plugin import engine_report
+        from dask_agents.worker_plugin.plugin import engine_report
 
         for model, host in p.engines._hosts.items():  # noqa: SLF001
             rep = engine_report(host)

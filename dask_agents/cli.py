@@ -66,10 +66,10 @@ def replay_command(trace: str, policies: tuple[str, ...], tiers: tuple[str, ...]
 
     TRACE is a file (a saved kv trace, a Mooncake JSON-lines file, or a da.telemetry frame as
     CSV/JSON/parquet), a directory holding the Mooncake trace, 'mooncake' (the shipped trace),
-    or 'generated[:key=value,...]' (generated agent sessions; keys of kv.offline.traces.GenParams).
+    or 'generated[:key=value,...]' (generated agent sessions; keys of dask_agents.kv.offline.traces.GenParams).
     """
-    from kv.runtime.blocks import CostModel, Tiers
-    from kv.offline.replay import ONLINE, format_table, load_trace, plot, ratios, replay, resolve_tiers, write_json
+    from dask_agents.kv.runtime.blocks import CostModel, Tiers
+    from dask_agents.kv.offline.replay import ONLINE, format_table, load_trace, plot, ratios, replay, resolve_tiers, write_json
 
     try:
         t = load_trace(trace, limit)

@@ -87,9 +87,9 @@ def end_session(client: Client, session: str, cancel: bool = False) -> Any:
 
 
 SESSION_END_OP = "agents-session-end"
-"""The client-stream op of :func:`end_session` (``scheduler_plugin.plugin.SESSION_END_OP``)."""
+"""The client-stream op of :func:`end_session` (``dask_agents.scheduler_plugin.plugin.SESSION_END_OP``)."""
 SESSION_OPEN_OP = "agents-session-open"
-"""The client-stream op of :func:`open_session` (``scheduler_plugin.plugin.SESSION_OPEN_OP``)."""
+"""The client-stream op of :func:`open_session` (``dask_agents.scheduler_plugin.plugin.SESSION_OPEN_OP``)."""
 
 
 def session_graph(client: Client, session: Any) -> SessionGraph:

@@ -114,7 +114,7 @@ def parse_size(value: Any) -> int:
 
 def parse_bandwidth(value: Any) -> float:
     """Bytes per second from ``"25 GB/s"``, ``"25GB"`` or a number (read as
-    ``kv.runtime.blocks.Tiers`` reads it); ValueError unless > 0."""
+    ``dask_agents.kv.runtime.blocks.Tiers`` reads it); ValueError unless > 0."""
     text = value.strip().removesuffix("/s") if isinstance(value, str) else value
     try:
         n = parse_size(text)
@@ -169,6 +169,7 @@ def _load() -> None:
         return
     with open(SCHEMA_PATH) as f:
         loaded = yaml.safe_load(f)
+    _generate(loaded)
     base = jsonschema.validators.validator_for(loaded, default=jsonschema.Draft202012Validator)
     base.check_schema(loaded)
     # A JSON number is finite: YAML's .inf/.nan (or such a float from Python) are not numbers
@@ -182,6 +183,29 @@ def _load() -> None:
     cls = jsonschema.validators.extend(base, type_checker=checker)
     _schema_cache.update(mtime=mtime, schema=loaded, validator=cls(loaded, format_checker=FORMAT_CHECKER),
                          nodes={})
+
+
+def _generate(node: Any) -> None:
+    """Put the generated schemas in place of their ``{$generated: NAME}`` markers (in place)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if isinstance(v, dict) and set(v) == {"$generated"}:
+                node[k] = _GENERATED[v["$generated"]]()
+            else:
+                _generate(v)
+    elif isinstance(node, list):
+        for v in node:
+            _generate(v)
+
+
+def _model_settings_schema() -> dict:
+    from dask_agents.model_settings import json_schema
+
+    return json_schema()
+
+
+# name -> the function building the schema a {$generated: name} marker stands for
+_GENERATED = {"model-settings": _model_settings_schema}
 
 
 def _subschema(key: str) -> dict:

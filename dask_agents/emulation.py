@@ -1,7 +1,7 @@
 """EMULATED tools for experiments at scale on CPUs. Every number they produce is EMULATED.
 
 An emulated tool does no work: it sleeps for a latency drawn from the latency prior of its
-kind (:mod:`kv.runtime.tool_latency`, SAGA's published P50/P95/P99) times a time scale, and returns
+kind (:mod:`dask_agents.kv.runtime.tool_latency`, SAGA's published P50/P95/P99) times a time scale, and returns
 ``{"kind", "name", "latency_s", "slept_s", "time_scale", "emulated": True}``. ``latency_s`` is the
 emulated latency (what the real tool would take); ``slept_s = latency_s * time_scale`` is the
 wall time actually spent. The draw is deterministic in ``(name, payload, seed)``, so reruns of an
@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable
 
 from dask_agents.components import tool
-from kv.runtime.tool_latency import PRIORS, prior
+from dask_agents.kv.runtime.tool_latency import PRIORS, prior
 
 # Names this module created (and may hand out again); other globals are never replaced.
 _CREATED: dict[str, tuple[str, float | None]] = {}

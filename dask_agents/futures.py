@@ -60,7 +60,7 @@ def closed_client_error(exc: BaseException, client: Any, component: str, method:
 
 def release_worker_slot() -> None:
     """If running in a worker task thread, secede once so waiting frees the slot."""
-    from worker_plugin import dask_compat
+    from dask_agents.worker_plugin import dask_compat
 
     dask_compat.secede_if_in_task()
 

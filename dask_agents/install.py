@@ -7,7 +7,7 @@ from typing import Any
 from distributed import Client
 
 import dask_agents.config as agents_config
-from scheduler_plugin import dask_compat as sched_compat
+from dask_agents.scheduler_plugin import dask_compat as sched_compat
 
 
 def install(client: Client, *, models: list[str] | dict[str, list[str]] | None = None) -> Any:
@@ -19,8 +19,8 @@ def install(client: Client, *, models: list[str] | dict[str, list[str]] | None =
     it returns a coroutine (``await da.install(client)``). An invalid ``agents.*`` setting
     raises :class:`~dask_agents.errors.ConfigError` naming the key before anything is installed.
     """
-    from scheduler_plugin.plugin import AgentsSchedulerPlugin
-    from worker_plugin.plugin import AgentsWorkerPlugin
+    from dask_agents.scheduler_plugin.plugin import AgentsSchedulerPlugin
+    from dask_agents.worker_plugin.plugin import AgentsWorkerPlugin
 
     if not isinstance(client, Client):
         raise TypeError(f"da.install() needs a distributed.Client, got {type(client).__name__}")
@@ -57,7 +57,7 @@ def _check_models(models: Any) -> None:
 
 
 def _has_plugin(dask_scheduler: Any) -> bool:
-    from scheduler_plugin.plugin import NAME
+    from dask_agents.scheduler_plugin.plugin import NAME
 
     return NAME in dask_scheduler.plugins
 

@@ -24,14 +24,14 @@ async def dask_setup(server: object) -> None:
     if isinstance(server, (Scheduler, Worker)):
         agents_config.validate()
     if isinstance(server, Scheduler):
-        from scheduler_plugin.plugin import NAME, AgentsSchedulerPlugin
+        from dask_agents.scheduler_plugin.plugin import NAME, AgentsSchedulerPlugin
 
         if NAME not in server.plugins:
             # Preloads run before the scheduler starts its plugins: start() follows.
             server.add_plugin(AgentsSchedulerPlugin())
         logger.info("dask-agents scheduler plugin installed")
     elif isinstance(server, Worker):
-        from worker_plugin.plugin import AgentsWorkerPlugin
+        from dask_agents.worker_plugin.plugin import AgentsWorkerPlugin
 
         await server.plugin_add(AgentsWorkerPlugin(), name="dask-agents")
         logger.info("dask-agents worker plugin installed")

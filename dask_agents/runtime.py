@@ -109,7 +109,7 @@ def _raise(err: CallFailedError) -> NoReturn:
 
 
 def _plugin():
-    from worker_plugin.plugin import get_plugin
+    from dask_agents.worker_plugin.plugin import get_plugin
 
     return get_plugin()
 
@@ -168,7 +168,7 @@ async def run_llm(header: Header, model: str, args: tuple, kwargs: dict) -> Any:
     import asyncio
 
     from dask_agents.errors import NotInstalledError
-    from worker_plugin.plugin import get_plugin
+    from dask_agents.worker_plugin.plugin import get_plugin
 
     plugin = get_plugin(wait=False)
     if not plugin.ready.is_set() and not await asyncio.to_thread(plugin.ready.wait, 60):

@@ -13,7 +13,7 @@ time on a chosen number of engine replicas per model:
   thread) after its creation. **Calls that are not LLM calls** then take their recorded service
   time; one that created calls finishes its recorded tail after the last of its children
   finishes (an agent waits on its LLM calls).
-- **LLM calls** run on the emulated engine's cost model (``worker_plugin.emulated``'s
+- **LLM calls** run on the emulated engine's cost model (``dask_agents.worker_plugin.emulated``'s
   ``EmulatedScheduler``: continuous batching, prefill of non-cached tokens, prefix reuse in a
   bounded KV), stepped in virtual time, one per replica. Prompts are synthetic token streams
   with the recorded lengths: a session's calls share its growing history and every session
@@ -92,7 +92,7 @@ class EngineFit:
 
     def params(self, max_batch: int, kv_blocks: int, block_size: int) -> Any:
         """EmulationParams for a replica with this fit."""
-        from worker_plugin.emulated import EmulationParams
+        from dask_agents.worker_plugin.emulated import EmulationParams
 
         return EmulationParams(max_batch=max_batch, prefill_s_per_token=self.prefill_s_per_token,
                                decode_s_per_step=self.decode_s_per_step, decode_s_per_seq=self.decode_s_per_seq,
@@ -283,7 +283,7 @@ class _Replay:
 
     def __init__(self, scripts: list[Script], fits: Mapping[str, EngineFit], replicas: Mapping[str, int],
                  load_scale: float, max_batch: int, kv_blocks: int, block_size: int, system_tokens: int):
-        from worker_plugin.emulated import EmulatedScheduler
+        from dask_agents.worker_plugin.emulated import EmulatedScheduler
 
         self.scripts = scripts
         self.load_scale = load_scale
@@ -394,7 +394,7 @@ class _Replay:
         return rep
 
     def _submit(self, now: float, i: int, c: Call) -> None:
-        from worker_plugin.emulated import Sequence
+        from dask_agents.worker_plugin.emulated import Sequence
 
         rep = self._replica(i, c.model)
         try:

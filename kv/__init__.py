@@ -1,6 +1,6 @@
-"""KV state for agent sessions: :mod:`kv.runtime` (what an engine worker runs) and
-:mod:`kv.offline` (traces, simulator, optimum, replay; never imported by a worker)."""
+"""KV state for agent sessions: :mod:`dask_agents.kv.runtime` (what an engine worker runs) and
+:mod:`dask_agents.kv.offline` (traces, simulator, optimum, replay; never imported by a worker)."""
 
-from kv.runtime.sizing import KVGeometry
+from dask_agents.kv.runtime.sizing import KVGeometry
 
 __all__ = ["KVGeometry"]

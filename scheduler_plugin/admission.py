@@ -60,7 +60,7 @@ from typing import Any
 import dask_agents.config as agents_config
 from dask_agents.stats import percentile
 
-from scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin import dask_compat
 
 HELD = "inproc://dask-agents-held-llm-call"
 TOPIC = "agents-admission"

@@ -1,8 +1,8 @@
 """The global control loop: a pass every ``agents.control.interval`` on the scheduler, off the
-critical path, run and supervised by :mod:`scheduler_plugin.watchdog` (policies in threads,
+critical path, run and supervised by :mod:`dask_agents.scheduler_plugin.watchdog` (policies in threads,
 restart of a dead or stalled loop). ``tick`` is the same pass run inline, for tests and tools.
 
-Each pass builds a read-only :class:`~scheduler_plugin.view.ClusterView` (bounded by
+Each pass builds a read-only :class:`~dask_agents.scheduler_plugin.view.ClusterView` (bounded by
 ``agents.control.max-calls-per-tick``), runs every enabled policy, and hands their
 suggestions to the enforcement layer (the pattern of Dask's Active Memory Manager), which
 refuses whatever would break its invariants, whichever policy suggests it. A policy that raises
@@ -24,11 +24,11 @@ from typing import Any, Callable, Iterable
 from distributed.utils import import_term
 
 import dask_agents.config as agents_config
-from scheduler_plugin.actions import Action
-from scheduler_plugin.enforce import Enforcer
-from scheduler_plugin.view import ClusterView
-from scheduler_plugin.view_index import scan_view
-from scheduler_plugin.watchdog import Watchdog
+from dask_agents.scheduler_plugin.actions import Action
+from dask_agents.scheduler_plugin.enforce import Enforcer
+from dask_agents.scheduler_plugin.view import ClusterView
+from dask_agents.scheduler_plugin.view_index import scan_view
+from dask_agents.scheduler_plugin.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 Policy = Callable[[ClusterView], Iterable[Action]]
@@ -47,7 +47,11 @@ def load_policies(spec: dict | None = None) -> dict[str, Policy]:
         try:
             cls = import_term(entry["class"])
         except Exception as e:
-            raise ValueError(f"agents.control.policies.{name}: cannot import {entry.get('class')!r}: {e}") from None
+            path = str(entry.get("class"))
+            hint = ""
+            if path.split(".")[0] in ("scheduler_plugin", "worker_plugin", "kv"):  # names before 0.1's namespace
+                hint = f" (dask-agents' modules are under dask_agents: 'dask_agents.{path}')"
+            raise ValueError(f"agents.control.policies.{name}: cannot import {path!r}: {e}{hint}") from None
         options = {k.replace("-", "_"): v for k, v in (entry.get("options") or {}).items()}
         try:
             out[name] = cls(**options)

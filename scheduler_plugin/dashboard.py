@@ -19,7 +19,7 @@ template and a link in Dask's navigation bar. Sections:
   recomputed tokens, tier traffic;
 - control loop: tick times (plot), counters, recent decisions (newest first).
 
-Cost: one :class:`~scheduler_plugin.dashboard_data.DashboardModel` computes for every open
+Cost: one :class:`~dask_agents.scheduler_plugin.dashboard_data.DashboardModel` computes for every open
 page at most once per refresh; each page then sends only what changed (ColumnDataSource
 ``patch``/``stream``; a full reload only when rows must leave from the middle of a table).
 Nothing runs while no page is open. :meth:`Dashboard.stats` reports the event-loop time
@@ -35,8 +35,8 @@ import time
 import weakref
 from typing import Any
 
-from scheduler_plugin import dask_compat
-from scheduler_plugin.dashboard_data import (
+from dask_agents.scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin.dashboard_data import (
     COMPONENT_COLUMNS,
     DECISION_COLUMNS,
     ENGINE_COLUMNS,
@@ -46,8 +46,8 @@ from scheduler_plugin.dashboard_data import (
     TIMELINE_COLUMNS,
     DashboardModel,
 )
-from scheduler_plugin.state import TERMINAL
-from scheduler_plugin.timeseries import COLUMNS as TIMESERIES_COLUMNS
+from dask_agents.scheduler_plugin.state import TERMINAL
+from dask_agents.scheduler_plugin.timeseries import COLUMNS as TIMESERIES_COLUMNS
 
 TS_COLUMNS = (*TIMESERIES_COLUMNS, "t_ms")  # t_ms: the sample's time for Bokeh's datetime axis
 
@@ -292,7 +292,7 @@ class SessionsSync:
         return (np.where(np.isnan(self.ended), now, self.ended) - self.created).round(2)
 
     def sync(self, view: Any, now: float) -> None:
-        """Apply the current :class:`~scheduler_plugin.dashboard_data.SessionsView`."""
+        """Apply the current :class:`~dask_agents.scheduler_plugin.dashboard_data.SessionsView`."""
         import numpy as np
 
         wanted = view.versions

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import dask_agents.config as agents_config
-from scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin import dask_compat
 from dask_agents.models import STATE_COLORS  # (the page's legend and node colours)
-from scheduler_plugin.metrics import TIERS, engine_records, queue_counts
+from dask_agents.scheduler_plugin.metrics import TIERS, engine_records, queue_counts
 
 logger = logging.getLogger(__name__)
 
@@ -671,7 +671,7 @@ class DashboardModel:
     def _worker_label(self) -> Any:
         """Address -> the worker's name (as ``/metrics`` labels it), else the short address
         (memoized for one use: a timeline asks once per call)."""
-        from scheduler_plugin.metrics import worker_label
+        from dask_agents.scheduler_plugin.metrics import worker_label
 
         name = worker_label(self.plugin)
         memo: dict[str, str] = {}

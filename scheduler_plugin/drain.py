@@ -20,8 +20,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from scheduler_plugin import dask_compat
-from scheduler_plugin.actions import Reassign
+from dask_agents.scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin.actions import Reassign
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ the victim answers, a move is *requested* (``requested``, ``moves_pending``); it
 *applied* (``applied``, the call's telemetry ``migrations``, the plugin's ``on_migrated``
 bookkeeping, the ``agents-control`` event) only once Dask confirms it, and as *refused*
 (``refused``) when the victim refused it or the request lapsed. Moves of the drain protocol
-(:mod:`scheduler_plugin.drain`) go through the same checks and confirmation.
+(:mod:`dask_agents.scheduler_plugin.drain`) go through the same checks and confirmation.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from scheduler_plugin import dask_compat
-from scheduler_plugin.actions import Action, ActionError, Kill, Migrate, Provision, Reassign, Route, SetPriority, kind
-from scheduler_plugin.drain import Drainer
+from dask_agents.scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin.actions import Action, ActionError, Kill, Migrate, Provision, Reassign, Route, SetPriority, kind
+from dask_agents.scheduler_plugin.drain import Drainer
 
 logger = logging.getLogger(__name__)
 

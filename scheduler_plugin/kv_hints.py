@@ -9,7 +9,7 @@ session's KV a small hint at each change (on the batched stream, off the critica
 - ``paused``: the session has no LLM call in flight; ``node`` is what its last LLM step was
   (the calling component), ``wait_key`` the kind of tool it now waits on (``code_exec``,
   ``file_io``...; unset while it waits on other work), so the worker's KV manager can predict
-  the pause from the tool's latency distribution (``kv.runtime.aeg``) and retain, offload or prefetch;
+  the pause from the tool's latency distribution (``dask_agents.kv.runtime.aeg``) and retain, offload or prefetch;
 - ``finished``: sent by the session's end (``agents_end_session``), which invalidates at once.
 
 Hints only inform the worker's policy; a lost or late hint costs cache hits, never a call.

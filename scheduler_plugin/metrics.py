@@ -22,7 +22,7 @@ import weakref
 from collections import Counter, deque
 from typing import Any, Callable, Iterable, Iterator
 
-from scheduler_plugin import dask_compat, validate
+from dask_agents.scheduler_plugin import dask_compat, validate
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class Aggregates:
             self.session_latency.observe(max(session.completed_at - session.created, 0.0))
 
     def on_engine_stats(self, worker: str, engines: dict, now: float) -> None:
-        """A worker's engines reported (model -> stats, see ``worker_plugin.plugin.engine_report``).
+        """A worker's engines reported (model -> stats, see ``dask_agents.worker_plugin.plugin.engine_report``).
 
         Checked before anything is stored (:func:`validate.engine_stats`): a bad model record
         is dropped and counted in ``rejected``, the worker's other engines are kept. (Stored

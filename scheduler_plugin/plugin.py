@@ -24,16 +24,16 @@ from distributed import Scheduler, SchedulerPlugin
 
 import dask_agents.config as agents_config
 from dask_agents.calls import ANNOTATION, MAX_LABEL, sanitize_annotation
-from scheduler_plugin import dask_compat, engine_health, metrics, validate
-from scheduler_plugin.actions import Kill, Provision
-from scheduler_plugin.admission import HELD, Admission
-from scheduler_plugin.control import ControlLoop
-from scheduler_plugin.kv_hints import KVHints
-from scheduler_plugin.policies import prioritize
-from scheduler_plugin.recovery import Recovery
-from scheduler_plugin.state import WorkflowState
-from scheduler_plugin.timeseries import TimeSeries
-from scheduler_plugin.view_index import BindingMap, PlacedMap, Tally, ViewIndex
+from dask_agents.scheduler_plugin import dask_compat, engine_health, metrics, validate
+from dask_agents.scheduler_plugin.actions import Kill, Provision
+from dask_agents.scheduler_plugin.admission import HELD, Admission
+from dask_agents.scheduler_plugin.control import ControlLoop
+from dask_agents.scheduler_plugin.kv_hints import KVHints
+from dask_agents.scheduler_plugin.policies import prioritize
+from dask_agents.scheduler_plugin.recovery import Recovery
+from dask_agents.scheduler_plugin.state import WorkflowState
+from dask_agents.scheduler_plugin.timeseries import TimeSeries
+from dask_agents.scheduler_plugin.view_index import BindingMap, PlacedMap, Tally, ViewIndex
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                                  self.timeseries.interval_s)
         dask_compat.acyclic_task_group_layout()  # agent workflows make cycles of task groups
         if agents_config.get("dashboard.enabled"):
-            from scheduler_plugin import dashboard
+            from dask_agents.scheduler_plugin import dashboard
 
             self.dashboard = dashboard.install(self)
 
@@ -850,7 +850,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
 
     def model_bounds(self) -> dict[str, tuple[int, int | None]]:
         """model -> (min replicas, max replicas) from agents.llm.models."""
-        from worker_plugin.engine import registry
+        from dask_agents.worker_plugin.engine import registry
 
         try:
             return {m: (s.min_replicas, s.max_replicas) for m, s in registry().items()}

@@ -35,7 +35,7 @@ from typing import Any
 
 from dask_agents.calls import ANNOTATION, sanitize_annotation
 from dask_agents.errors import InstanceLostError, where
-from scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin import dask_compat
 
 logger = logging.getLogger(__name__)
 

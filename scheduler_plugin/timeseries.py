@@ -14,7 +14,7 @@ from collections import deque
 from typing import Any
 
 from dask_agents.stats import percentile
-from scheduler_plugin.metrics import engine_records
+from dask_agents.scheduler_plugin.metrics import engine_records
 
 COLUMNS = ("time", "live_sessions", "completions_per_s", "latency_p50_s", "latency_p95_s", "latency_p99_s",
            "tokens_per_s", "engine_running", "engine_waiting", "kv_device_bytes", "kv_referenced_blocks",

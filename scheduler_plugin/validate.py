@@ -24,7 +24,7 @@ import time
 from collections import Counter, deque
 from typing import Any, Iterable
 
-from scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin import dask_compat
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +354,7 @@ _ENGINE_MAPS = ("kv_bytes", "kv_capacity_bytes", "kv_traffic_bytes", "kv_actions
 
 
 def engine_record(value: Any) -> dict:
-    """One engine's stats (``worker_plugin.plugin.engine_report``), checked: ``engine`` and
+    """One engine's stats (``dask_agents.worker_plugin.plugin.engine_report``), checked: ``engine`` and
     ``kv_policy`` labels, ``emulated`` a bool, the counters whole numbers >= 0 or None, the
     per-tier, per-direction and per-kind mappings at most :data:`MAX_ENTRIES` entries of
     whole numbers >= 0 keyed by short strings. Unknown fields are dropped."""

@@ -1,4 +1,4 @@
-"""Incremental index behind the control loop's :class:`~scheduler_plugin.view.ClusterView`.
+"""Incremental index behind the control loop's :class:`~dask_agents.scheduler_plugin.view.ClusterView`.
 
 Rebuilding the view from scheduler state each tick walks the workers' assigned tasks until
 the call budget is spent, every live session and every binding, and builds every object anew:
@@ -11,7 +11,7 @@ view needs up to date as events happen, at O(1) per event, so a tick only assemb
   hook and from migrations;
 - open calls per component and worker (``per_replica``);
 - one frozen :class:`SessionView` per live session, redone only for the sessions
-  :class:`~scheduler_plugin.state.WorkflowState` marked as touched since the last tick;
+  :class:`~dask_agents.scheduler_plugin.state.WorkflowState` marked as touched since the last tick;
 - one :class:`CallView` per waiting call, built the first time a tick needs it and dropped
   when the call changes state (re-checked against the task's current priority and worker);
 - the LLM session affinity map, kept beside the plugin's bindings (:class:`BindingMap`).
@@ -35,8 +35,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from typing import Any, Iterable
 
-from scheduler_plugin import dask_compat
-from scheduler_plugin.view import CallView, ClusterView, ComponentView, ModelView, SessionView, WorkerView
+from dask_agents.scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin.view import CallView, ClusterView, ComponentView, ModelView, SessionView, WorkerView
 
 # Scheduler states in which a call sits in a worker's or the scheduler's queue.
 _ON_WORKER = "processing"
@@ -203,7 +203,7 @@ class PlacedMap(_IndexedDict):
 
 
 def session_view(rec: Any) -> SessionView:
-    """The frozen view of one :class:`~scheduler_plugin.state.SessionRecord`."""
+    """The frozen view of one :class:`~dask_agents.scheduler_plugin.state.SessionRecord`."""
     return SessionView(rec.id, rec.tenant, rec.created, rec.progress, rec.open_calls, rec.state)
 
 
@@ -371,7 +371,7 @@ class ViewIndex:
             self.sched_queued[key] = [rec, ts, None]
 
     def on_held(self, rec: Any) -> None:
-        """An LLM call waits in the scheduler for an engine with room (``scheduler_plugin.admission``):
+        """An LLM call waits in the scheduler for an engine with room (``dask_agents.scheduler_plugin.admission``):
         policies see it beside the calls Dask's queue holds back (worker None)."""
         self.sched_queued[rec.key] = [rec, None, None]
 

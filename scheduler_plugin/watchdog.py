@@ -61,10 +61,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import dask_agents.config as agents_config
-from scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin import dask_compat
 
 if TYPE_CHECKING:
-    from scheduler_plugin.control import ControlLoop
+    from dask_agents.scheduler_plugin.control import ControlLoop
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _consume(fut: asyncio.Future) -> None:
 
 
 class Watchdog:
-    """Runs and supervises one :class:`~scheduler_plugin.control.ControlLoop`; also the one
+    """Runs and supervises one :class:`~dask_agents.scheduler_plugin.control.ControlLoop`; also the one
     implementation of a pass (threaded for the loop and ``run_once``, inline for ``tick``)."""
 
     BACKOFF_BASE = 0.25  # seconds before the 2nd restart of a loop that keeps dying, doubling

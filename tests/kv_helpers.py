@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from kv.runtime.blocks import HOST, CostModel, Tier, Tiers
-from kv.runtime.policies import Params
-from kv.runtime.sizing import KVGeometry
-from kv.offline.traces import Step, Trace
+from dask_agents.kv.runtime.blocks import HOST, CostModel, Tier, Tiers
+from dask_agents.kv.runtime.policies import Params
+from dask_agents.kv.runtime.sizing import KVGeometry
+from dask_agents.kv.offline.traces import Step, Trace
 
 BS = 4  # tokens per block
 COST = CostModel(KVGeometry(1, 1, 1, 1, block_size=BS), prefill_tokens_per_s=100.0)  # 8 bytes a block

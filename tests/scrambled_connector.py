@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kv.runtime import connector
+from dask_agents.kv.runtime import connector
 
 
 class SessionKVConnector(connector.SessionKVConnector):

@@ -19,9 +19,9 @@ from distributed import Client, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
 import dask_agents as da
-from scheduler_plugin.actions import Migrate, SetPriority
-from scheduler_plugin.admission import HELD
-from scheduler_plugin.plugin import NAME
+from dask_agents.scheduler_plugin.actions import Migrate, SetPriority
+from dask_agents.scheduler_plugin.admission import HELD
+from dask_agents.scheduler_plugin.plugin import NAME
 from tests.conftest import async_wait_for
 
 EMU = {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte",
@@ -77,7 +77,7 @@ async def test_a_new_session_waits_while_its_working_set_does_not_fit(c: Client,
     view = plugin.view_index.build(0.0, 100)
     assert view.calls[b_key[0]].worker is None and view.calls[b_key[0]].model == "emu"
     # and operators see it on the Agents page: one call held, A's 32-block working set admitted
-    from scheduler_plugin.dashboard_data import DashboardModel
+    from dask_agents.scheduler_plugin.dashboard_data import DashboardModel
 
     (row,) = DashboardModel(plugin).engines()
     assert row["held"] == 1 and row["bound"] == 0 and row["working_set"] == "32 / 64 blocks (1 sessions)"
@@ -110,7 +110,7 @@ async def test_no_session_waits_past_the_bound(c: Client, s: Scheduler, a: Worke
     events = [e for _t, e in s.get_events("agents-admission")]
     assert events and events[-1]["session"] == sb.id
     # visible where operators look: /metrics and agents-control
-    from scheduler_plugin import metrics
+    from dask_agents.scheduler_plugin import metrics
 
     fams = {f.name: f for f in metrics.families(plugin)}
     decided = {smp.labels["kind"]: smp.value for smp in fams["dask_agents_admission_decisions"].samples
@@ -247,7 +247,7 @@ def test_the_working_set_limit_follows_what_the_engine_shows():
     prefixes, down at once when they find them evicted; never faster than once a second."""
     from types import SimpleNamespace
 
-    from scheduler_plugin.admission import Admission
+    from dask_agents.scheduler_plugin.admission import Admission
 
     adm = Admission(SimpleNamespace(scheduler=None))
     r = adm.room("w", "m")

@@ -12,7 +12,7 @@ import yaml
 
 import dask_agents.config as agents_config
 from dask_agents.errors import ConfigError
-from worker_plugin.engine import ModelSettings, registry
+from dask_agents.worker_plugin.engine import ModelSettings, registry
 
 
 def test_defaults_validate_against_schema():
@@ -75,7 +75,7 @@ def test_bad_model_settings_are_rejected():
 
 
 def test_byte_tokenizer_round_trips():
-    from worker_plugin.tokenizer import ByteTokenizer
+    from dask_agents.worker_plugin.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     text = "naïve café ✓"
@@ -106,38 +106,24 @@ def _literals(annotation) -> set | None:
     return None
 
 
-def test_model_entries_in_the_schema_agree_with_model_settings():
-    """``agents.llm.models`` entries are checked twice: by the schema at install and by
-    ModelSettings on the worker. The two name the same keys, the same enums and the same bounds."""
-    import typing
+def test_model_entries_have_one_schema_generated_from_model_settings():
+    """``agents.llm.models`` entries are checked at install by the schema and on the worker by
+    ModelSettings: the schema is ModelSettings' own (pydantic's JSON schema), so no hand-kept
+    copy can drift; agents-schema.yaml holds only the marker it replaces."""
+    import yaml
 
+    from dask_agents.model_settings import json_schema
+
+    raw = yaml.safe_load(open(agents_config.SCHEMA_PATH))
+    models = raw["properties"]["agents"]["properties"]["llm"]["properties"]["models"]
+    assert models["additionalProperties"] == {"$generated": "model-settings"}
     entry = _model_entry_schema()
-    props = entry["properties"]
-    aliases = {f.alias or name: (name, f) for name, f in ModelSettings.model_fields.items()}
-    assert set(aliases) == set(props), "schema keys and ModelSettings aliases differ"
-    assert set(entry.get("required", ())) == {a for a, (_, f) in aliases.items() if f.is_required()}
+    assert entry == json_schema()
+    aliases = {f.alias or name for name, f in ModelSettings.model_fields.items()}
+    assert set(entry["properties"]) == aliases and entry["required"] == ["model"]
     assert entry["additionalProperties"] is False and ModelSettings.model_config["extra"] == "forbid"
-    for alias, (name, field) in aliases.items():
-        node = props[alias]
-        types_ = {node["type"]} if isinstance(node["type"], str) else set(node["type"])
-        literals = _literals(field.annotation)
-        if literals is not None:
-            assert set(node.get("enum", ())) == literals, alias
-            assert ("null" in types_) == (None in literals), alias
-        else:
-            assert "enum" not in node, alias
-        args = set(typing.get_args(field.annotation)) or {field.annotation}
-        if int in args:
-            assert "integer" in types_, alias
-        if float in args:
-            assert "number" in types_, alias
-        if type(None) in args:
-            assert "null" in types_, alias
-        bounds = {k: getattr(m, k) for m in field.metadata for k in ("ge", "le", "gt", "lt")
-                  if getattr(m, k, None) is not None}
-        assert node.get("minimum") == bounds.get("ge"), alias
-        assert node.get("maximum") == bounds.get("le"), alias
-        assert node.get("exclusiveMinimum") == bounds.get("gt"), alias
+    for key in ("kv-host-bytes", "kv-disk-bytes", "kv-cache-memory-bytes"):  # checked as byte sizes
+        assert entry["properties"][key]["format"] == "bytes"
 
 
 @pytest.mark.parametrize("key, value", [

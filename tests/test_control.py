@@ -12,7 +12,7 @@ from distributed import Client, Future, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
 import dask_agents as da
-from scheduler_plugin.plugin import NAME
+from dask_agents.scheduler_plugin.plugin import NAME
 from tests.conftest import async_wait_for
 
 RUNS: Counter = Counter()
@@ -136,7 +136,7 @@ async def test_loop_keeps_serving_when_a_policy_raises(c: Client, s: Scheduler, 
     stats = await ctl.stats()
     assert stats["running"] and stats["policy_errors"] >= 3 and stats["tick_seconds_max"] < 1.0
     # counted per policy, and so on /metrics
-    from scheduler_plugin.metrics import _fault_families
+    from dask_agents.scheduler_plugin.metrics import _fault_families
 
     counts = s.plugins[NAME].control.policy_error_counts
     assert set(counts) == {"broken"} and sum(counts.values()) == s.plugins[NAME].control.policy_errors

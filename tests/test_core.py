@@ -9,8 +9,8 @@ from distributed import Client, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
 import dask_agents as da
-from scheduler_plugin.plugin import NAME, AgentsSchedulerPlugin
-from worker_plugin.plugin import AgentsWorkerPlugin
+from dask_agents.scheduler_plugin.plugin import NAME, AgentsSchedulerPlugin
+from dask_agents.worker_plugin.plugin import AgentsWorkerPlugin
 from tests.conftest import async_wait_for
 
 # What the components really did, recorded where they ran (in-process workers).

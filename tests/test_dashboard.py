@@ -19,12 +19,12 @@ from distributed.utils_test import gen_cluster
 
 import dask_agents as da
 from dask_agents.client_api import posix_seconds
-from scheduler_plugin.dashboard import PAGE, SessionsSync
-from scheduler_plugin.dashboard_data import SESSION_COLUMNS, DashboardModel, SessionsView, fmt_bytes, short
-from scheduler_plugin.plugin import NAME
-from scheduler_plugin.state import WorkflowState
+from dask_agents.scheduler_plugin.dashboard import PAGE, SessionsSync
+from dask_agents.scheduler_plugin.dashboard_data import SESSION_COLUMNS, DashboardModel, SessionsView, fmt_bytes, short
+from dask_agents.scheduler_plugin.plugin import NAME
+from dask_agents.scheduler_plugin.state import WorkflowState
 from tests.conftest import async_wait_for, wait_for
-from worker_plugin.plugin import NAME as WORKER_PLUGIN
+from dask_agents.worker_plugin.plugin import NAME as WORKER_PLUGIN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACTS = os.path.join(ROOT, "test-artifacts")
@@ -158,7 +158,7 @@ def test_the_page_follows_the_live_session_running_longest():
 def test_busy_time_counts_each_call_within_the_window_exactly():
     """Utilization comes from the workers' exact start/finish times: a call is split across
     the buckets it spans; the window's oldest bucket counts in proportion to its overlap."""
-    from scheduler_plugin.dashboard_data import BusyTime
+    from dask_agents.scheduler_plugin.dashboard_data import BusyTime
 
     busy = BusyTime(seconds=10.0, width=1.0)
     busy.add("dev", 100.2, 100.3)  # a short call, never seen by a page-refresh sample
@@ -181,7 +181,7 @@ def test_busy_time_equals_splitting_each_call_across_its_buckets():
     of any length, reported late or out of order."""
     import random
 
-    from scheduler_plugin.dashboard_data import BusyTime
+    from dask_agents.scheduler_plugin.dashboard_data import BusyTime
 
     rng = random.Random(7)
     seconds, width = 30.0, 1.0
@@ -211,7 +211,7 @@ def test_busy_time_equals_splitting_each_call_across_its_buckets():
 
 
 def test_the_bottleneck_label_does_not_flip_between_near_equal_components():
-    from scheduler_plugin.dashboard_data import pick_bottleneck
+    from dask_agents.scheduler_plugin.dashboard_data import pick_bottleneck
 
     rows = {"dev": {"capacity_x": 1.00}, "tester": {"capacity_x": 0.97}}
     assert pick_bottleneck(rows, None) == "tester"  # the lowest

@@ -12,9 +12,9 @@ import dask
 from distributed import Client, Scheduler, SchedulerPlugin, Worker, WorkerPlugin
 from distributed.utils_test import gen_cluster
 
-from scheduler_plugin import dask_compat as sc
+from dask_agents.scheduler_plugin import dask_compat as sc
 from tests.conftest import async_wait_for
-from worker_plugin import dask_compat as wc
+from dask_agents.worker_plugin import dask_compat as wc
 
 
 def inc(x):
@@ -611,7 +611,7 @@ async def test_groups_page_answers_for_a_cyclic_workflow_once_installed(c: Clien
     from distributed.dashboard.components.scheduler import TaskGroupGraph
     from tornado.httpclient import AsyncHTTPClient
 
-    from scheduler_plugin.plugin import AgentsSchedulerPlugin
+    from dask_agents.scheduler_plugin.plugin import AgentsSchedulerPlugin
 
     patched = TaskGroupGraph.update_layout
     TaskGroupGraph.update_layout = getattr(patched, "_dask_agents_original", patched)  # Dask's own

@@ -12,16 +12,16 @@ from distributed import Client, LocalCluster
 
 import dask_agents as da
 from dask_agents import emulation
-from kv.runtime.tool_latency import PRIORS, ToolLatency, prior
+from dask_agents.kv.runtime.tool_latency import PRIORS, ToolLatency, prior
 from tests.conftest import wait_for
-from worker_plugin.emulated import (
+from dask_agents.worker_plugin.emulated import (
     EmulatedEngineHost,
     EmulatedScheduler,
     EmulationParams,
     Sequence,
     block_hashes,
 )
-from worker_plugin.engine import ModelSettings, make_host
+from dask_agents.worker_plugin.engine import ModelSettings, make_host
 
 SAGA_MS = {"file_io": (45, 320, 1200), "code_exec": (180, 2400, 28000),
            "web_api": (850, 4500, 45000), "db_query": (120, 890, 3500)}
@@ -350,7 +350,7 @@ def test_emulated_engine_crash_is_retried_and_a_stop_is_a_clear_error():
                     restarts = client.run(lambda dask_worker: dask_worker.plugins["dask-agents"].engines.restarts)
                     assert list(restarts.values()) == [{"emu": 1}]
                     # ... and reported with the engine's stats (dask_agents_engine_restarts_total)
-                    from scheduler_plugin.plugin import NAME as PLUGIN
+                    from dask_agents.scheduler_plugin.plugin import NAME as PLUGIN
 
                     agg = cluster.scheduler.plugins[PLUGIN].aggregates
                     wait_for(lambda: any((rep.get("models", {}).get("emu") or {}).get("restarts") == 1
@@ -363,7 +363,7 @@ def test_emulated_engine_crash_is_retried_and_a_stop_is_a_clear_error():
                     # a later call starts the engine again
                     assert da.llm("slow").generate(prompt, max_tokens=4).value(30).output_tokens == 4
                     # an engine that keeps crashing is not reloaded forever (budget: 1 restart here)
-                    import worker_plugin.engine as engine_module
+                    import dask_agents.worker_plugin.engine as engine_module
 
                     old_max, engine_module.RESTARTS_MAX = engine_module.RESTARTS_MAX, 1
                     try:

@@ -17,10 +17,10 @@ from pathlib import Path
 import dask
 import pytest
 
-from kv.runtime.engine_kv import KVDirectiveError
-from kv.runtime.manager import KVManager
+from dask_agents.kv.runtime.engine_kv import KVDirectiveError
+from dask_agents.kv.runtime.manager import KVManager
 from tests.conftest import wait_for
-from worker_plugin.emulated import (
+from dask_agents.worker_plugin.emulated import (
     EMULATED_COMPAT,
     EmulatedEngineHost,
     EmulatedEngineKV,
@@ -29,7 +29,7 @@ from worker_plugin.emulated import (
     Sequence,
     block_hashes,
 )
-from worker_plugin.engine import Engines, ModelSettings, make_host
+from dask_agents.worker_plugin.engine import Engines, ModelSettings, make_host
 
 ROOT = Path(__file__).resolve().parent.parent
 # Only what a test looks at costs anything: emulated seconds come out as exact small numbers.
@@ -314,28 +314,29 @@ def on_engine(host, fn):
 def test_the_compat_layer_covers_what_the_manager_calls_and_needs_no_vllm():
     used = set(re.findall(r"\bvc\.([a-z_]+)\(", (ROOT / "kv" / "runtime" / "manager.py").read_text()))
     assert used and all(hasattr(EMULATED_COMPAT, name) for name in used), used - set(dir(EMULATED_COMPAT))
-    code = ("import sys; from worker_plugin.emulated import EmulatedEngineHost;"
-            "from worker_plugin.engine import ModelSettings;"
+    code = ("import sys; from dask_agents.worker_plugin.emulated import EmulatedEngineHost;"
+            "from dask_agents.worker_plugin.engine import ModelSettings;"
             "h = EmulatedEngineHost('e', ModelSettings(model='m', engine='emulated', tokenizer='byte', kv_policy='ours',"
             " emulation={'time_scale': 0.0})); h.start();"
             "out = h.submit('r', [5] * 40, h.sampling_params(4, 0.0, None), 's').result(30);"
             "assert len(out.outputs[0].token_ids) == 4 and h.kv_manager is not None; h.close();"
             "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'imported';"
-            "assert not [m for m in sys.modules if m.startswith('kv.offline')], 'offline KV tools imported'")
+            "assert not [m for m in sys.modules if m.startswith('dask_agents.kv.offline')], 'offline KV tools imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
 def test_no_runtime_module_imports_the_offline_kv_tools():
     """Every module a worker or the scheduler loads (the plugins, the engine hosts, the KV
-    manager and policies, the user-facing package) imports nothing of kv.offline."""
+    manager and policies, the user-facing package) imports nothing of dask_agents.kv.offline."""
     import pkgutil
 
-    names = ["dask_agents", "kv", "kv.runtime"]
-    for pkg in ("dask_agents", "scheduler_plugin", "worker_plugin", "kv.runtime"):
-        path = ROOT.joinpath(*pkg.split("."))
-        names += [f"{pkg}.{m.name}" for m in pkgutil.iter_modules([str(path)])]
+    names = ["dask_agents", "dask_agents.kv", "dask_agents.kv.runtime"]
+    # source folder -> the module it installs as (setup.cfg's package_dir)
+    for folder, pkg in (("dask_agents", "dask_agents"), ("scheduler_plugin", "dask_agents.scheduler_plugin"),
+                        ("worker_plugin", "dask_agents.worker_plugin"), ("kv/runtime", "dask_agents.kv.runtime")):
+        names += [f"{pkg}.{m.name}" for m in pkgutil.iter_modules([str(ROOT / folder)])]
     code = (f"import importlib, sys\nfor n in {names!r}:\n    importlib.import_module(n)\n"
-            "bad = sorted(m for m in sys.modules if m.startswith('kv.offline'))\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('dask_agents.kv.offline'))\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 

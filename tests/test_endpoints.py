@@ -23,11 +23,11 @@ from distributed import Client, Scheduler, Worker
 from distributed.utils_test import gen_cluster, inc
 
 import dask_agents as da
-from scheduler_plugin import validate
-from scheduler_plugin.dashboard_data import DashboardModel
-from scheduler_plugin.plugin import NAME
+from dask_agents.scheduler_plugin import validate
+from dask_agents.scheduler_plugin.dashboard_data import DashboardModel
+from dask_agents.scheduler_plugin.plugin import NAME
 from tests.conftest import async_wait_for
-from worker_plugin import dask_compat as wc
+from dask_agents.worker_plugin import dask_compat as wc
 
 EMU = {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte", "emulation": {"time_scale": 0.001}}
 CONFIG = {"agents.llm.models": {"emu": EMU, "emu2": EMU}, "agents.control.enabled": False}
@@ -242,7 +242,7 @@ async def test_a_hello_for_a_worker_without_the_plugin_does_not_stick(c: Client,
     """A first hello is registered at once (it may come from the worker's own start-up, when
     the worker cannot answer yet), then the worker is asked: one without the dask-agents
     worker plugin cannot confirm, and is unregistered."""
-    from scheduler_plugin.plugin import AgentsSchedulerPlugin
+    from dask_agents.scheduler_plugin.plugin import AgentsSchedulerPlugin
 
     await c.register_plugin(AgentsSchedulerPlugin())  # the scheduler's half only
     plugin = s.plugins[NAME]

@@ -16,9 +16,9 @@ from distributed.core import Status
 from distributed.utils_test import gen_cluster
 
 import dask_agents as da
-from scheduler_plugin import enforce
-from scheduler_plugin.actions import Action, Migrate
-from scheduler_plugin.plugin import NAME
+from dask_agents.scheduler_plugin import enforce
+from dask_agents.scheduler_plugin.actions import Action, Migrate
+from dask_agents.scheduler_plugin.plugin import NAME
 from tests.conftest import async_wait_for
 from tests.test_control import submit_call
 

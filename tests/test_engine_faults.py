@@ -24,12 +24,12 @@ from distributed import Client, LocalCluster
 
 import dask_agents as da
 from dask_agents.errors import AgentsError, EngineStepError, InvalidRequestError
-from kv.runtime import vllm_compat
+from dask_agents.kv.runtime import vllm_compat
 from tests.conftest import wait_for
 from tests.kv_helpers import generate as run
 from tests.kv_helpers import prompt_ids
-from worker_plugin import engine as engine_module
-from worker_plugin.engine import EngineHost, Engines
+from dask_agents.worker_plugin import engine as engine_module
+from dask_agents.worker_plugin.engine import EngineHost, Engines
 
 TINY = {"model": "builtin:tiny-llama", "load-format": "dummy", "tokenizer": "byte", "dtype": "bfloat16",
         "max-model-len": 1024, "kv-cache-memory-bytes": "16 MiB", "kv-policy": "none"}
@@ -234,7 +234,7 @@ def test_bad_text_seeds_and_sampling_parameters_are_named_errors(client):
 
 
 def _generate_here(header, prompt, temperature, seed):
-    from worker_plugin.plugin import get_plugin
+    from dask_agents.worker_plugin.plugin import get_plugin
 
     return get_plugin().engines.generate(header, "tiny", prompt, max_tokens=2, temperature=temperature, seed=seed)
 
@@ -325,8 +325,8 @@ def test_engine_health_keeps_a_given_up_worker_out_of_the_fallback():
     that stops announcing a model loses its sessions' bindings for it, and while no worker hosts
     the model it is left out of the fallback candidates (unless it is the only one), until it
     announces the model again."""
-    from scheduler_plugin import engine_health
-    from scheduler_plugin.plugin import AgentsSchedulerPlugin
+    from dask_agents.scheduler_plugin import engine_health
+    from dask_agents.scheduler_plugin.plugin import AgentsSchedulerPlugin
 
     plugin = AgentsSchedulerPlugin()
 

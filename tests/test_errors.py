@@ -173,7 +173,7 @@ def test_leaving_a_session_whose_client_closed_inside_it_is_quiet(client):
 def test_a_missing_engine_library_says_how_to_install_it(monkeypatch):
     """No vLLM in the worker's environment: a da.EngineLoadError naming the model and the
     install line, not a bare RuntimeError."""
-    from worker_plugin.engine import EngineHost, ModelSettings
+    from dask_agents.worker_plugin.engine import EngineHost, ModelSettings
 
     def no_vllm(self):
         raise ModuleNotFoundError("No module named 'vllm'", name="vllm")

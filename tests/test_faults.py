@@ -11,8 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
-import sys
-import time
+from typing import Any
 
 import dask
 import pytest
@@ -215,8 +214,8 @@ import threading  # noqa: E402
 from distributed import Scheduler, Worker  # noqa: E402
 from distributed.utils_test import gen_cluster  # noqa: E402
 
-from scheduler_plugin.actions import Route  # noqa: E402
-from scheduler_plugin.plugin import NAME  # noqa: E402
+from dask_agents.scheduler_plugin.actions import Route  # noqa: E402
+from dask_agents.scheduler_plugin.plugin import NAME  # noqa: E402
 from tests.conftest import async_wait_for  # noqa: E402
 
 SLEEPING = threading.Event()  # set while the hanging policy sleeps
@@ -511,7 +510,7 @@ async def test_routed_call_pinned_to_a_lost_worker_runs_elsewhere(c: Client, s: 
 # -- recovery never strands a call (emulated scheduler: benchmarks/control_scale.py) -----------
 from benchmarks import control_scale as cs  # noqa: E402
 from dask_agents.calls import ANNOTATION  # noqa: E402
-from scheduler_plugin import dask_compat  # noqa: E402
+from dask_agents.scheduler_plugin import dask_compat  # noqa: E402
 
 
 def _submit(em: cs.Emulation, key: str, ann: dict) -> cs.ETask:
@@ -574,7 +573,7 @@ def test_recovery_goes_on_past_a_call_whose_recovery_raises(monkeypatch, caplog)
     monkeypatch.setattr(p, "_place", flaky_place)
     monkeypatch.setattr(p.recovery, "_lost_error", flaky_lost_error)
     monkeypatch.setattr(dask_compat, "fail_task", fail_task)
-    with caplog.at_level(logging.ERROR, logger="scheduler_plugin.recovery"):
+    with caplog.at_level(logging.ERROR, logger="dask_agents.scheduler_plugin.recovery"):
         _lose(em, gone)
     assert "boom in _place" in caplog.text and "boom in _lost_error" in caplog.text
     # the call whose re-placement raised is unpinned (Dask places it); the others re-placed

@@ -46,9 +46,9 @@ from dask_agents.hints import ComponentHints, ToolHints
 from dask_agents.llm import check_generate_args
 from dask_agents.stubgen import generate_stub_source
 from examples.router import trace as router_trace
-from kv.offline import traces as kv_traces
-from kv.runtime.engine_kv import KVDirectiveError
-from scheduler_plugin.actions import (
+from dask_agents.kv.offline import traces as kv_traces
+from dask_agents.kv.runtime.engine_kv import KVDirectiveError
+from dask_agents.scheduler_plugin.actions import (
     ActionError,
     Kill,
     Migrate,
@@ -57,7 +57,7 @@ from scheduler_plugin.actions import (
     Route,
     SetPriority,
 )
-from worker_plugin.engine import KV_OPS, Engines
+from dask_agents.worker_plugin.engine import KV_OPS, Engines
 
 # DASK_AGENTS_FUZZ_SCALE=10 runs ten times the examples (a deeper hunt, not for every test run)
 _SCALE = max(1, int(os.environ.get("DASK_AGENTS_FUZZ_SCALE", "1")))
@@ -241,8 +241,8 @@ def test_fuzzed_config_values_are_valid_or_a_config_error_naming_the_key(key, va
     (``ModelSettings`` for model entries, ``Tiers.from_config`` for the KV tiers)."""
     from dask.utils import parse_bytes, parse_timedelta
 
-    from kv.runtime.blocks import Tiers
-    from worker_plugin.engine import ModelSettings
+    from dask_agents.kv.runtime.blocks import Tiers
+    from dask_agents.worker_plugin.engine import ModelSettings
 
     if key.startswith("llm.models.fuzz."):
         entry = {"model": "emulated-x", key.rsplit(".", 1)[1]: value}
@@ -275,7 +275,7 @@ def test_fuzzed_config_values_are_valid_or_a_config_error_naming_the_key(key, va
             # the worker's reader agrees with the schema
             settings = ModelSettings(**agents_config.get("llm.models")[name])
             if key.endswith("-bytes"):
-                from worker_plugin.engine import _bytes
+                from dask_agents.model_settings import byte_size as _bytes
 
                 assert _bytes(getattr(settings, key.rsplit(".", 1)[1].replace("-", "_"))) >= 0
         default = agents_config._default(key)
@@ -831,7 +831,7 @@ def test_fuzzed_router_trace_csv(rows, raw, bom):
 from distributed import Client, Scheduler, Worker
 from distributed.utils_test import gen_cluster, inc
 
-from scheduler_plugin.plugin import NAME
+from dask_agents.scheduler_plugin.plugin import NAME
 from tests.conftest import async_wait_for
 
 RPC_JUNK = [None, True, False, 0, -1, 2**63 - 1, float("nan"), float("inf"), "", "x", "<b>x</b>", "llm.coder",

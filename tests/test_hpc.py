@@ -36,7 +36,7 @@ from distributed import Client
 
 import dask_agents as da
 from dask_agents.client_api import hosted_models
-from scheduler_plugin.plugin import NAME as SCHEDULER_PLUGIN
+from dask_agents.scheduler_plugin.plugin import NAME as SCHEDULER_PLUGIN
 
 dask_jobqueue = pytest.importorskip("dask_jobqueue")
 from dask_jobqueue.slurm import SLURMJob  # noqa: E402
@@ -263,7 +263,7 @@ def _worker_state(dask_worker: Any) -> dict:
 
 
 def _kill(address: str, dask_scheduler: Any = None) -> int:
-    from scheduler_plugin.actions import Kill
+    from dask_agents.scheduler_plugin.actions import Kill
 
     return dask_scheduler.plugins[SCHEDULER_PLUGIN].control.enforcer.apply([Kill(address, reason="test")], "test")
 
@@ -451,7 +451,7 @@ def test_example_config_is_valid():
     defaults (as Dask merges it), gives valid model settings; its GPU engines need the
     non-daemonic workers the engine jobs provide."""
     from dask_agents.config import DEFAULTS, validate
-    from worker_plugin.engine import ModelSettings
+    from dask_agents.worker_plugin.engine import ModelSettings
 
     with open(os.path.join(REPO, "examples", "hpc", "agents.yaml")) as f:
         cfg = yaml.safe_load(f)

@@ -6,7 +6,7 @@ import threading
 
 from tests.conftest import wait_for
 from dask_agents.errors import InstanceLostError
-from worker_plugin.instances import Instances
+from dask_agents.worker_plugin.instances import Instances
 
 
 class Counter:

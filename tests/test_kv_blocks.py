@@ -9,8 +9,8 @@ import sys
 import dask
 import pytest
 
-from kv.runtime.blocks import ROOT, CostModel, Tiers, block_hash, chain, common_prefix, extend
-from kv.runtime.sizing import KVGeometry
+from dask_agents.kv.runtime.blocks import ROOT, CostModel, Tiers, block_hash, chain, common_prefix, extend
+from dask_agents.kv.runtime.sizing import KVGeometry
 
 
 def test_chains_share_their_common_prefix_and_only_full_blocks_hash():
@@ -25,7 +25,7 @@ def test_chains_share_their_common_prefix_and_only_full_blocks_hash():
 
 
 def test_block_ids_are_the_same_in_every_process():
-    code = "from kv.runtime.blocks import chain; print(chain(list(range(12)), 4))"
+    code = "from dask_agents.kv.runtime.blocks import chain; print(chain(list(range(12)), 4))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": ""},
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

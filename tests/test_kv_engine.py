@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from kv.runtime.engine_kv import KVDirectiveError
+from dask_agents.kv.runtime.engine_kv import KVDirectiveError
 from tests.conftest import wait_for
 from tests.kv_helpers import generate as run
 from tests.kv_helpers import prompt_ids as tokens
-from worker_plugin.engine import EngineHost, ModelSettings
+from dask_agents.worker_plugin.engine import EngineHost, ModelSettings
 
 BLOCK = 128
 # kv-policy none: these tests check EngineKV's directives against vLLM's own LRU eviction (the
@@ -173,7 +173,7 @@ def test_bad_directives_are_clear_errors(host):
 
 
 def test_no_host_tier_is_a_clear_error(tmp_path):
-    from kv.runtime.engine_kv import EngineKV, TierConfig
+    from dask_agents.kv.runtime.engine_kv import EngineKV, TierConfig
 
     class Parts:  # offload checks the tier before touching the engine
         num_blocks, block_size = 16, BLOCK
@@ -191,7 +191,7 @@ def test_no_host_tier_is_a_clear_error(tmp_path):
 # -- each vLLM internal kv/runtime/vllm_compat.py relies on ---------------------------------------------
 
 def test_compat_version_range():
-    from kv.runtime import vllm_compat as vc
+    from dask_agents.kv.runtime import vllm_compat as vc
 
     vc.check_version("0.32.0")
     vc.check_version("0.33.1+cpu")
@@ -200,7 +200,7 @@ def test_compat_version_range():
 
 
 def test_compat_internals(host):
-    from kv.runtime import vllm_compat as vc
+    from dask_agents.kv.runtime import vllm_compat as vc
 
     def check(k):
         parts = k.parts
@@ -279,7 +279,7 @@ def test_a_failing_disk_tier_costs_a_recompute_not_the_engine(host, monkeypatch)
 
 
 def test_compat_engine_lifecycle_and_request_bookkeeping(host):
-    """The vLLM internals behind request blame and engine shutdown (``kv.runtime.vllm_compat``'s last
+    """The vLLM internals behind request blame and engine shutdown (``dask_agents.kv.runtime.vllm_compat``'s last
     section): the model's vocabulary, whether vLLM has scheduled a request yet, the adopted
     finalizer, and the steps of ``EngineCore.shutdown`` that ``_shutdown_core`` replicates."""
     import inspect
@@ -288,8 +288,8 @@ def test_compat_engine_lifecycle_and_request_bookkeeping(host):
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.core import EngineCore
 
-    from kv.runtime import vllm_compat as vc
-    from worker_plugin.engine import _STEP_LOCK
+    from dask_agents.kv.runtime import vllm_compat as vc
+    from dask_agents.worker_plugin.engine import _STEP_LOCK
 
     assert vc.vocab_size(host._engine) == 1024  # worker_plugin/models/tiny-llama/config.json
     assert vc.vocab_size(object()) is None
@@ -324,8 +324,8 @@ def test_kv_control_rejected_by_the_compat_check_still_loads(host, monkeypatch, 
     the model failed to load."""
     import logging
 
-    from kv.runtime import vllm_compat as vc
-    from worker_plugin.plugin import engine_report
+    from dask_agents.kv.runtime import vllm_compat as vc
+    from dask_agents.worker_plugin.plugin import engine_report
 
     ours = engine_report(host)
     assert ours["kv_control"] is True and ours["kv_control_reason"] is None
@@ -334,7 +334,7 @@ def test_kv_control_rejected_by_the_compat_check_still_loads(host, monkeypatch, 
         raise RuntimeError(f"dask-agents' KV management supports vLLM >= 0.32, < 0.34; found {version} (pretend)")
 
     monkeypatch.setattr(vc, "check_version", reject)
-    caplog.set_level(logging.WARNING, logger="worker_plugin.engine")
+    caplog.set_level(logging.WARNING, logger="dask_agents.worker_plugin.engine")
     plain = EngineHost("kv-off", ModelSettings(**{**MODEL, "kv_policy": "ours", "kv_disk_bytes": 0}))
     plain.start()
     try:
@@ -357,7 +357,7 @@ def test_kv_control_rejected_by_the_compat_check_still_loads(host, monkeypatch, 
 def test_the_real_engine_reports_slots_queue_and_blocks(host):
     """What the scheduler's admission binds LLM calls against, from the real engine: its batch
     size, queue and KV blocks (16 blocks here, the null block aside)."""
-    from worker_plugin.plugin import engine_report
+    from dask_agents.worker_plugin.plugin import engine_report
 
     # earlier tests' callers gave up on requests the engine still finishes: wait for an idle engine
     wait_for(lambda: host.stats()["running"] == 0 and host.stats()["waiting"] == 0)
@@ -378,7 +378,7 @@ def test_the_real_engine_reports_slots_queue_and_blocks(host):
     assert st["cached_blocks"] > 0 and st["retained_blocks"] == host.kv.pinned_blocks()
     rep = engine_report(host)
     assert rep["kv_blocks"]["capacity"] == 15 and rep["max_batch"] == st["max_batch"]
-    from scheduler_plugin import validate
+    from dask_agents.scheduler_plugin import validate
 
     assert validate.engine_record(rep)["kv_blocks"] == rep["kv_blocks"]  # the scheduler accepts it
 
@@ -388,7 +388,7 @@ def _pool_state(parts) -> tuple[dict, int]:
     how many blocks hold each) and the blocks holding KV (referenced or cached)."""
     from collections import Counter
 
-    from kv.runtime import vllm_compat as vc
+    from dask_agents.kv.runtime import vllm_compat as vc
 
     blocks = [b for b in parts.block_pool.blocks if not b.is_null]
     cached = Counter(vc.block_hash(b) for b in blocks if b.block_hash is not None)
@@ -400,7 +400,7 @@ def test_kv_tracking_from_vllms_events_equals_the_engines_block_state(host):
     the pool; after prefills, decodes, LRU evictions, offloads, restores, invalidations and with
     a request mid-prefill, it holds exactly the pool's cached blocks, and device use from it
     equals the pool's."""
-    from kv.runtime import vllm_compat as vc
+    from dask_agents.kv.runtime import vllm_compat as vc
 
     def check(k):
         parts = k.parts

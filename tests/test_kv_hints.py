@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_plugin.kv_hints import HINT_OP, KVHints
+from dask_agents.scheduler_plugin.kv_hints import HINT_OP, KVHints
 
 
 @dataclass

@@ -15,12 +15,12 @@ import time
 import dask
 import pytest
 
-from kv.runtime import vllm_compat as vc
-from kv.runtime.engine_kv import KVDirectiveError
+from dask_agents.kv.runtime import vllm_compat as vc
+from dask_agents.kv.runtime.engine_kv import KVDirectiveError
 from tests.conftest import wait_for
 from tests.kv_helpers import generate as run
 from tests.kv_helpers import prompt_ids as tokens
-from worker_plugin.engine import EngineHost, Engines, ModelSettings
+from dask_agents.worker_plugin.engine import EngineHost, Engines, ModelSettings
 
 BLOCK = 128
 MODEL = dict(model="builtin:tiny-llama", load_format="dummy", tokenizer="byte", dtype="bfloat16",
@@ -297,7 +297,7 @@ def test_a_retained_sessions_pin_holds_until_its_queued_request_runs(host):
     (or the step's allocations could evict the prefix the request is about to hit)."""
     from concurrent.futures import Future
 
-    from worker_plugin.engine import _Request
+    from dask_agents.worker_plugin.engine import _Request
 
     use(host, "lru")
     clear_stale(host)

@@ -7,10 +7,10 @@ import functools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kv.offline.optimal import Offline, belady, belady_pinned, lower_bound
-from kv.runtime.policies import POLICIES
-from kv.offline.simulator import Simulator
-from kv.offline.traces import Step, Trace
+from dask_agents.kv.offline.optimal import Offline, belady, belady_pinned, lower_bound
+from dask_agents.kv.runtime.policies import POLICIES
+from dask_agents.kv.offline.simulator import Simulator
+from dask_agents.kv.offline.traces import Step, Trace
 from tests.kv_helpers import BS, COST, PARAMS, tiers
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

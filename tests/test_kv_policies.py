@@ -8,11 +8,11 @@ from types import MappingProxyType
 import dask
 import pytest
 
-from kv.runtime.aeg import AgentGraph
-from kv.runtime.policies import LRU, POLICIES, WALRU, Nalar, Ours, Params, get_policy
-from kv.offline.simulator import Simulator
-from kv.runtime.tool_latency import prior
-from kv.runtime.view import FINISHED, PAUSED, RUNNING, Drop, Evict, KVView, Prefetch, SessionView, Trim
+from dask_agents.kv.runtime.aeg import AgentGraph
+from dask_agents.kv.runtime.policies import LRU, POLICIES, WALRU, Nalar, Ours, Params, get_policy
+from dask_agents.kv.offline.simulator import Simulator
+from dask_agents.kv.runtime.tool_latency import prior
+from dask_agents.kv.runtime.view import FINISHED, PAUSED, RUNNING, Drop, Evict, KVView, Prefetch, SessionView, Trim
 from tests.kv_helpers import COST, PARAMS, step, tiers, trace
 
 
@@ -226,7 +226,7 @@ def test_registry_and_config():
 
 
 def test_walru_keeps_memory_under_theta_high_after_every_look():
-    from kv.offline.traces import GenParams, generate
+    from dask_agents.kv.offline.traces import GenParams, generate
 
     t = generate(GenParams(sessions=8, seed=5, block_size=4, system_tokens=16, task_tokens=16, user_tokens=4,
                            summary_tokens=16, max_context=400))

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from dask_agents.cli import main
-from kv.runtime.blocks import CostModel, Tiers
-from kv.offline.replay import OFFLINE, OPTIMUM, format_table, load_trace, ratios, replay, resolve_tiers
-from kv.offline.traces import GenParams, generate, save
+from dask_agents.kv.runtime.blocks import CostModel, Tiers
+from dask_agents.kv.offline.replay import OFFLINE, OPTIMUM, format_table, load_trace, ratios, replay, resolve_tiers
+from dask_agents.kv.offline.traces import GenParams, generate, save
 
 
 @pytest.fixture
@@ -75,8 +75,8 @@ def test_replay_rows_and_ratios():
 def test_replay_without_session_ends(small_trace, tmp_path):
     """Without the end signal no session is ever finished: the simulator keeps every one of them
     for the policy to judge, and the CLI says which way it replayed."""
-    from kv.offline.simulator import Simulator
-    from kv.runtime.policies import get_policy
+    from dask_agents.kv.offline.simulator import Simulator
+    from dask_agents.kv.runtime.policies import get_policy
     from tests.kv_helpers import PARAMS
 
     _, t = small_trace

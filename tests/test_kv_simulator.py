@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kv.runtime.policies import LRU, get_policy
-from kv.offline.simulator import Simulator, simulate
-from kv.offline.traces import GenParams, generate
+from dask_agents.kv.runtime.policies import LRU, get_policy
+from dask_agents.kv.offline.simulator import Simulator, simulate
+from dask_agents.kv.offline.traces import GenParams, generate
 from tests.kv_helpers import BPB, BS, COST, PARAMS, step, tiers, trace
 
 

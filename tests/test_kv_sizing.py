@@ -2,8 +2,8 @@
 
 import pytest
 
-from kv import KVGeometry
-from worker_plugin.engine import registry
+from dask_agents.kv import KVGeometry
+from dask_agents.worker_plugin.engine import registry
 
 
 def test_builtin_tiny_model_geometry_matches_vllm_blocks():

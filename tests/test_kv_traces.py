@@ -13,8 +13,8 @@ import pytest
 
 import dask_agents.data
 from dask_agents.client_api import COLUMNS
-from kv.offline import traces
-from kv.offline.traces import GenParams, Step, Trace, generate, load, load_mooncake, load_steps, load_telemetry, save
+from dask_agents.kv.offline import traces
+from dask_agents.kv.offline.traces import GenParams, Step, Trace, generate, load, load_mooncake, load_steps, load_telemetry, save
 
 # -- (a) generated -------------------------------------------------------------------------------
 
@@ -139,7 +139,7 @@ def test_mooncake_sessions_below_a_shared_system_prompt(tmp_path):
 
 def test_replay_limit_counts_requests_of_a_mooncake_file(tmp_path):
     """``--limit`` on a Mooncake file (as on ``mooncake``) keeps its first N requests, not sessions."""
-    from kv.offline.replay import load_trace
+    from dask_agents.kv.offline.replay import load_trace
 
     f = write_mooncake(tmp_path / traces.MOONCAKE_SUBDIR, mooncake_rows())
     assert len(load_trace(str(f), limit=3)) == 3 and len(load_trace(str(tmp_path), limit=1)) == 1
@@ -241,9 +241,9 @@ def test_telemetry_with_parallel_llm_calls_becomes_branches():
     assert main[1].blocks[2] != branch[0].blocks[2]  # a sibling's prompt is not a prefix of the other's
     assert main[2].blocks[:3] == branch[0].blocks[:3]  # the tester follows the last developer to finish
     assert main[1].tool == "code_exec" and main[1].duration == pytest.approx(0.8)  # the tool in its pause
-    from kv.runtime.blocks import CostModel, Tier, Tiers
-    from kv.offline.replay import replay
-    from kv.runtime.sizing import KVGeometry
+    from dask_agents.kv.runtime.blocks import CostModel, Tier, Tiers
+    from dask_agents.kv.offline.replay import replay
+    from dask_agents.kv.runtime.sizing import KVGeometry
 
     cost = CostModel(KVGeometry(1, 1, 1, 1, block_size=512), prefill_tokens_per_s=1000.0)
     out = replay(t, ("lru", "ours"), [Tiers(Tier("accelerator", 16 * cost.bytes_per_block))], cost)

@@ -197,7 +197,6 @@ def test_without_restarts_a_crash_is_a_clear_error_on_the_future(client):
 def test_kv_directives_over_the_workers_rpc(client):
     """``agents_kv`` is reachable like any worker RPC (its ``directive`` argument does not clash
     with Dask's own ``op``); a bad argument comes back as a clear error."""
-    import asyncio
 
     from distributed.core import rpc
 

@@ -11,9 +11,9 @@ from distributed import Client, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
 import dask_agents as da
-from scheduler_plugin import metrics
-from scheduler_plugin.metrics import Histogram
-from scheduler_plugin.plugin import NAME
+from dask_agents.scheduler_plugin import metrics
+from dask_agents.scheduler_plugin.metrics import Histogram
+from dask_agents.scheduler_plugin.plugin import NAME
 from tests.conftest import async_wait_for
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -224,7 +224,7 @@ def held(i: int) -> int:
 def test_collector_is_unregistered_when_the_scheduler_closes():
     import asyncio
 
-    from scheduler_plugin.plugin import AgentsSchedulerPlugin
+    from dask_agents.scheduler_plugin.plugin import AgentsSchedulerPlugin
 
     async def main() -> tuple[str, str, bool]:
         s = Scheduler(dashboard=True, dashboard_address="127.0.0.1:0")
@@ -246,7 +246,7 @@ def test_collector_is_unregistered_when_the_scheduler_closes():
 def test_engines_kv_directives_become_decisions_and_counters():
     from types import SimpleNamespace
 
-    from scheduler_plugin.dashboard_data import DashboardModel
+    from dask_agents.scheduler_plugin.dashboard_data import DashboardModel
 
     agg = metrics.Aggregates()
     st = {"kv_policy": "ours", "kv_actions": {"evict": 2, "prefetch": 1}}
@@ -292,7 +292,7 @@ def test_an_engine_without_per_session_kv_control_says_so():
 
     from prometheus_client.core import GaugeMetricFamily  # noqa: F401  (the module's dependency)
 
-    from scheduler_plugin.dashboard_data import DashboardModel
+    from dask_agents.scheduler_plugin.dashboard_data import DashboardModel
 
     agg = metrics.Aggregates()
     agg.on_engine_stats("tcp://w1", {"coder": {"engine": "vllm", "kv_control": False,

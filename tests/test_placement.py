@@ -9,7 +9,7 @@ from distributed import Client, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
 import dask_agents as da
-from scheduler_plugin.plugin import NAME
+from dask_agents.scheduler_plugin.plugin import NAME
 from tests.conftest import async_wait_for
 
 EMU = {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte", "emulation": {"time_scale": 0.001}}

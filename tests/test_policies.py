@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_plugin.actions import Migrate
-from scheduler_plugin.control import load_policies
-from scheduler_plugin.policies.balance import LateBindingBalance
-from scheduler_plugin.policies.prioritize import Prioritize, fifo, priority
-from scheduler_plugin.view import CallView, ClusterView, ComponentView, SessionView, WorkerView
+from dask_agents.scheduler_plugin.actions import Migrate
+from dask_agents.scheduler_plugin.control import load_policies
+from dask_agents.scheduler_plugin.policies.balance import LateBindingBalance
+from dask_agents.scheduler_plugin.policies.prioritize import Prioritize, fifo, priority
+from dask_agents.scheduler_plugin.view import CallView, ClusterView, ComponentView, SessionView, WorkerView
 
 NOW = 1000.0
 
@@ -152,20 +152,24 @@ def test_the_recompute_of_a_moved_sessions_kv_is_priced_into_the_move():
 
 def test_policies_load_by_dotted_path_with_options():
     pols = load_policies({
-        "prioritize": {"class": "scheduler_plugin.policies.prioritize.Prioritize", "options": {"fair-share-slowdown": 2}},
-        "balance": {"class": "scheduler_plugin.policies.balance.LateBindingBalance", "enabled": False},
+        "prioritize": {"class": "dask_agents.scheduler_plugin.policies.prioritize.Prioritize", "options": {"fair-share-slowdown": 2}},
+        "balance": {"class": "dask_agents.scheduler_plugin.policies.balance.LateBindingBalance", "enabled": False},
     })
     assert list(pols) == ["prioritize"] and pols["prioritize"].slowdown == 2.0
     with pytest.raises(ValueError, match="agents.control.policies.x: cannot import"):
         load_policies({"x": {"class": "no.such.Policy"}})
+    # a class path written before the modules moved under dask_agents: the error says where
+    # (from the repository's root the old folder would still import: try from anywhere else)
+    with pytest.raises(ValueError, match=r"'dask_agents\.scheduler_plugin\.policies\.nope\.Policy'"):
+        load_policies({"x": {"class": "scheduler_plugin.policies.nope.Policy"}})
     with pytest.raises(ValueError, match="bad options"):
-        load_policies({"p": {"class": "scheduler_plugin.policies.prioritize.Prioritize", "options": {"nope": 1}}})
+        load_policies({"p": {"class": "dask_agents.scheduler_plugin.policies.prioritize.Prioritize", "options": {"nope": 1}}})
 
 
 # -- reallocation ------------------------------------------------------------------------------
-from scheduler_plugin.actions import Reassign  # noqa: E402
-from scheduler_plugin.policies.reallocate import Reallocate  # noqa: E402
-from scheduler_plugin.view import ModelView  # noqa: E402
+from dask_agents.scheduler_plugin.actions import Reassign  # noqa: E402
+from dask_agents.scheduler_plugin.policies.reallocate import Reallocate  # noqa: E402
+from dask_agents.scheduler_plugin.view import ModelView  # noqa: E402
 
 
 def realloc_views(chat_rate, code_rate, ticks, replicas=None, start=0.0, counters=None):
@@ -211,7 +215,7 @@ def test_no_reallocation_when_balanced_or_below_min_replicas():
 
 
 # -- batching ----------------------------------------------------------------------------------
-from scheduler_plugin.policies.batching import Batching  # noqa: E402
+from dask_agents.scheduler_plugin.policies.batching import Batching  # noqa: E402
 
 
 def bcall(key, worker, arrival=0, cap=4):
@@ -234,7 +238,7 @@ def test_balance_leaves_batchable_calls_to_batching():
 
 
 def test_reallocation_provisions_when_no_donor_and_allowed():
-    from scheduler_plugin.actions import Provision
+    from dask_agents.scheduler_plugin.actions import Provision
 
     reps = {"chat": ("A",), "coder": ("C",)}
     pol = Reallocate(persistence=2, window="5s", min_completions=2, provision=True, provision_cooldown="100s")
@@ -247,7 +251,7 @@ def test_reallocation_provisions_when_no_donor_and_allowed():
 
 
 def test_engine_priority_keeps_the_workflow_order():
-    from worker_plugin.engine import engine_priority
+    from dask_agents.worker_plugin.engine import engine_priority
 
     new, advanced, starved = priority(0, 0, 1), priority(0, 5, 9), priority(0, 0, 10, starved=True)
     assert engine_priority(starved) < engine_priority(advanced) < engine_priority(new)

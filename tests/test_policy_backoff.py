@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from scheduler_plugin.actions import Route
+from dask_agents.scheduler_plugin.actions import Route
 from tests.test_watchdog import kinds, make_loop
 
 
@@ -69,7 +69,7 @@ def test_the_traceback_is_logged_once_then_a_summary_line_with_the_count(caplog)
     ctl = make_loop({"flaky": flaky})
     ctl.watchdog.POLICY_BACKOFF_MAX = 1
     ctl.watchdog.ERROR_LOG_INTERVAL = float("inf")  # no summary yet
-    with caplog.at_level(logging.INFO, logger="scheduler_plugin.watchdog"):
+    with caplog.at_level(logging.INFO, logger="dask_agents.scheduler_plugin.watchdog"):
         passes(ctl, flaky, 20)
     assert len(flaky.calls) == 10
     records = [r for r in caplog.records if "flaky" in r.getMessage()]
@@ -77,7 +77,7 @@ def test_the_traceback_is_logged_once_then_a_summary_line_with_the_count(caplog)
     assert "policy bug" in caplog.text
     caplog.clear()
     ctl.watchdog.ERROR_LOG_INTERVAL = 0.0  # a summary as often as it is allowed: one per failure here
-    with caplog.at_level(logging.INFO, logger="scheduler_plugin.watchdog"):
+    with caplog.at_level(logging.INFO, logger="dask_agents.scheduler_plugin.watchdog"):
         passes(ctl, flaky, 4)
     lines = [r for r in caplog.records if "flaky" in r.getMessage()]
     assert len(lines) == 2 and all(r.exc_info is None for r in lines)  # one line each, no traceback

@@ -11,7 +11,7 @@ from distributed import Client, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
 import dask_agents as da
-from scheduler_plugin.plugin import NAME
+from dask_agents.scheduler_plugin.plugin import NAME
 from tests.conftest import async_wait_for
 
 EMU = {"engine": "emulated", "tokenizer": "byte",
@@ -67,7 +67,7 @@ def _models(model, dask_scheduler=None):  # run_on_scheduler passes the schedule
 
 
 def _kill(address, dask_scheduler=None):
-    from scheduler_plugin.actions import Kill
+    from dask_agents.scheduler_plugin.actions import Kill
 
     return dask_scheduler.plugins[NAME].control.enforcer.apply([Kill(address)], "test")
 

@@ -34,7 +34,7 @@ from distributed.security import Security
 
 import dask_agents as da
 from dask_agents import emulation
-from scheduler_plugin.plugin import NAME
+from dask_agents.scheduler_plugin.plugin import NAME
 from tests.conftest import wait_for
 
 cryptography = pytest.importorskip("cryptography")
@@ -290,7 +290,7 @@ def test_http_writes_to_our_pages_are_refused(secured):
 def _page_callbacks(dask_scheduler: Any, hostile: list[str]) -> dict:
     """On the scheduler: open one Agents page, list the server-side callbacks of its Bokeh
     document, fire each with hostile values, and compare the plugin's state before and after."""
-    from scheduler_plugin.dashboard import AgentsPage
+    from dask_agents.scheduler_plugin.dashboard import AgentsPage
 
     plugin = dask_scheduler.plugins[NAME]
     page = AgentsPage(plugin.dashboard)
@@ -325,7 +325,7 @@ def test_the_agents_page_has_no_callbacks_that_change_state(secured):
 
 
 def _graph_title(dask_scheduler: Any, sid: str) -> str:
-    from scheduler_plugin.dashboard import AgentsPage
+    from dask_agents.scheduler_plugin.dashboard import AgentsPage
 
     page = AgentsPage(dask_scheduler.plugins[NAME].dashboard, sid)
     page.update()

@@ -16,7 +16,7 @@ from distributed import Client, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
 import dask_agents as da
-from scheduler_plugin.plugin import NAME
+from dask_agents.scheduler_plugin.plugin import NAME
 from tests.conftest import async_wait_for
 
 HOLD = threading.Event()  # held calls wait on it (in-process workers)
@@ -192,7 +192,7 @@ async def test_retired_worker_loses_its_instances_for_good(c: Client, s: Schedul
 
 
 def test_worker_refuses_a_call_of_an_ended_session():
-    from worker_plugin.instances import Instances
+    from dask_agents.worker_plugin.instances import Instances
 
     inst = Instances()
     with inst.turn("C", "s", "k1", list) as first:

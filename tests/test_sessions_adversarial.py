@@ -10,7 +10,7 @@ from distributed import Client, Scheduler, Worker, fire_and_forget
 from distributed.utils_test import gen_cluster
 
 import dask_agents as da
-from scheduler_plugin.plugin import NAME
+from dask_agents.scheduler_plugin.plugin import NAME
 from tests.conftest import async_wait_for
 from tests.test_sessions import Counter
 

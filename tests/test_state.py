@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_plugin.state import WorkflowState
+from dask_agents.scheduler_plugin.state import WorkflowState
 
 
 def ann(key, comp, session="s1", creator="driver", deps=()):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from worker_plugin import logs
+from dask_agents.worker_plugin import logs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

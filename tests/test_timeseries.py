@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from scheduler_plugin.timeseries import COLUMNS, TimeSeries
+from dask_agents.scheduler_plugin.timeseries import COLUMNS, TimeSeries
 
 
 def _plugin():

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from benchmarks import control_scale as cs
 from dask_agents.calls import ANNOTATION
-from scheduler_plugin.actions import Migrate, SetPriority
-from scheduler_plugin.policies.balance import LateBindingBalance
-from scheduler_plugin.view import CallView, ClusterView, ComponentView, WorkerView
-from scheduler_plugin.view_index import BindingMap, PlacedMap, Tally, scan_view
+from dask_agents.scheduler_plugin.actions import Migrate, SetPriority
+from dask_agents.scheduler_plugin.policies.balance import LateBindingBalance
+from dask_agents.scheduler_plugin.view import CallView, ClusterView, ComponentView, WorkerView
+from dask_agents.scheduler_plugin.view_index import BindingMap, PlacedMap, Tally, scan_view
 
 BIG = 10**9
 FIELDS = ("workers", "calls", "sessions", "components", "kv_affinity", "kv_tokens", "models")

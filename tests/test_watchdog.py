@@ -18,7 +18,7 @@ from typing import Any, Callable
 import dask
 import pytest
 
-from scheduler_plugin.control import ControlLoop
+from dask_agents.scheduler_plugin.control import ControlLoop
 
 
 class FakeScheduler:
@@ -302,7 +302,7 @@ def test_tick_shares_the_pass_reporting_and_skips_quarantined_policies():
 
 
 def test_a_policy_timeout_not_below_the_stall_timeout_is_clamped(caplog):
-    with caplog.at_level(logging.WARNING, logger="scheduler_plugin.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="dask_agents.scheduler_plugin.watchdog"):
         ctl = make_loop({}, policy_timeout="2s", stall_timeout="750ms")
     assert ctl.watchdog.policy_timeout < ctl.watchdog.stall_timeout
     assert "policy-timeout" in caplog.text and "stall-timeout" in caplog.text
@@ -311,7 +311,7 @@ def test_a_policy_timeout_not_below_the_stall_timeout_is_clamped(caplog):
 def test_a_hung_policy_never_keeps_the_scheduler_process_alive():
     """Policies run in daemon threads: one that never returns cannot block interpreter exit
     (a thread pool's workers are joined at exit)."""
-    from scheduler_plugin.watchdog import _in_daemon_thread
+    from dask_agents.scheduler_plugin.watchdog import _in_daemon_thread
 
     gate = threading.Event()
     fut = _in_daemon_thread(gate.wait)

@@ -26,9 +26,10 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from worker_plugin.engine import _LOAD_LOCK, ModelSettings, _bytes, _resolve, engine_priority, wait_loaded
-from worker_plugin.token_times import TokenTimes
-from worker_plugin.tokenizer import ByteTokenizer
+from dask_agents.model_settings import ModelSettings, byte_size
+from dask_agents.worker_plugin.engine import _LOAD_LOCK, _resolve, engine_priority, wait_loaded
+from dask_agents.worker_plugin.token_times import TokenTimes
+from dask_agents.worker_plugin.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,9 @@ class AsyncEngineHost:
         s = self.settings
         kv_transfer, extension = None, None
         if s.kv_connector == "dask-agents":
-            from kv.runtime import connector
+            from dask_agents.kv.runtime import connector
 
-            kv_transfer = connector.transfer_config(self.name, _bytes(s.kv_host_bytes))
+            kv_transfer = connector.transfer_config(self.name, byte_size(s.kv_host_bytes))
             extension = f"{connector.__name__}.{connector.ControlExtension.__name__}"
         elif s.kv_connector == "lmcache":
             from vllm.config import KVTransferConfig
@@ -110,14 +111,14 @@ class AsyncEngineHost:
                     f"engine {self.name!r} (engine: vllm-async) starts vLLM's engine core in a child process, "
                     "which a daemonic worker process cannot have: start the worker with the Dask config "
                     "`distributed.worker.daemon: false` (or without a nanny), or use `engine: vllm`")
-            from worker_plugin.logs import engine_loaded, quiet_engines
+            from dask_agents.worker_plugin.logs import engine_loaded, quiet_engines
 
             quiet_engines()  # before vLLM is imported (the engine core inherits the environment)
             with _LOAD_LOCK:  # vLLM's and transformers' lazy imports race between loading threads
                 from vllm.v1.engine.async_llm import AsyncLLM
 
                 self._engine = AsyncLLM.from_engine_args(self._engine_args())
-            from kv.runtime import vllm_compat
+            from dask_agents.kv.runtime import vllm_compat
 
             self.vocab_size = vllm_compat.vocab_size(self._engine)
             engine_loaded(self.name, self.settings.model, self.settings.kv_bytes(),
@@ -202,8 +203,8 @@ class AsyncEngineHost:
         """One KV directive through the engine's KV connector (``kv-connector: dask-agents``),
         run in the engine core between steps; KVDirectiveError naming the engine and the reason
         when this engine has no such connector or the directive is not available through one."""
-        from kv.runtime import connector
-        from kv.runtime.engine_kv import KVDirectiveError
+        from dask_agents.kv.runtime import connector
+        from dask_agents.kv.runtime.engine_kv import KVDirectiveError
 
         if self.settings.kv_connector != "dask-agents":
             raise KVDirectiveError(f"the engine for {self.name!r} (AsyncEngineHost) has no per-session KV control: "

@@ -53,7 +53,7 @@ class Batcher:
             if len(b.calls) >= max_batch:
                 self._close(key, b)
         if not leader:
-            from worker_plugin.dask_compat import secede_if_in_task
+            from dask_agents.worker_plugin.dask_compat import secede_if_in_task
 
             if not fut.done():
                 secede_if_in_task()

@@ -15,7 +15,7 @@ from distributed.threadpoolexecutor import thread_state as pool_state
 from distributed.worker import thread_state as task_state
 
 # Workers and schedulers are both distributed Servers: one implementation serves both sides.
-from scheduler_plugin.dask_compat import add_periodic, remove_periodic  # noqa: F401
+from dask_agents.scheduler_plugin.dask_compat import add_periodic, remove_periodic  # noqa: F401
 
 
 def in_task_thread() -> bool:

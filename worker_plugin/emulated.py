@@ -1,6 +1,6 @@
 """An EMULATED LLM engine: a cost model of a vLLM-like engine, for experiments at scale on CPUs.
 
-It computes nothing. The cost model (:mod:`worker_plugin.emulated_kv`: continuous batching,
+It computes nothing. The cost model (:mod:`dask_agents.worker_plugin.emulated_kv`: continuous batching,
 chunked prefill, paged KV blocks with prefix reuse, preemption and recompute, a host tier with
 its transfer times; the defaults and where each comes from are in that module's docstring)
 is stepped here by one thread, which sleeps each iteration's emulated time times
@@ -8,12 +8,12 @@ is stepped here by one thread, which sleeps each iteration's emulated time times
 EMULATED. Settings come from ``agents.llm.models.<name>`` with ``engine: emulated`` and
 parameters under ``emulation`` (:class:`EmulationParams`).
 
-The host has the interface :class:`~worker_plugin.engine.Engines` uses of
-:class:`~worker_plugin.engine.EngineHost`, per-session KV control included: ``kv`` is an
-:class:`EmulatedEngineKV` (the methods and attributes of :class:`kv.runtime.engine_kv.EngineKV` that
-KV directives and :class:`kv.runtime.manager.KVManager` use), and with ``kv-policy`` set on the model
+The host has the interface :class:`~dask_agents.worker_plugin.engine.Engines` uses of
+:class:`~dask_agents.worker_plugin.engine.EngineHost`, per-session KV control included: ``kv`` is an
+:class:`EmulatedEngineKV` (the methods and attributes of :class:`dask_agents.kv.runtime.engine_kv.EngineKV` that
+KV directives and :class:`dask_agents.kv.runtime.manager.KVManager` use), and with ``kv-policy`` set on the model
 entry ``kv_manager`` is KVManager itself, which reads the engine's internals through its KV
-backend's ``compat``: :data:`EMULATED_COMPAT` here, :mod:`kv.runtime.vllm_compat` on a real engine.
+backend's ``compat``: :data:`EMULATED_COMPAT` here, :mod:`dask_agents.kv.runtime.vllm_compat` on a real engine.
 Unlike EngineHost, the manager runs only when the model entry names a policy (not from
 ``agents.kv.policy``): emulated engines are the vLLM baseline of existing experiments, which
 opt in. No vLLM import anywhere here.
@@ -30,10 +30,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from worker_plugin.token_times import TokenTimes
-from kv.runtime.engine_kv import KVDirectiveError, KVStats, Residency, TierConfig, block_count
-from kv.runtime.sizing import KVGeometry
-from worker_plugin.emulated_kv import (  # noqa: F401  (the cost model's names are this module's too)
+from dask_agents.worker_plugin.token_times import TokenTimes
+from dask_agents.kv.runtime.engine_kv import KVDirectiveError, KVStats, Residency, TierConfig, block_count
+from dask_agents.kv.runtime.sizing import KVGeometry
+from dask_agents.worker_plugin.emulated_kv import (  # noqa: F401  (the cost model's names are this module's too)
     H100_KV_BLOCKS,
     Block,
     EmulatedCompletion,
@@ -44,9 +44,9 @@ from worker_plugin.emulated_kv import (  # noqa: F401  (the cost model's names a
     Sequence,
     block_hashes,
 )
-from worker_plugin.engine import ModelSettings, wait_loaded
-from worker_plugin.host_kv import SessionKVHost
-from worker_plugin.tokenizer import ByteTokenizer
+from dask_agents.worker_plugin.engine import ModelSettings, wait_loaded
+from dask_agents.worker_plugin.host_kv import SessionKVHost
+from dask_agents.worker_plugin.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class _BlockPool:
 
 @dataclass(frozen=True)
 class EmulatedParts:
-    """The emulated counterpart of :class:`kv.runtime.vllm_compat.EngineParts` (no KV tensors)."""
+    """The emulated counterpart of :class:`dask_agents.kv.runtime.vllm_compat.EngineParts` (no KV tensors)."""
 
     sched: EmulatedScheduler
     block_pool: _BlockPool
@@ -81,7 +81,7 @@ class EmulatedParts:
 
 
 class _EmulatedCompat:
-    """The functions of :mod:`kv.runtime.vllm_compat` that KVManager calls, on :class:`EmulatedParts`
+    """The functions of :mod:`dask_agents.kv.runtime.vllm_compat` that KVManager calls, on :class:`EmulatedParts`
     (same names, arguments and meaning; ``tests/test_emulated_kv.py`` checks that every
     ``vc.<name>`` in kv/runtime/manager.py is here)."""
 
@@ -155,7 +155,7 @@ EMULATED_COMPAT = _EmulatedCompat()
 # -- per-session KV control -------------------------------------------------------------------------
 
 class EmulatedEngineKV:
-    """:class:`kv.runtime.engine_kv.EngineKV`'s interface on the emulated engine: the same directives
+    """:class:`dask_agents.kv.runtime.engine_kv.EngineKV`'s interface on the emulated engine: the same directives
     (inspect, retain, release, offload, evict, prefetch, invalidate) with the same sharing
     rules, acting on :class:`EmulatedScheduler`'s blocks and host tier.
 
@@ -170,7 +170,7 @@ class EmulatedEngineKV:
     def __init__(self, sched: EmulatedScheduler, bytes_per_block: int, pin_fraction: float = 0.5,
                  pin_ttl_s: float = 30.0, time_scale: float = 1.0):
         self.sched = sched
-        self.compat = EMULATED_COMPAT  # what KVManager calls in place of kv.runtime.vllm_compat
+        self.compat = EMULATED_COMPAT  # what KVManager calls in place of dask_agents.kv.runtime.vllm_compat
         self.parts = EmulatedParts(sched, _BlockPool(sched), sched.p.block_size, bytes_per_block)
         self.bytes_per_block = bytes_per_block
         self.tiers = TierConfig(host_bytes=sched.host_capacity * bytes_per_block, pin_fraction=pin_fraction,
@@ -410,7 +410,7 @@ class EmulatedEngineHost(SessionKVHost):
         if self.kv is None or name in (None, "none"):
             return None
         try:
-            from kv.runtime.manager import KVManager
+            from dask_agents.kv.runtime.manager import KVManager
 
             return KVManager(self.kv, name)
         except Exception as e:  # optional: KV directives still work without a policy

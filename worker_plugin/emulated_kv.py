@@ -1,5 +1,5 @@
 """The cost model of the EMULATED engine: continuous batching, paged KV blocks and a host tier,
-stepped deterministically (no thread, no clock). :mod:`worker_plugin.emulated` runs it on a
+stepped deterministically (no thread, no clock). :mod:`dask_agents.worker_plugin.emulated` runs it on a
 thread and gives it the interfaces of a real engine host.
 
 Everything it produces (latencies, cached tokens, KV use, transfers) is EMULATED: nothing is
@@ -45,7 +45,7 @@ computed, only counted. It follows what vLLM v1 does (``vllm/v1/core/sched/sched
   synchronous load stalls the batch) unless it arrived earlier, prefetched; an admission that
   waits on a prefetch still in flight pays only the rest.
 - **Sessions.** A sequence's blocks belong to its session; per-session operations (retain,
-  release, offload, prefetch, invalidate) are those of :class:`kv.runtime.engine_kv.EngineKV`.
+  release, offload, prefetch, invalidate) are those of :class:`dask_agents.kv.runtime.engine_kv.EngineKV`.
 
 Defaults (:class:`EmulationParams`) are for a Llama-3-8B-class model in bf16 on one 80 GB H100,
 derived from first principles, not measured:
@@ -79,8 +79,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kv.runtime.engine_kv import disown
-from worker_plugin.tokenizer import OFFSET
+from dask_agents.kv.runtime.engine_kv import disown
+from dask_agents.worker_plugin.tokenizer import OFFSET
 
 H100_KV_BLOCKS = 30_000
 """~60 GB of KV on an 80 GB H100 in 2 MiB blocks (16 tokens of a Llama-3-8B-class model)."""
@@ -162,7 +162,7 @@ def block_hashes(tokens: list[int], block_size: int) -> list[int]:
 
 @dataclass(eq=False)
 class Block:
-    """One device KV block (the fields ``kv.runtime.vllm_compat`` reads of vLLM's ``KVCacheBlock``)."""
+    """One device KV block (the fields ``dask_agents.kv.runtime.vllm_compat`` reads of vLLM's ``KVCacheBlock``)."""
 
     block_id: int
     block_hash: int | None = None  # set while it is in the prefix cache
@@ -367,7 +367,7 @@ class EmulatedScheduler:
 
     def take_stored(self) -> list[int]:
         """Hashes cached since the last call and still cached (vLLM's ``BlockStored`` events,
-        as ``kv.runtime.device_index.DeviceIndex.take_stored`` reads them); the first call
+        as ``dask_agents.kv.runtime.device_index.DeviceIndex.take_stored`` reads them); the first call
         starts the watch and returns every cached hash."""
         if self._stored is None:
             self._stored = {}
@@ -677,7 +677,7 @@ class EmulatedScheduler:
         self.now += cost
         return cost, done
 
-    # -- sessions (the per-session operations of kv.runtime.engine_kv.EngineKV) --------------------------
+    # -- sessions (the per-session operations of dask_agents.kv.runtime.engine_kv.EngineKV) --------------------------
 
     def _own(self, seq: Sequence, start: int) -> None:
         if seq.session is None or not seq.tracked:

@@ -16,14 +16,13 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from dask.utils import parse_bytes
-from pydantic import BaseModel, ConfigDict, Field
 
-from worker_plugin.host_kv import SessionKVHost
-from worker_plugin.token_times import TokenTimes
-from worker_plugin.tokenizer import ByteTokenizer
+from dask_agents.model_settings import ModelSettings
+from dask_agents.worker_plugin.host_kv import SessionKVHost
+from dask_agents.worker_plugin.token_times import TokenTimes
+from dask_agents.worker_plugin.tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
 # vLLM keeps process-global state that every in-process engine of this process shares: the
@@ -39,85 +38,6 @@ _STEP_LOCK = threading.Lock()
 # step then fails its calls with a clear error instead of reloading forever.
 RESTARTS_MAX = 3
 RESTART_WINDOW_S = 300.0
-BUILTIN = {"tiny-llama": os.path.join(os.path.dirname(__file__), "models", "tiny-llama")}
-
-
-class ModelSettings(BaseModel):
-    """One entry of ``agents.llm.models`` (keys as in the yaml, dashes allowed)."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
-    model: str
-    # "vllm": a real engine. "emulated": worker_plugin/emulated.py, a cost model of an engine
-    # (batch capacity, per-token prefill/decode cost, KV memory with prefix reuse) for
-    # experiments at scale on CPUs; its numbers are always labeled emulated.
-    # "vllm-async": vLLM's AsyncLLM (worker_plugin/async_engine.py), its core in a child process:
-    # the usual form on GPU workers (non-daemonic); KV tiers through a KV connector: LMCache's
-    # (workflow-blind) or ours (kv/runtime/connector.py: a host tier with per-session directives).
-    engine: Literal["vllm", "vllm-async", "emulated"] = "vllm"
-    kv_connector: Literal["lmcache", "dask-agents"] | None = Field(None, alias="kv-connector")
-    tensor_parallel_size: int = Field(1, alias="tensor-parallel-size", ge=1)
-    enforce_eager: bool = Field(True, alias="enforce-eager")
-    emulation: dict[str, Any] = Field(default_factory=dict)
-    load_format: str = Field("auto", alias="load-format")
-    tokenizer: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int = Field(2048, alias="max-model-len", ge=16)
-    kv_cache_memory_bytes: int | str = Field("256 MiB", alias="kv-cache-memory-bytes")
-    enable_prefix_caching: bool = Field(True, alias="enable-prefix-caching")
-    # KV tiers below the device (kv/runtime/engine_kv.py): host memory for offloaded sessions, and an
-    # optional disk tier that the host tier spills to. Memory is only used when a session is
-    # offloaded. Pins (retained sessions) are bounded to a share of the device blocks.
-    kv_host_bytes: int | str = Field("1 GiB", alias="kv-host-bytes")
-    kv_disk_bytes: int | str = Field(0, alias="kv-disk-bytes")
-    kv_disk_path: str | None = Field(None, alias="kv-disk-path")
-    kv_pin_fraction: float = Field(0.5, alias="kv-pin-fraction", ge=0.0, le=1.0)
-    # The workflow-aware KV manager (kv/runtime/manager.py) on the engine thread: a policy name runs
-    # that policy on this engine's KV; "none" leaves vLLM's prefix cache alone (directives still
-    # work); unset: agents.kv.policy. Defaults to the configured policy ("ours") because with no
-    # hints at all it only acts on what the engine itself shows (pauses between a session's
-    # requests), it never blocks admission, and with no lower tier it can only drop or reorder.
-    kv_policy: Literal["none", "lru", "wa_lru", "nalar", "ours"] | None = Field(None, alias="kv-policy")
-    # "priority": the engine admits calls in the control plane's priority order (progress
-    # first), FIFO among equals; "fcfs": arrival order.
-    scheduling: Literal["priority", "fcfs"] = "priority"
-    # Bounds for reallocation (how many engine workers may serve this model).
-    min_replicas: int = Field(1, alias="min-replicas", ge=0)
-    max_replicas: int | None = Field(None, alias="max-replicas", ge=1)
-
-    def model_path(self) -> str:
-        """A local path for ``builtin:NAME`` models, the name itself otherwise."""
-        if self.model.startswith("builtin:"):
-            name = self.model.split(":", 1)[1]
-            if name not in BUILTIN:
-                raise ValueError(f"unknown builtin model {name!r} (have: {', '.join(BUILTIN)})")
-            return BUILTIN[name]
-        return self.model
-
-    def kv_bytes(self) -> int:
-        """KV cache budget in bytes."""
-        return _bytes(self.kv_cache_memory_bytes)
-
-    def kv_tiers(self, name: str) -> Any:
-        """The engine's tier configuration (``kv.runtime.engine_kv.TierConfig``); a disk tier without a
-        path gets a per-process temporary directory."""
-        import tempfile
-
-        from kv.runtime.engine_kv import TierConfig
-
-        disk = _bytes(self.kv_disk_bytes)
-        path = self.kv_disk_path
-        if disk and not path:
-            path = tempfile.mkdtemp(prefix=f"dask-agents-kv-{name.replace('/', '_')}-")
-        return TierConfig(host_bytes=_bytes(self.kv_host_bytes), disk_bytes=disk, disk_path=path,
-                          pin_fraction=self.kv_pin_fraction)
-
-    def kv_policy_name(self) -> str:
-        """The KV policy this engine runs ("none": no manager)."""
-        if self.kv_policy is not None:
-            return self.kv_policy
-        import dask_agents.config as agents_config
-
-        return str(agents_config.get("kv.policy") or "none")
 
 
 def wait_loaded(host: Any, timeout: float | None = None) -> None:
@@ -136,9 +56,6 @@ def wait_loaded(host: Any, timeout: float | None = None) -> None:
 # Seeds torch's generators take (vLLM seeds one per request inside the step: a larger one crashes it).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
-
-def _bytes(v: int | str) -> int:
-    return int(v) if isinstance(v, int) else int(parse_bytes(v))
 
 
 @dataclass
@@ -164,8 +81,8 @@ class EngineHost(SessionKVHost):
         self.load_error: BaseException | None = None
         self._inbox: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._calls: queue.SimpleQueue[tuple[Any, Future]] = queue.SimpleQueue()
-        self.kv: Any = None  # kv.runtime.engine_kv.EngineKV once loaded (per-session KV control)
-        self.kv_manager: Any = None  # kv.runtime.manager.KVManager once loaded, unless kv-policy is "none"
+        self.kv: Any = None  # dask_agents.kv.runtime.engine_kv.EngineKV once loaded (per-session KV control)
+        self.kv_manager: Any = None  # dask_agents.kv.runtime.manager.KVManager once loaded, unless kv-policy is "none"
         self._manager_failures = 0
         self._pending: dict[str, _Request] = {}
         self._engine: Any = None
@@ -198,10 +115,10 @@ class EngineHost(SessionKVHost):
 
     def _load(self) -> Any:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from worker_plugin.logs import quiet_engines
+        from dask_agents.worker_plugin.logs import quiet_engines
 
         quiet_engines()  # before vLLM is imported: it reads its log level then
-        from kv.runtime import vllm_compat
+        from dask_agents.kv.runtime import vllm_compat
 
         s = self.settings
         events = None
@@ -226,7 +143,7 @@ class EngineHost(SessionKVHost):
         return LLMEngine.from_engine_args(args)
 
     def _geometry(self) -> Any:
-        from kv import KVGeometry
+        from dask_agents.kv import KVGeometry
 
         path = self.settings.model_path()
         if not os.path.isdir(path):
@@ -236,9 +153,9 @@ class EngineHost(SessionKVHost):
         return KVGeometry.from_model_dir(path, dtype, block)
 
     def _session_kv(self) -> Any:
-        """Per-session KV control for the loaded engine (``kv.runtime.engine_kv.EngineKV``), or None.
+        """Per-session KV control for the loaded engine (``dask_agents.kv.runtime.engine_kv.EngineKV``), or None.
 
-        Optional, so it never stops the model from loading: when ``kv.runtime.vllm_compat`` rejects the
+        Optional, so it never stops the model from loading: when ``dask_agents.kv.runtime.vllm_compat`` rejects the
         vLLM version, the model's KV layout or its cache groups (or the tiers cannot be set up),
         the engine serves with vLLM's plain prefix caching, one warning says why, and
         ``kv_control``/``kv_control_reason`` report it (the engine report carries them)."""
@@ -246,8 +163,8 @@ class EngineHost(SessionKVHost):
             # nothing is cached, so there is nothing to keep per session (a choice: no warning)
             self.kv_control_reason = "prefix caching is off (enable-prefix-caching: false)"
             return None
-        from kv.runtime import vllm_compat
-        from kv.runtime.engine_kv import EngineKV
+        from dask_agents.kv.runtime import vllm_compat
+        from dask_agents.kv.runtime.engine_kv import EngineKV
 
         try:
             kv = EngineKV(vllm_compat.engine_parts(self._engine), self.settings.kv_tiers(self.name))
@@ -263,7 +180,7 @@ class EngineHost(SessionKVHost):
         name = self.settings.kv_policy_name()
         if self.kv is None or name == "none":
             return None
-        from kv.runtime.manager import KVManager
+        from dask_agents.kv.runtime.manager import KVManager
 
         try:
             return KVManager(self.kv, name)
@@ -351,7 +268,7 @@ class EngineHost(SessionKVHost):
         kv = self.kv
         if kv is None:
             return out
-        from kv.runtime import vllm_compat
+        from dask_agents.kv.runtime import vllm_compat
 
         parts = kv.parts
         capacity = parts.num_blocks - 1  # the null block holds nothing
@@ -385,7 +302,7 @@ class EngineHost(SessionKVHost):
         if self.load_error is not None:
             raise RuntimeError(f"engine {self.name!r} failed to load: {self.load_error}")
         if self.kv is None:
-            from kv.runtime.engine_kv import KVDirectiveError
+            from dask_agents.kv.runtime.engine_kv import KVDirectiveError
 
             raise KVDirectiveError(f"engine {self.name!r} has no per-session KV control ({self.kv_control_reason})")
         return self.kv
@@ -446,8 +363,8 @@ class EngineHost(SessionKVHost):
         may load (a restart joins this thread first). Its memory goes now; and vLLM's
         collection-time finalizer is spent: run later, under a restarted engine, it would destroy
         the process's distributed groups the successor uses ("pipeline model parallel group is
-        not initialized"). See ``kv.runtime.vllm_compat.shutdown_engine``."""
-        from kv.runtime import vllm_compat
+        not initialized"). See ``dask_agents.kv.runtime.vllm_compat.shutdown_engine``."""
+        from dask_agents.kv.runtime import vllm_compat
 
         engine, self._engine = self._engine, None
         self.kv = self.kv_manager = None
@@ -463,7 +380,7 @@ class EngineHost(SessionKVHost):
         """Before a step: forget the requests vLLM has scheduled already (they are not new)."""
         if not self._unscheduled:
             return
-        from kv.runtime import vllm_compat
+        from dask_agents.kv.runtime import vllm_compat
 
         try:
             self._unscheduled -= vllm_compat.scheduled(self._engine, self._unscheduled)
@@ -478,7 +395,7 @@ class EngineHost(SessionKVHost):
         retried, it would crash the restarted engine too and take the others' retries with it.
         The requests scheduled before are failed as crashed by ``_run``, and retried."""
         from dask_agents.errors import EngineStepError
-        from kv.runtime import vllm_compat
+        from dask_agents.kv.runtime import vllm_compat
 
         if not self._unscheduled:
             return
@@ -499,7 +416,7 @@ class EngineHost(SessionKVHost):
                 "are retried on a restarted engine)"))
 
     def _serve(self) -> None:
-        from kv.runtime import vllm_compat
+        from dask_agents.kv.runtime import vllm_compat
 
         try:
             with _LOAD_LOCK, _STEP_LOCK:
@@ -512,7 +429,7 @@ class EngineHost(SessionKVHost):
             self.geometry = self._geometry()
             self.kv = self._session_kv()
             self.kv_manager = self._make_manager()
-            from worker_plugin.logs import engine_loaded
+            from dask_agents.worker_plugin.logs import engine_loaded
 
             cache = self._engine.vllm_config.cache_config
             engine_loaded(self.name, self.settings.model, self.settings.kv_bytes(),
@@ -610,7 +527,7 @@ def task_priority(key: str) -> tuple:
     """The current priority of the running task ``key`` on this worker (``()`` if unknown)."""
     from distributed import get_worker
 
-    from worker_plugin.dask_compat import task_priority as compat_priority
+    from dask_agents.worker_plugin.dask_compat import task_priority as compat_priority
 
     try:
         return compat_priority(get_worker(), key)
@@ -621,11 +538,11 @@ def task_priority(key: str) -> tuple:
 def make_host(name: str, settings: ModelSettings) -> Any:
     """An engine host for ``settings``: vLLM, or the emulated engine."""
     if settings.engine == "vllm-async":
-        from worker_plugin.async_engine import AsyncEngineHost
+        from dask_agents.worker_plugin.async_engine import AsyncEngineHost
 
         return AsyncEngineHost(name, settings)
     if settings.engine == "emulated":
-        from worker_plugin.emulated import EmulatedEngineHost
+        from dask_agents.worker_plugin.emulated import EmulatedEngineHost
 
         return EmulatedEngineHost(name, settings)
     return EngineHost(name, settings)
@@ -820,7 +737,7 @@ class Engines:
 
     def _result(self, header: tuple, model: str, host: Any, ids: list[int], out: Any) -> Any:
         from dask_agents.models import LLMResult
-        from worker_plugin.plugin import get_plugin
+        from dask_agents.worker_plugin.plugin import get_plugin
 
         comp = out.outputs[0]
         toks = list(comp.token_ids)
@@ -842,7 +759,7 @@ class Engines:
         """Run one generation for a call (``header`` from the runtime) and return an LLMResult.
 
         Blocking; a task thread secedes while the engine works (see :meth:`agenerate`)."""
-        from worker_plugin.dask_compat import secede_if_in_task
+        from dask_agents.worker_plugin.dask_compat import secede_if_in_task
 
         host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
         attempts = self._attempts()
@@ -895,7 +812,7 @@ class Engines:
         the engine's future without a thread, so any number of calls wait for one engine."""
         import asyncio
 
-        from worker_plugin.dask_compat import secede_async_task
+        from dask_agents.worker_plugin.dask_compat import secede_async_task
 
         host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
         secede_async_task(header[3])
@@ -963,7 +880,7 @@ class Engines:
         ``model``, between engine steps; returns ``{"result": ..., "residency": {...}}``."""
         import dataclasses
 
-        from kv.runtime.engine_kv import KVDirectiveError
+        from dask_agents.kv.runtime.engine_kv import KVDirectiveError
 
         if op not in KV_OPS:
             raise KVDirectiveError(f"unknown KV directive {op!r} (known: {', '.join(KV_OPS)})")
@@ -1001,8 +918,8 @@ class Engines:
         ``node`` ended; the session waits on ``wait_key``, a tool kind or a dependency key) or
         "finished". ``at``: Unix time of the change (default now). Raises KVDirectiveError for
         an unknown state or an empty session id."""
-        from kv.runtime.engine_kv import KVDirectiveError
-        from kv.runtime.manager import STATES
+        from dask_agents.kv.runtime.engine_kv import KVDirectiveError
+        from dask_agents.kv.runtime.manager import STATES
 
         if state not in STATES:
             raise KVDirectiveError(f"unknown session state {state!r} (known: {', '.join(STATES)})")

@@ -1,8 +1,8 @@
 """What every engine host with per-session KV control shares: the KV manager's hooks on the
 stepping thread, hints, and calls run between steps.
 
-:class:`~worker_plugin.engine.EngineHost` (real vLLM) and
-:class:`~worker_plugin.emulated.EmulatedEngineHost` keep the same attributes (``kv``: an
+:class:`~dask_agents.worker_plugin.engine.EngineHost` (real vLLM) and
+:class:`~dask_agents.worker_plugin.emulated.EmulatedEngineHost` keep the same attributes (``kv``: an
 ``EngineKV``-shaped object or None, ``kv_manager``: a ``KVManager`` or None, ``_calls``: a
 queue of ``(fn, future)`` the stepping thread runs between steps, ``name``) and inherit the
 logic here, so a directive, a hint or a failing manager behaves the same on both.
@@ -56,12 +56,12 @@ class SessionKVHost:
     def kv_hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
                 at: float | None = None) -> Future | None:
         """Tell this engine's KV manager the workflow state of ``session`` (see
-        ``kv.runtime.manager.KVManager.hint``); ``at`` is a Unix time (``time.time()``), default now.
+        ``dask_agents.kv.runtime.manager.KVManager.hint``); ``at`` is a Unix time (``time.time()``), default now.
         Non-blocking: returns the future of the hint on the engine thread, or None when there is
         no manager or it never saw the session (nothing to do here). Raises KVDirectiveError
         for an unknown state."""
-        from kv.runtime.engine_kv import KVDirectiveError
-        from kv.runtime.manager import STATES
+        from dask_agents.kv.runtime.engine_kv import KVDirectiveError
+        from dask_agents.kv.runtime.manager import STATES
 
         if state not in STATES:
             raise KVDirectiveError(f"unknown session state {state!r} (known: {', '.join(STATES)})")

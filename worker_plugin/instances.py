@@ -120,7 +120,7 @@ class Instances:
                 return slot.active is None and (key not in slot.queue or slot.queue[0] == key)
 
             if not ready():
-                from worker_plugin.dask_compat import secede_if_in_task
+                from dask_agents.worker_plugin.dask_compat import secede_if_in_task
 
                 secede_if_in_task()  # waiting for our turn must not hold a worker thread
                 slot.cond.wait_for(ready)

@@ -20,17 +20,17 @@ from distributed.worker import get_worker
 
 import dask_agents.config as agents_config
 from dask_agents.errors import NotInstalledError
-from worker_plugin import dask_compat
-from worker_plugin.batching import Batcher
-from worker_plugin.engine import Engines
-from worker_plugin.instances import Instances
+from dask_agents.worker_plugin import dask_compat
+from dask_agents.worker_plugin.batching import Batcher
+from dask_agents.worker_plugin.engine import Engines
+from dask_agents.worker_plugin.instances import Instances
 
 logger = logging.getLogger(__name__)
 
 NAME = "dask-agents"
 REPORT_OP = "agents-report"
-REPRIORITIZE_OP = "agents-reprioritize"  # scheduler_plugin.enforce.REPRIORITIZE_OP
-KV_HINT_OP = "agents-kv-hint"  # scheduler_plugin.kv_hints.HINT_OP
+REPRIORITIZE_OP = "agents-reprioritize"  # dask_agents.scheduler_plugin.enforce.REPRIORITIZE_OP
+KV_HINT_OP = "agents-kv-hint"  # dask_agents.scheduler_plugin.kv_hints.HINT_OP
 _END = ("memory", "error", "released", "cancelled", "forgotten", "rescheduled")
 _ARRIVED = ("waiting", "ready", "constrained", "executing")
 
@@ -90,7 +90,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
 
     async def setup(self, worker: Worker) -> None:
         self.worker = worker
-        from worker_plugin.logs import quiet_engines
+        from dask_agents.worker_plugin.logs import quiet_engines
 
         quiet_engines()  # before any engine library is imported on this worker
         models = self._models_for(worker)
@@ -252,7 +252,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         import asyncio
 
         if not isinstance(args, (dict, type(None))):
-            from kv.runtime.engine_kv import KVDirectiveError
+            from dask_agents.kv.runtime.engine_kv import KVDirectiveError
 
             raise KVDirectiveError(f"KV directive arguments must be a dict, got {args!r}")
         return await asyncio.to_thread(self.engines.kv_directive, model, directive, session, **(args or {}))

@@ -3,7 +3,7 @@
 Definitions
 -----------
 *Block-access sequence*: every step's full prompt blocks in chain order, steps by arrival
-(:meth:`kv.offline.traces.Trace.accesses`), the same for every policy because replay is open loop.
+(:meth:`dask_agents.kv.offline.traces.Trace.accesses`), the same for every policy because replay is open loop.
 
 *Miss-count metric, uniform blocks*: a cache of ``k`` equal blocks; a request for a block not
 in it is a miss, after which the block may be kept (evicting another if full) or not. Bélády's
@@ -58,10 +58,10 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from kv.runtime.blocks import CostModel, Tiers
-from kv.runtime.policies import Params, Policy, swap_in
-from kv.offline.traces import Trace
-from kv.runtime.view import FINISHED, PAUSED, Action, KVView
+from dask_agents.kv.runtime.blocks import CostModel, Tiers
+from dask_agents.kv.runtime.policies import Params, Policy, swap_in
+from dask_agents.kv.offline.traces import Trace
+from dask_agents.kv.runtime.view import FINISHED, PAUSED, Action, KVView
 
 _NEVER = math.inf
 
@@ -123,7 +123,7 @@ def belady(accesses: Sequence[int], capacity: int) -> OptimalResult:
 def belady_pinned(trace: Trace, capacity: int) -> OptimalResult:
     """Exact MIN when running steps pin their prompts: fewest misses of any cache of ``capacity``
     equal blocks that holds every running step's blocks from its arrival to its end (events in
-    the simulator's order, :meth:`kv.offline.traces.Trace.timeline`). ValueError if the running steps
+    the simulator's order, :meth:`dask_agents.kv.offline.traces.Trace.timeline`). ValueError if the running steps
     alone ever need more than ``capacity`` blocks.
 
     Between two pinned periods of a block lies a *gap*; keeping the block through the gap saves

@@ -2,8 +2,8 @@
 the table, JSON and plot that ``dask-agents replay`` and ``benchmarks/kv_policies.py`` print.
 
 Every row is one (tiers, policy) replay; each tier configuration also gets an ``optimum`` row
-(:func:`kv.offline.optimal.lower_bound`, the lower bound on recomputed tokens) and, unless turned off,
-an ``offline`` row (:class:`kv.offline.optimal.Offline`, the cost-aware offline schedule). ``ratio`` is a
+(:func:`dask_agents.kv.offline.optimal.lower_bound`, the lower bound on recomputed tokens) and, unless turned off,
+an ``offline`` row (:class:`dask_agents.kv.offline.optimal.Offline`, the cost-aware offline schedule). ``ratio`` is a
 policy's recomputed prefill tokens over the optimum's (its competitive ratio on this trace);
 ``excess_ratio`` the same for the avoidable part only (recomputed tokens minus the compulsory
 ones: first uses and prompt tails, which no memory size avoids), a harsher view of the same
@@ -22,11 +22,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from kv.runtime.blocks import TIER_NAMES, CostModel, Tiers
-from kv.offline.optimal import Offline, lower_bound
-from kv.runtime.policies import Params, get_policy
-from kv.offline.simulator import Simulator
-from kv.offline.traces import Trace
+from dask_agents.kv.runtime.blocks import TIER_NAMES, CostModel, Tiers
+from dask_agents.kv.offline.optimal import Offline, lower_bound
+from dask_agents.kv.runtime.policies import Params, get_policy
+from dask_agents.kv.offline.simulator import Simulator
+from dask_agents.kv.offline.traces import Trace
 
 OPTIMUM, OFFLINE = "optimum", "offline"
 ONLINE = ("lru", "wa_lru", "nalar", "ours")
@@ -48,7 +48,7 @@ class Row:
     ratio: float
     # (recomputed - compulsory) / (optimum - compulsory); None when only the policy has anything avoidable
     excess_ratio: float | None
-    bound: str           # how the optimum was computed: "pinned" or "flat" (kv.offline.optimal.lower_bound)
+    bound: str           # how the optimum was computed: "pinned" or "flat" (dask_agents.kv.offline.optimal.lower_bound)
     bytes_offloaded: int = 0
     bytes_prefetched: int = 0
     bytes_restored: int = 0
@@ -64,7 +64,7 @@ class Row:
 
 
 def resolve_tiers(spec: str | None, trace: Trace, cost: CostModel, base: Tiers | None = None) -> Tiers:
-    """Tiers from ``spec`` (see :meth:`kv.runtime.blocks.Tiers.parse`), where a size ending in ``%`` is that
+    """Tiers from ``spec`` (see :meth:`dask_agents.kv.runtime.blocks.Tiers.parse`), where a size ending in ``%`` is that
     share of ``trace``'s peak footprint; ``base`` (else ``agents.kv.tiers``) for what it leaves out."""
     base = base or Tiers.from_config()
     if not spec:
@@ -225,12 +225,12 @@ def plot(rows: Sequence[Row], path: str | os.PathLike) -> str:
 
 def load_trace(spec: str, limit: int | None = None) -> Trace:
     """A trace by spec: ``generated`` or ``generated:sessions=50,seed=1`` (any
-    :class:`kv.offline.traces.GenParams` field), ``mooncake`` (the shipped file), or a path
-    (:func:`kv.offline.traces.load`). ``limit``: sessions to keep (requests, for a Mooncake file or
+    :class:`dask_agents.kv.offline.traces.GenParams` field), ``mooncake`` (the shipped file), or a path
+    (:func:`dask_agents.kv.offline.traces.load`). ``limit``: sessions to keep (requests, for a Mooncake file or
     directory)."""
     from dataclasses import fields
 
-    from kv.offline import traces
+    from dask_agents.kv.offline import traces
 
     name, _, args = spec.partition(":")
     if name == "generated":

@@ -1,6 +1,6 @@
-"""Trace-driven KV simulator: replays a :class:`~kv.offline.traces.Trace` against tiers and a policy.
+"""Trace-driven KV simulator: replays a :class:`~dask_agents.kv.offline.traces.Trace` against tiers and a policy.
 
-It is the enforcer of :mod:`kv.runtime.view`: it keeps where every block is, asks the policy for an
+It is the enforcer of :mod:`dask_agents.kv.runtime.view`: it keeps where every block is, asks the policy for an
 eviction order when a tier must make room and for proactive actions at every arrival, step end
 and ``tick``, and applies them under the hard rules (capacities, pinned running steps, one tier
 per block).
@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterator
 
-from kv.runtime.aeg import AgentGraph
-from kv.runtime.blocks import TIER_NAMES, CostModel, Tiers, common_prefix
-from kv.runtime.policies import Policy
-from kv.offline.traces import Trace
-from kv.runtime.view import FINISHED, PAUSED, RUNNING, Drop, Evict, KVView, Prefetch, SessionView, Trim
+from dask_agents.kv.runtime.aeg import AgentGraph
+from dask_agents.kv.runtime.blocks import TIER_NAMES, CostModel, Tiers, common_prefix
+from dask_agents.kv.runtime.policies import Policy
+from dask_agents.kv.offline.traces import Trace
+from dask_agents.kv.runtime.view import FINISHED, PAUSED, RUNNING, Drop, Evict, KVView, Prefetch, SessionView, Trim
 
 ACC = 0
 

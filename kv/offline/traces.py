@@ -12,7 +12,7 @@ Families
 ``generate(GenParams(...))``
     Agent sessions shaped like the GitHub Copilot coding-agent dataset card (3.95 turns per
     session, 7.83 LLM calls and 7.3 tool calls per turn, 86% of prompt tokens cached) with tool
-    latencies drawn from SAGA's per-kind priors (:mod:`kv.runtime.tool_latency`). Every parameter and its
+    latencies drawn from SAGA's per-kind priors (:mod:`dask_agents.kv.runtime.tool_latency`). Every parameter and its
     source is documented on :class:`GenParams`.
 ``load_telemetry(path_or_frame)``
     The call table of a dask-agents run (``da.telemetry(client)``, saved as CSV, JSON or parquet).
@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-from kv.runtime.blocks import ROOT, block_hash, extend
-from kv.runtime.tool_latency import PRIORS, ToolLatency, prior
+from dask_agents.kv.runtime.blocks import ROOT, block_hash, extend
+from dask_agents.kv.runtime.tool_latency import PRIORS, ToolLatency, prior
 
 ENV = "DASK_AGENTS_TRACES"
 MOONCAKE_SUBDIR = "mooncake-synthetic"
@@ -250,7 +250,7 @@ class GenParams:
       ``tools_per_turn`` 7.3 tool calls per turn, ``cached_share`` 0.86 of prompt tokens cached,
       ``output_tokens_mean`` 527 (4.91B completion tokens / (301,026 sessions x 3.95 x 7.83
       calls)): GitHub Copilot coding-agent dataset card (June 2026).
-    - tool latencies: SAGA's P50/P95/P99 per kind (:data:`kv.runtime.tool_latency.PRIORS`).
+    - tool latencies: SAGA's P50/P95/P99 per kind (:data:`dask_agents.kv.runtime.tool_latency.PRIORS`).
 
     Our choices (not published; change them freely):
 

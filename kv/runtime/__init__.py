@@ -2,4 +2,4 @@
 the agent execution graph (``aeg``), tool latency priors, tiers and costs (``blocks``,
 ``sizing``), the policies, the engine adapter (``engine_kv``, with vLLM's internals fenced in
 ``vllm_compat``) and the manager that enforces what policies suggest. Nothing here imports
-:mod:`kv.offline` (a test checks a worker never loads it)."""
+:mod:`dask_agents.kv.offline` (a test checks a worker never loads it)."""

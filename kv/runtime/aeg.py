@@ -5,7 +5,7 @@ counts how often a session's step ``u`` was followed by ``v`` (``END``: the sess
 ``u``), and remembers the mean share of ``u``'s prompt blocks that ``v`` reused (prefix overlap).
 phi maps each node to the tool kinds seen in the pauses after it. Pause durations are kept per
 *latency key*: the tool's kind when the step carries it (a hint), else ``after:<node>``; each key
-has a :class:`LatencyModel`, the kind's prior (:func:`kv.runtime.tool_latency.prior`; ``custom``'s for keys
+has a :class:`LatencyModel`, the kind's prior (:func:`dask_agents.kv.runtime.tool_latency.prior`; ``custom``'s for keys
 of no known kind) until ``min_samples`` pauses were seen, their empirical distribution after.
 
 Nothing needs hints: with none, every key is ``after:<node>`` and all of it is learned. The
@@ -27,7 +27,7 @@ import math
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 
-from kv.runtime.tool_latency import PRIORS, ToolLatency
+from dask_agents.kv.runtime.tool_latency import PRIORS, ToolLatency
 
 END = "<end>"
 """Successor of a session's last step."""

@@ -10,7 +10,7 @@ Tiers: the accelerator (where a step's KV must be to run), host memory and local
 lower tier has a capacity and a bandwidth to and from the accelerator. Restoring a block from
 a lower tier costs ``bytes_per_block / bandwidth`` seconds; recomputing it costs
 ``block_size / prefill_tokens_per_s`` seconds of prefill. Byte sizes come from the model's
-geometry (:class:`kv.runtime.sizing.KVGeometry`).
+geometry (:class:`dask_agents.kv.runtime.sizing.KVGeometry`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Hashable, Iterable, Sequence
 
-from kv.runtime.sizing import KVGeometry
+from dask_agents.kv.runtime.sizing import KVGeometry
 
 ROOT = 0
 """Parent id of the first block of every chain."""

@@ -1,9 +1,9 @@
 """Per-session KV through vLLM's KV connector API: a host-memory tier under any vLLM engine,
 ``engine: vllm-async`` included (AsyncLLM keeps its block pool in the engine core's process,
-out of reach of :mod:`kv.runtime.engine_kv`).
+out of reach of :mod:`dask_agents.kv.runtime.engine_kv`).
 
 :class:`SessionKVConnector` implements ``KVConnectorBase_V1`` and is loaded out of tree by
-``KVTransferConfig(kv_connector="SessionKVConnector", kv_connector_module_path="kv.runtime.connector")``
+``KVTransferConfig(kv_connector="SessionKVConnector", kv_connector_module_path="dask_agents.kv.runtime.connector")``
 (``kv-connector: dask-agents`` in a model's settings builds it, :func:`transfer_config`). Through
 the API's hooks it:
 
@@ -29,7 +29,7 @@ copy between steps needs no metadata round trip. With workers in other processes
 parallelism) the scheduler never sees the tensors: the connector then matches nothing, saves
 nothing and says so once (``SessionKVConnector.usable``).
 
-vLLM internals: device blocks are found and dropped through ``kv.runtime.vllm_compat`` (the
+vLLM internals: device blocks are found and dropped through ``dask_agents.kv.runtime.vllm_compat`` (the
 pool's hash map and ``evict_blocks``); everything else is what the connector API hands over
 (``Request.block_hashes``, ``num_computed_tokens``, ``session_id``, ``KVCacheBlocks.get_block_ids``,
 the paged tensors of ``register_kv_caches``).
@@ -52,8 +52,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kv.runtime import vllm_compat as vc
-from kv.runtime.engine_kv import KVDirectiveError
+from dask_agents.kv.runtime import vllm_compat as vc
+from dask_agents.kv.runtime.engine_kv import KVDirectiveError
 
 logger = logging.getLogger(__name__)
 

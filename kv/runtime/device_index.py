@@ -5,7 +5,7 @@ vLLM publishes a ``BlockStored`` event when it registers a full block in its pre
 ``AllBlocksCleared`` on a reset (``vllm.distributed.kv_events``, enabled by ``KVEventsConfig``).
 Applied in order, they give the set of cached blocks at O(1) per event, where walking vLLM's
 free-block queue from Python costs O(blocks) per look (7 ms at 50k blocks, 31 ms at 200k, on the
-stepping thread). ``kv.runtime.vllm_compat.engine_parts`` subscribes one index per engine; this
+stepping thread). ``dask_agents.kv.runtime.vllm_compat.engine_parts`` subscribes one index per engine; this
 module knows nothing of vLLM (the emulated engine could feed it the same way).
 
 A hash two blocks hold (two requests computed the same prefix at once: vLLM caches both until one

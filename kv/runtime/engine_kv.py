@@ -19,7 +19,7 @@ owns on the device, and invalidating a session drops only the blocks no other li
 owns.
 
 Threading: every method must run on the engine's stepping thread, between steps (see
-``kv.runtime.vllm_compat``). ``worker_plugin.engine.EngineHost.kv_call`` gets you there.
+``dask_agents.kv.runtime.vllm_compat``). ``dask_agents.worker_plugin.engine.EngineHost.kv_call`` gets you there.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kv.runtime import vllm_compat as vc
+from dask_agents.kv.runtime import vllm_compat as vc
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""The component-side KV manager of one vLLM engine: a :mod:`kv.runtime.policies` policy, driven by the
-workflow, enforced on the engine's real KV (:class:`kv.runtime.engine_kv.EngineKV`).
+"""The component-side KV manager of one vLLM engine: a :mod:`dask_agents.kv.runtime.policies` policy, driven by the
+workflow, enforced on the engine's real KV (:class:`dask_agents.kv.runtime.engine_kv.EngineKV`).
 
-It plays, against a real engine, the part :mod:`kv.offline.simulator` plays against a trace: it keeps
+It plays, against a real engine, the part :mod:`dask_agents.kv.offline.simulator` plays against a trace: it keeps
 each session's workflow state, learns the Agent Execution Graph online, builds a
-:class:`~kv.runtime.view.KVView` from the engine's own state and applies what the policy suggests.
+:class:`~dask_agents.kv.runtime.view.KVView` from the engine's own state and applies what the policy suggests.
 
 Session state. ``running`` (a request of the session is in the engine, or the controller said
 its next step started), ``paused`` (its last request finished; it waits on a tool kind such as
@@ -18,7 +18,7 @@ overlap, as the simulator measures it: what the workflow reuses, not what the ca
 keep). Tool-kind priors are scaled by ``agents.emulation.time-scale`` (emulated tools sleep that
 much shorter), so a sped-up run predicts the pauses it will see.
 
-Enforcement (everything runs on the engine thread between steps, as ``kv.runtime.vllm_compat`` requires):
+Enforcement (everything runs on the engine thread between steps, as ``dask_agents.kv.runtime.vllm_compat`` requires):
 
 - ``Evict`` -> offload to the first lower tier (host, else disk), tail first; discarded without one.
 - ``Trim`` -> stale blocks (cached, owned by no live session) are freed, then the listed
@@ -43,7 +43,7 @@ end should free its blocks at once), and every ``agents.kv.tick`` seconds otherw
 engine loop wakes that often while a manager runs, so prefetches start on time).
 
 Cost on the engine thread: a look is O(sessions x their blocks + running requests): device use
-and stale blocks come from vLLM's KV events (``kv.runtime.device_index``), not from walking the
+and stale blocks come from vLLM's KV events (``dask_agents.kv.runtime.device_index``), not from walking the
 block pool; only the LRU order (the ``lru`` policy, and room-making when the policy's own order
 runs out) walks vLLM's free queue, and only as far as it is read. ``prepare`` is O(running +
 waiting requests) unless room must be made. ``report()`` counts the time.
@@ -61,14 +61,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from kv.runtime import vllm_compat as vc
-from kv.runtime.aeg import AgentGraph, LatencyModel
-from kv.runtime.blocks import ACCELERATOR, DISK, HOST, CostModel, Tier, Tiers, common_prefix
-from kv.runtime.engine_kv import EngineKV, KVDirectiveError
-from kv.runtime.policies import WALRU, Policy, get_policy
-from kv.runtime.sizing import KVGeometry
-from kv.runtime.tool_latency import PRIORS, ToolLatency
-from kv.runtime.view import (
+from dask_agents.kv.runtime import vllm_compat as vc
+from dask_agents.kv.runtime.aeg import AgentGraph, LatencyModel
+from dask_agents.kv.runtime.blocks import ACCELERATOR, DISK, HOST, CostModel, Tier, Tiers, common_prefix
+from dask_agents.kv.runtime.engine_kv import EngineKV, KVDirectiveError
+from dask_agents.kv.runtime.policies import WALRU, Policy, get_policy
+from dask_agents.kv.runtime.sizing import KVGeometry
+from dask_agents.kv.runtime.tool_latency import PRIORS, ToolLatency
+from dask_agents.kv.runtime.view import (
     FINISHED,
     PAUSED,
     RUNNING,

@@ -1,6 +1,6 @@
 """KV policies behind one interface: LRU, WA-LRU (SAGA), Nalar's idle-time policy, and ours.
 
-A policy answers two questions about a read-only :class:`~kv.runtime.view.KVView`:
+A policy answers two questions about a read-only :class:`~dask_agents.kv.runtime.view.KVView`:
 
 ``order(view, tier)``
     When ``tier`` must make room, whose blocks go first: an iterable of session ids (the blocks
@@ -10,8 +10,8 @@ A policy answers two questions about a read-only :class:`~kv.runtime.view.KVView
     prompt: context left behind by compaction or a branch, finished sessions' blocks), least
     recently used first: at session granularity a session's KV is its latest context.
 ``tick(view)``
-    Proactive actions (:class:`~kv.runtime.view.Evict`, :class:`~kv.runtime.view.Prefetch`,
-    :class:`~kv.runtime.view.Drop`), asked at every step arrival, step end and every ``agents.kv.tick``
+    Proactive actions (:class:`~dask_agents.kv.runtime.view.Evict`, :class:`~dask_agents.kv.runtime.view.Prefetch`,
+    :class:`~dask_agents.kv.runtime.view.Drop`), asked at every step arrival, step end and every ``agents.kv.tick``
     seconds (only of policies with ``ticks = True``).
 
 Both are pure: no state is kept between calls, everything comes from the view (the AEG's
@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from kv.runtime.view import FINISHED, PAUSED, RUNNING, Action, Drop, Evict, KVView, Prefetch, SessionView, Trim
+from dask_agents.kv.runtime.view import FINISHED, PAUSED, RUNNING, Action, Drop, Evict, KVView, Prefetch, SessionView, Trim
 
 __all__ = ["Params", "Policy", "LRU", "WALRU", "Nalar", "Ours", "POLICIES", "get_policy", "swap_in"]
 

@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Union
 
-from kv.runtime.aeg import GraphView
-from kv.runtime.blocks import ACCELERATOR, CostModel, Tiers
+from dask_agents.kv.runtime.aeg import GraphView
+from dask_agents.kv.runtime.blocks import ACCELERATOR, CostModel, Tiers
 
 RUNNING, PAUSED, FINISHED = "running", "paused", "finished"
 """Session states: a step is running; it ended and the session waits (tool, user); it ended for good."""

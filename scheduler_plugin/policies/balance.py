@@ -28,8 +28,8 @@ from typing import Iterator
 
 from dask.utils import parse_bytes, parse_timedelta
 
-from scheduler_plugin.actions import Migrate
-from scheduler_plugin.view import CallView, ClusterView, WorkerView
+from dask_agents.scheduler_plugin.actions import Migrate
+from dask_agents.scheduler_plugin.view import CallView, ClusterView, WorkerView
 
 
 class LateBindingBalance:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterator
 
-from scheduler_plugin.actions import Migrate
-from scheduler_plugin.view import ClusterView
+from dask_agents.scheduler_plugin.actions import Migrate
+from dask_agents.scheduler_plugin.view import ClusterView
 
 
 class Batching:

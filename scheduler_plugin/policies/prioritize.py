@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from scheduler_plugin.actions import SetPriority
-from scheduler_plugin.view import CallView, ClusterView
+from dask_agents.scheduler_plugin.actions import SetPriority
+from dask_agents.scheduler_plugin.view import CallView, ClusterView
 
 
 def priority(user: float, progress: int, arrival: int, starved: bool = False, kv_resident: bool = False) -> tuple:

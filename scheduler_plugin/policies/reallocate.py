@@ -27,8 +27,8 @@ from collections import deque
 
 from dask.utils import parse_timedelta
 
-from scheduler_plugin.actions import Provision, Reassign
-from scheduler_plugin.view import ClusterView
+from dask_agents.scheduler_plugin.actions import Provision, Reassign
+from dask_agents.scheduler_plugin.view import ClusterView
 
 
 class Reallocate:
