@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from distributed import Client
@@ -10,11 +11,18 @@ import dask_agents.config as agents_config
 from dask_agents.scheduler_plugin import dask_compat as sched_compat
 
 
-def install(client: Client, *, models: list[str] | dict[str, list[str]] | None = None) -> Any:
+def install(client: Client, *, models: list[str] | dict[str, list[str]] | None = None, wait: bool = True,
+            timeout: float | str | None = None) -> Any:
     """Register the scheduler plugin and the worker plugin on ``client``'s cluster.
 
     ``models``: models every worker hosts (loaded at start; default ``agents.worker.models``;
     models not hosted anywhere still load lazily on the first worker a call lands on).
+    ``wait`` (default): return once every worker's engines for those models have loaded, or
+    raise :class:`~dask_agents.errors.EngineLoadError` naming the worker, the model and the
+    cause; ``timeout`` bounds that wait (default ``agents.llm.load-timeout``). Returns
+    ``{worker address: {model: load seconds}}`` (empty with ``wait=False``: the engines load in
+    the background and the first calls wait for them; that wait is never counted as a call's
+    service time, see ``engine_load_s`` in :func:`~dask_agents.telemetry`).
     Idempotent: installing twice keeps one plugin of each kind. With an asynchronous client
     it returns a coroutine (``await da.install(client)``). An invalid ``agents.*`` setting
     raises :class:`~dask_agents.errors.ConfigError` naming the key before anything is installed.
@@ -27,19 +35,62 @@ def install(client: Client, *, models: list[str] | dict[str, list[str]] | None =
     _check_models(models)
     agents_config.validate()  # a bad agents.* value fails here, naming its key
     interval = agents_config.seconds("client.batched-send-interval")
+    limit = agents_config.seconds("llm.load-timeout") if timeout is None else _timeout(timeout)
     if client.asynchronous:
-        async def go() -> None:
+        async def go() -> dict:
             if not await client.run_on_scheduler(_has_plugin):
                 await client.register_plugin(AgentsSchedulerPlugin())
             await client.register_plugin(AgentsWorkerPlugin(models=models))
             sched_compat.set_client_stream_interval(client, interval)
+            if not wait:
+                return {}
+            results = await client.run(_wait_engines, limit)
+            info = client.scheduler_info()  # (a cached identity, or a coroutine in other releases)
+            return _loaded(results, await info if inspect.isawaitable(info) else info)
 
         return go()
     if not client.run_on_scheduler(_has_plugin):
         client.register_plugin(AgentsSchedulerPlugin())
     client.register_plugin(AgentsWorkerPlugin(models=models))
     sched_compat.set_client_stream_interval(client, interval)
-    return None
+    if not wait:
+        return {}
+    return _loaded(client.run(_wait_engines, limit), client.scheduler_info())
+
+
+def _timeout(value: float | str) -> float:
+    from dask.utils import parse_timedelta
+
+    try:
+        t = parse_timedelta(value)
+    except Exception:
+        t = None
+    if not isinstance(t, (int, float)) or not t > 0 or t != t or t == float("inf"):
+        raise ValueError(f"da.install(timeout=...) takes a positive duration, got {value!r}")
+    return float(t)
+
+
+async def _wait_engines(timeout: float, dask_worker: Any = None) -> dict:
+    """On each worker: wait for its start-up engines (off its event loop); model -> outcome."""
+    import asyncio
+
+    plugin = dask_worker.plugins.get("dask-agents")
+    engines = getattr(plugin, "engines", None)
+    if engines is None:
+        return {}
+    return await asyncio.to_thread(engines.wait_hosted, timeout)
+
+
+def _loaded(results: dict, info: dict) -> dict:
+    """``{worker: {model: load seconds}}``, or EngineLoadError naming each engine that did not load."""
+    from dask_agents.errors import EngineLoadError
+
+    workers = info.get("workers", {})
+    failed = [f"worker {workers.get(addr, {}).get('name', addr)!r} ({addr}): {r['error']}"
+              for addr, per in sorted(results.items()) for r in per.values() if r.get("error")]
+    if failed:
+        raise EngineLoadError("da.install: " + "; ".join(failed))
+    return {addr: {m: r["load_s"] for m, r in per.items()} for addr, per in results.items()}
 
 
 def _names(value: Any) -> bool:

@@ -81,7 +81,8 @@ class CallRecord:
             "tenant": self.tenant, "model": self.model or m.get("model"), "retry": self.retry,
             "queue_s": self.started - self.ready if self.started is not None and self.ready is not None else None,
             "service_s": self.finished - self.started if self.finished is not None and self.started is not None else None,
-            "ttft_s": m.get("ttft_s"), "tpot_s": m.get("tpot_s"), "error": self.error,
+            "ttft_s": m.get("ttft_s"), "tpot_s": m.get("tpot_s"), "engine_load_s": m.get("engine_load_s"),
+            "error": self.error,
         }
 
 

@@ -273,7 +273,7 @@ def metrics(value: Any) -> dict:
             out[k] = None if v is None else count(v, "metrics['kv_bytes']")
         elif k == "model":
             out[k] = None if v is None else label(v, "metrics['model']")
-        elif k in ("ttft_s", "tpot_s"):
+        elif k in ("ttft_s", "tpot_s", "engine_load_s"):
             if v is not None and not (_number(v) and finite(v, f"metrics[{k!r}]", "bad metric value") >= 0):
                 raise Invalid(f"metrics[{k!r}] must be None or a finite number >= 0, got {_text(v)}", "bad metric value")
             out[k] = None if v is None else float(v)

@@ -163,7 +163,7 @@ POSITIVE = ["client.batched-send-interval", "scheduler.batched-send-interval", "
             "control.interval", "control.policy-timeout", "control.watchdog-interval", "control.stall-timeout",
             "worker.report-interval", "worker.batched-send-interval", "dashboard.update-interval",
             "dashboard.window", "dashboard.engine-stats-interval", "dashboard.timeseries-interval",
-            "dashboard.timeseries-window", "kv.tick", "kv.ttl-max",
+            "dashboard.timeseries-window", "kv.tick", "kv.ttl-max", "llm.load-timeout",
             "scheduler.session-idle-timeout", "scheduler.admission.interval"]
 NON_NEGATIVE = ["scheduler.session-retention", "kv.prefetch-margin", "scheduler.session-grace",
                 "scheduler.instance-linger", "scheduler.admission.max-wait"]

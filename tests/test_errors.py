@@ -185,3 +185,23 @@ def test_a_missing_engine_library_says_how_to_install_it(monkeypatch):
                                                  r"dask-agents\[cpu\].*download.pytorch.org/whl/cpu.*dask-agents\[gpu\]"):
         host.wait_loaded(60)
     host.close()
+
+
+def test_install_names_the_worker_and_cause_when_an_engine_cannot_load(monkeypatch):
+    """``da.install(client)`` waits for the start-up engines: one that cannot load fails the
+    install with da.EngineLoadError naming the worker, the model and the cause (with the install
+    line when the engine library is missing), instead of "install ok" and a failure at the first
+    call."""
+    from dask_agents.worker_plugin.engine import EngineHost
+
+    def no_vllm(self):
+        raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
+
+    monkeypatch.setattr(EngineHost, "_load", no_vllm)  # (in-process workers: this process's class)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            (addr,) = c.scheduler_info()["workers"]
+            with pytest.raises(da.EngineLoadError, match=rf"da.install: worker 0 \({addr}\): engine for model "
+                                                         r"'coder' failed to load: ModuleNotFoundError.*dask-agents\[cpu\]"):
+                da.install(c, models=["coder"])
+            assert da.install(c, models=["coder"], wait=False) == {}  # not waiting: returns at once

@@ -187,7 +187,7 @@ TIME_KEYS = [k for k in CONFIG_KEYS if k.rsplit(".", 1)[-1] in {
     "session-retention", "batched-send-interval", "housekeeping-interval", "interval", "report-interval",
     "update-interval", "window", "engine-stats-interval", "timeseries-interval", "timeseries-window", "tick",
     "ttl-max", "prefetch-margin",
-    "policy-timeout", "watchdog-interval", "stall-timeout"}]
+    "policy-timeout", "watchdog-interval", "stall-timeout", "load-timeout"}]
 
 
 POSITIVE_TIME_KEYS = [k for k in TIME_KEYS if k.rsplit(".", 1)[-1] not in {"session-retention", "prefetch-margin"}]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dask
+import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
 
@@ -12,11 +13,14 @@ from tests.conftest import wait_for
 SYSTEM = "You are a careful software engineer. Read the issue and answer with a patch. " * 4
 
 
+LOADS: dict = {}  # what the module's da.install returned
+
+
 @pytest.fixture(scope="module")
 def client():
     with LocalCluster(n_workers=2, threads_per_worker=4, processes=False, dashboard_address=":0") as cluster:
         with Client(cluster) as c:
-            da.install(c, models=["coder"])
+            LOADS["coder"] = da.install(c, models=["coder"])
             yield c
 
 
@@ -216,3 +220,42 @@ def test_kv_directives_over_the_workers_rpc(client):
             client.sync(call, directive="retain", args={"ttl_s": float("inf")})
         with pytest.raises(Exception, match="blocks must be a non-negative int"):
             client.sync(call, directive="offload", args={"blocks": -3})
+
+
+def test_install_returns_once_every_engine_has_loaded(client):
+    """``da.install(client)`` waits for the start-up engines (``wait=True``): when it returns,
+    every worker's engine is loaded (or, after a test here crashed it, reloaded), and it returned
+    each engine's load time."""
+    loads = LOADS["coder"]
+    workers = client.scheduler_info()["workers"]
+    assert set(loads) == set(workers) and all(set(m) == {"coder"} for m in loads.values())
+    state = client.run(lambda dask_worker: {
+        m: (h.loaded.is_set(), h.load_error is None, h.load_seconds)
+        for m, h in dask_worker.plugins["dask-agents"].engines._hosts.items()})
+    for addr, per in state.items():
+        loaded, ok, seconds = per["coder"]
+        assert loaded and ok and seconds > 0 and loads[addr]["coder"] > 0
+
+
+def test_an_engine_load_is_queueing_never_a_calls_service_time():
+    """A model no worker hosts at start loads on its first call's worker: the call's telemetry
+    says how long it waited (``engine_load_s``), counted in ``queue_s``; ``service_s`` is the
+    generation alone (before: the first call's service_s was the 11-12 s load)."""
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            assert da.install(c, models=[]) == {next(iter(c.scheduler_info()["workers"])): {}}
+            with da.session(c) as s:
+                first = da.llm("coder").generate("hello", max_tokens=4).result(timeout=300)
+                second = da.llm("coder").generate("hello again", max_tokens=4).result(timeout=300)
+            assert first.output_tokens == second.output_tokens == 4
+
+            def rows():
+                df = da.telemetry(c, s)
+                df = df[(df["kind"] == "llm") & df["service_s"].notna()]
+                return df.sort_values("created").to_dict("records") if len(df) == 2 else None
+
+            one, two = wait_for(rows)
+            load = one["engine_load_s"]
+            assert load > 0 and pd.isna(two["engine_load_s"])  # the second found the engine there
+            assert one["queue_s"] >= load  # the wait for the engine is queueing ...
+            assert one["service_s"] < load  # ... and the load is not in the call's service time

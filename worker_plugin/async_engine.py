@@ -58,6 +58,7 @@ class AsyncEngineHost:
         self.vocab_size: int | None = None  # the model's, once loaded: token ids are checked against it
         self.steps = 0  # finished requests (AsyncLLM does not expose its step count)
         self.started_at: float | None = None
+        self.load_seconds: float | None = None  # how long the load took, once loaded
         self._engine: Any = None
         self._loop = asyncio.new_event_loop()
         self._tasks: dict[str, asyncio.Task] = {}
@@ -121,8 +122,8 @@ class AsyncEngineHost:
             from dask_agents.kv.runtime import vllm_compat
 
             self.vocab_size = vllm_compat.vocab_size(self._engine)
-            engine_loaded(self.name, self.settings.model, self.settings.kv_bytes(),
-                          time.time() - (self.started_at or time.time()))
+            self.load_seconds = time.time() - (self.started_at or time.time())
+            engine_loaded(self.name, self.settings.model, self.settings.kv_bytes(), self.load_seconds)
         except BaseException as e:  # reported to every caller by wait_loaded
             logger.exception("loading engine %s failed", self.name)
             self.load_error = e

@@ -355,6 +355,7 @@ class EmulatedEngineHost(SessionKVHost):
         self.load_error: BaseException | None = None
         self.steps = 0
         self.started_at: float | None = None
+        self.load_seconds: float | None = None  # "loading" is instant: 0.0 once started
         self.crashed: BaseException | None = None  # why the stepping thread died (the host restarts it)
         try:  # a bad config is reported like a failed load: to every caller, not at worker start
             self.params = EmulationParams(**settings.emulation)
@@ -403,6 +404,7 @@ class EmulatedEngineHost(SessionKVHost):
             if self.load_error is None:
                 self.kv_manager = self._make_manager()
                 self._thread.start()
+                self.load_seconds = time.time() - self.started_at
             self.loaded.set()
 
     def _make_manager(self) -> Any:

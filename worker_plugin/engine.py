@@ -92,6 +92,7 @@ class EngineHost(SessionKVHost):
         self.steps = 0
         self.counters = dict.fromkeys(("queries", "hits", "prefill_tokens", "decode_tokens"), 0)
         self.started_at: float | None = None
+        self.load_seconds: float | None = None  # how long the load took, once loaded
         self.geometry: Any = None  # kv.KVGeometry once loaded (None for models without a local config)
         self.vocab_size: int | None = None  # the model's, once loaded: token ids are checked against it
         # Per-session KV control is optional: when kv/runtime/vllm_compat.py rejects this vLLM or the
@@ -432,8 +433,9 @@ class EngineHost(SessionKVHost):
             from dask_agents.worker_plugin.logs import engine_loaded
 
             cache = self._engine.vllm_config.cache_config
-            engine_loaded(self.name, self.settings.model, self.settings.kv_bytes(),
-                          time.time() - (self.started_at or time.time()), cache.num_gpu_blocks, cache.block_size)
+            self.load_seconds = time.time() - (self.started_at or time.time())
+            engine_loaded(self.name, self.settings.model, self.settings.kv_bytes(), self.load_seconds,
+                          cache.num_gpu_blocks, cache.block_size)
         except BaseException as e:  # reported to every caller by wait_loaded
             logger.exception("loading engine %s failed", self.name)
             self.load_error = e
@@ -735,7 +737,7 @@ class Engines:
                                       f"seed={seed}): {e} (call {key})") from None
         return host.submit(key, ids, params, sid), ids
 
-    def _result(self, header: tuple, model: str, host: Any, ids: list[int], out: Any) -> Any:
+    def _result(self, header: tuple, model: str, host: Any, ids: list[int], out: Any, load_wait: float = 0.0) -> Any:
         from dask_agents.models import LLMResult
         from dask_agents.worker_plugin.plugin import get_plugin
 
@@ -745,6 +747,8 @@ class Engines:
         kv_bytes = host.geometry.bytes_for(len(ids) + len(toks)) if host.geometry else None
         emulated = bool(getattr(out, "emulated", False))
         times = host.token_times.pop(header[3], len(toks))
+        if load_wait > 0:  # it waited for its engine to load: queueing, not service (see the worker plugin)
+            times["engine_load_s"] = load_wait
         get_plugin().record_metrics(header[3], prompt_tokens=len(ids), cached_tokens=cached,
                                     output_tokens=len(toks), model=model, kv_bytes=kv_bytes,
                                     emulated=emulated, **times)
@@ -763,14 +767,18 @@ class Engines:
 
         host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
         attempts = self._attempts()
+        load_wait = 0.0
         for attempt in range(attempts):
             if not host.loaded.is_set():
                 secede_if_in_task()
+                t0 = time.time()
+                host.loaded.wait()
+                load_wait += time.time() - t0
             host.wait_loaded()
             fut, ids = self._submit(header, model, host, prompt, sampling)
             secede_if_in_task()  # the engine works for us; free the worker slot meanwhile
             try:
-                return self._result(header, model, host, ids, fut.result())
+                return self._result(header, model, host, ids, fut.result(), load_wait)
             except Exception as e:
                 host = self._retry_or_raise(e, attempt, attempts, header, model)
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -817,9 +825,12 @@ class Engines:
         host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
         secede_async_task(header[3])
         attempts = self._attempts()
+        load_wait = 0.0
         for attempt in range(attempts):
             if not host.loaded.is_set():
-                await asyncio.to_thread(host.wait_loaded)
+                t0 = time.time()
+                await asyncio.to_thread(host.loaded.wait)
+                load_wait += time.time() - t0
             host.wait_loaded()
             fut, ids = self._submit(header, model, host, prompt, sampling)
             self._inflight[header[3]] = host
@@ -836,7 +847,7 @@ class Engines:
                 continue
             finally:
                 self._inflight.pop(header[3], None)
-            return self._result(header, model, host, ids, out)
+            return self._result(header, model, host, ids, out, load_wait)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def abort_call(self, key: str) -> bool:
@@ -943,6 +954,24 @@ class Engines:
                 host.kv_connector_forget(session)
             elif hasattr(host, "kv_call"):
                 host.kv_call(lambda kv: kv.invalidate(session))
+
+    def wait_hosted(self, timeout: float) -> dict[str, dict]:
+        """Wait (blocking, at most ``timeout`` seconds in all) for the engines of the hosted
+        models to load: model -> ``{"load_s": seconds or None, "error": None or why it did not}``."""
+        deadline = time.monotonic() + timeout
+        out: dict[str, dict] = {}
+        for m in self.hosted:
+            host = self._hosts.get(m)
+            if host is None:
+                out[m] = {"load_s": None, "error": f"engine for model {m!r} was not started on this worker"}
+                continue
+            try:
+                wait_loaded(host, max(0.0, deadline - time.monotonic()))
+            except Exception as e:  # its load failed, or it is still loading
+                out[m] = {"load_s": None, "error": str(e)}
+            else:
+                out[m] = {"load_s": host.load_seconds, "error": None}
+        return out
 
     def loaded_models(self) -> list[str]:
         """Models whose engine finished loading (not those given up)."""

@@ -188,6 +188,12 @@ class AgentsWorkerPlugin(WorkerPlugin):
             m = self._metrics.pop(key, None)
             if m:
                 report["metrics"] = m
+                # An LLM call that waited for its engine to load (a lazily started model, a
+                # restarted engine) started when the engine was there: the load is its queueing
+                # (queue_s, and engine_load_s says how much), never its service time.
+                load = m.get("engine_load_s")
+                if isinstance(load, (int, float)) and load > 0:
+                    report["started"] = min(t0 + load, report["finished"])
             self._reports.append(report)
 
     def _agents_annotation(self, key: Any) -> dict | None:
