@@ -144,7 +144,8 @@ def model_entry(engine: dict | None = None) -> dict:
 def make_engine(name: str = MODEL, engine: dict | None = None):
     """One engine host, started and loaded: the class dask-agents' worker plugin hosts for the
     entry (EMULATED by default; a real vLLM engine for a real model entry, see ``model_entry``)."""
-    from dask_agents.worker_plugin.engine import ModelSettings, make_host
+    from dask_agents.model_settings import ModelSettings
+    from dask_agents.worker_plugin.engines import make_host
 
     entry = model_entry(engine)
     host = make_host(name, ModelSettings(**entry))

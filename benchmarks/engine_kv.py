@@ -240,7 +240,7 @@ def _merge(a: Outcome, b: Outcome) -> Outcome:
 def settings(variant: str, args: argparse.Namespace) -> Any:
     """The engine settings of one variant (only the policy differs; prefix caching alone has no
     host tier, as vLLM has none)."""
-    from dask_agents.worker_plugin.engine import ModelSettings
+    from dask_agents.model_settings import ModelSettings
 
     policy = POLICY[variant]
     extra: dict = {}
@@ -268,7 +268,7 @@ def _thread_cpu(thread: threading.Thread) -> float:
 
 def run_variant(variant: str, plan: list[Script], args: argparse.Namespace) -> Outcome:
     """Serve ``plan`` on a fresh engine running ``variant``'s KV policy."""
-    from dask_agents.worker_plugin.engine import make_host
+    from dask_agents.worker_plugin.engines import make_host
 
     host = make_host(f"bench-{variant}", settings(variant, args))
     host.start()

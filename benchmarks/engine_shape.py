@@ -51,7 +51,7 @@ def make_engine():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import EngineArgs, LLMEngine
 
-    from dask_agents.worker_plugin.engine import ModelSettings
+    from dask_agents.model_settings import ModelSettings
 
     s = ModelSettings(model="builtin:tiny-llama", load_format="dummy", tokenizer="byte", dtype="bfloat16",
                       max_model_len=4096, kv_cache_memory_bytes="96 MiB")

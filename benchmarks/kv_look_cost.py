@@ -47,7 +47,8 @@ def measure(blocks: int, looks: int) -> dict:
 
     import dask_agents  # noqa: F401  (agents.* defaults)
     from tests.kv_helpers import generate, prompt_ids
-    from dask_agents.worker_plugin.engine import EngineHost, ModelSettings
+    from dask_agents.worker_plugin.vllm_host import EngineHost
+    from dask_agents.model_settings import ModelSettings
 
     settings = ModelSettings(model="builtin:tiny-llama", load_format="dummy", tokenizer="byte", dtype="bfloat16",
                              max_model_len=2048, kv_cache_memory_bytes=blocks * BLOCK_BYTES,

@@ -7,7 +7,6 @@ The result is an :class:`~dask_agents.models.LLMResult`.
 
 from __future__ import annotations
 
-import re
 import threading
 from typing import Any
 
@@ -16,6 +15,7 @@ from distributed import Client
 import dask_agents.config as agents_config
 
 from dask_agents import runtime
+from dask_agents.annotation import component_name  # noqa: F401  (also this module's)
 from dask_agents.calls import find_client, submit_call
 from dask_agents.components import make_spec
 from dask_agents.errors import InvalidRequestError, UnknownModelError, short_repr
@@ -47,14 +47,6 @@ def _check_model(client: Client, model: str, component: str) -> None:
             f"{where(component, 'generate', session_id())}: unknown model {model!r}: not in agents.llm.models ({', '.join(sorted(configured)) or 'none'}) "
             f"and no worker hosts it ({', '.join(sorted(hosted)) or 'none'})"
         )
-
-
-def component_name(model: str) -> str:
-    """The component name of a model's calls: ``llm.<model>``.
-
-    Model names often hold '-' (which Dask's key_split treats as a separator): the component
-    name keeps letters, digits, '_' and '.' so keys split back to it exactly."""
-    return "llm." + re.sub(r"[^A-Za-z0-9_.]", "_", model)
 
 
 def check_generate_args(model: str, prompt: object, max_tokens: object, temperature: object,

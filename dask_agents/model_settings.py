@@ -115,14 +115,6 @@ class ModelSettings(BaseModel):
         return TierConfig(host_bytes=byte_size(self.kv_host_bytes), disk_bytes=disk, disk_path=path,
                           pin_fraction=self.kv_pin_fraction)
 
-    def kv_policy_name(self) -> str:
-        """The KV policy this engine runs ("none": no manager)."""
-        if self.kv_policy is not None:
-            return self.kv_policy
-        import dask_agents.config as agents_config
-
-        return str(agents_config.get("kv.policy") or "none")
-
 
 def json_schema() -> dict:
     """The JSON schema of one ``agents.llm.models`` entry, from :class:`ModelSettings` (keys as

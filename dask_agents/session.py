@@ -11,7 +11,6 @@ completes once its last call finishes, and its stateful instances are released
 
 from __future__ import annotations
 
-import re
 import uuid
 from contextlib import ExitStack
 from typing import Any
@@ -19,10 +18,10 @@ from typing import Any
 from distributed import Client
 
 from dask_agents import context
+from dask_agents.annotation import SESSION_LABEL as _LABEL
 from dask_agents.errors import short_repr
 
 
-_LABEL = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:+@-]{0,127}")
 
 
 def _check_label(what: str, value: Any) -> None:

@@ -123,17 +123,9 @@ def install(plugin: Any) -> Dashboard | None:
         if prefix is None:
             logger.info("dask-agents: the scheduler's dashboard is off; no Agents page")
             return None
-        from distributed.dashboard.core import BokehApplication
-        from tornado.ioloop import IOLoop
-
         dash = Dashboard(plugin, prefix)
-        tv = dask_compat.dashboard_template_variables(s)
-        app = BokehApplication({f"/{PAGE}": functools.partial(_document, weakref.ref(dash))}, s,
-                               prefix=prefix, template_variables=tv)
-        dask_compat.add_http_application(s, app)
-        app.initialize(IOLoop.current())
-        app.start()
-        dash.app = app
+        dash.app = dask_compat.start_bokeh_application(
+            s, {f"/{PAGE}": functools.partial(_document, weakref.ref(dash))}, prefix)
         dask_compat.add_dashboard_page_link(s, PAGE)
         logger.info("dask-agents: Agents page at %s", dash.path)
         return dash
@@ -144,8 +136,7 @@ def install(plugin: Any) -> Dashboard | None:
 
 def _document(ref: Any, scheduler: Any, extra: dict, doc: Any) -> None:
     """Build one browser session's document (Bokeh calls this per page load)."""
-    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
-
+    theme, env = dask_compat.dashboard_theme()
     dash = ref()
     if dash is None:
         return
@@ -156,7 +147,7 @@ def _document(ref: Any, scheduler: Any, extra: dict, doc: Any) -> None:
     doc.add_root(page.root)
     doc.template = env.get_template("simple.html")
     doc.template_variables.update(extra)
-    doc.theme = BOKEH_THEME
+    doc.theme = theme
     page.update()
     pref = weakref.ref(page)
 

@@ -1,12 +1,15 @@
 """Every Dask *scheduler* internal that dask-agents relies on, in one place.
 
-Each function is exercised by ``tests/test_dask_compat.py`` against the pinned distributed
+Each function is exercised by ``tests/test_dask_compat.py`` or ``tests/test_dask_compat_more.py``
+against the pinned distributed
 range (setup.cfg). Nothing else in ``scheduler_plugin`` touches ``TaskState``/``WorkerState``
 attributes or scheduler dictionaries directly.
 """
 
 from __future__ import annotations
 
+import heapq
+import time
 from typing import Any, Callable, Iterable
 
 from distributed import Scheduler
@@ -138,14 +141,16 @@ def workers(scheduler: Scheduler) -> list[Any]:
 
 def worker_summary(ws: Any) -> tuple[str, int, int, int]:
     """(address, nthreads, tasks assigned, tasks running: executing or seceded)."""
-    return ws.address, ws.nthreads, len(ws.processing), len(ws.executing) + len(ws.long_running)
+    # a worker's heartbeat lists its seceded tasks in ``executing`` too: count each task once
+    return ws.address, ws.nthreads, len(ws.processing), len(ws.executing.keys() | ws.long_running)
 
 
 def executing(ws: Any) -> list[tuple[Any, float]]:
     """(task, seconds it has executed) of the tasks executing on ``ws``, as of the worker's
     last heartbeat (seceded tasks hold no thread and are not listed; tasks that finished or
     left since that heartbeat are not either)."""
-    return [(ts, float(d or 0.0)) for ts, d in ws.executing.items() if ts.processing_on is ws]
+    seceded = ws.long_running  # (a heartbeat lists them in ``executing`` too)
+    return [(ts, float(d or 0.0)) for ts, d in ws.executing.items() if ts.processing_on is ws and ts not in seceded]
 
 
 def prefer_worker(ts: Any, address: str) -> None:
@@ -161,7 +166,8 @@ def free_threads(scheduler: Scheduler, address: str) -> int:
     ws = scheduler.workers.get(address)
     if ws is None or ws not in scheduler.running:
         return 0
-    return ws.nthreads - len(ws.executing)
+    seceded = ws.long_running  # (a heartbeat lists them in ``executing`` too: they hold no thread)
+    return ws.nthreads - sum(1 for ts in ws.executing if ts not in seceded)
 
 
 def waiting_on_worker(ws: Any) -> list[Any]:
@@ -208,11 +214,19 @@ def is_queued_on_scheduler(scheduler: Scheduler, ts: Any) -> bool:
 def requeue_with_priority(scheduler: Scheduler, ts: Any, priority: tuple) -> None:
     """Change the priority of a task held in the scheduler's queue.
 
-    HeapSet cannot demote an entry in place (its stale heap entry would still be popped at
-    the old priority): take the task out, change it, and put it back."""
-    scheduler.queued.discard(ts)
+    HeapSet cannot change an entry in place, and taking the task out and back is not enough to
+    demote it: ``discard`` leaves its heap entry, which ``peek``/``pop`` skip only for tasks no
+    longer in the set, so the task would still come first at its old priority. Its old entries
+    are dropped first (O(queued), for a demotion only: a promotion's new entry sorts first)."""
+    queued = scheduler.queued
+    demoted = ts.priority is not None and tuple(priority) > tuple(ts.priority)
+    queued.discard(ts)
     ts.priority = priority
-    scheduler.queued.add(ts)
+    if demoted and queued._heap:
+        queued._heap = [e for e in queued._heap if e[2]() is not ts]
+        heapq.heapify(queued._heap)
+        queued._sorted = False
+    queued.add(ts)
 
 
 def send_to_worker(scheduler: Scheduler, address: str, msg: dict) -> None:
@@ -335,6 +349,42 @@ def remove_dashboard_page_link(scheduler: Scheduler, page: str) -> None:
 def add_http_application(scheduler: Scheduler, app: Any) -> None:
     """Serve a tornado application (a Bokeh server) from the scheduler's HTTP server."""
     scheduler.http_application.add_application(app)
+
+
+def start_bokeh_application(scheduler: Scheduler, paths: dict[str, Callable], prefix: str) -> Any:
+    """Serve Bokeh application(s) ``{path: make_document}`` from the scheduler's HTTP server
+    as Dask serves its own dashboard pages (its template variables, under ``prefix``); started.
+
+    Why not ``distributed.scheduler.http.routes`` (the documented hook): it takes modules of
+    plain tornado handlers, named in the configuration before the scheduler starts; a Bokeh
+    page needs Bokeh's server (sessions, the websocket), and dask-agents may be installed on a
+    running scheduler (``da.install``)."""
+    from distributed.dashboard.core import BokehApplication
+    from tornado.ioloop import IOLoop
+
+    app = BokehApplication(paths, scheduler, prefix=prefix, template_variables=dashboard_template_variables(scheduler))
+    add_http_application(scheduler, app)
+    app.initialize(IOLoop.current())
+    app.start()
+    return app
+
+
+def dashboard_theme() -> tuple[Any, Any]:
+    """Dask's dashboard look for a page of ours: (its Bokeh theme, its jinja template environment)."""
+    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
+    return BOKEH_THEME, env
+
+
+def assigned_to_worker(scheduler: Scheduler, address: str) -> tuple[list[Any], list[Any]]:
+    """(not started, started) tasks the scheduler has assigned to worker ``address``, as far as
+    it knows (a heartbeat late for the split); ``([], [])`` for an unknown worker."""
+    ws = scheduler.workers.get(address)
+    if ws is None:
+        return [], []
+    waiting = waiting_on_worker(ws)
+    not_started = set(waiting)
+    return waiting, [ts for ts in ws.processing if ts not in not_started]
 
 
 def remove_http_application(scheduler: Scheduler, app: Any) -> None:
@@ -508,8 +558,20 @@ def cancel_tasks(scheduler: Scheduler, keys: Iterable[Any], reason: str, client:
         wanted = [k for k in wanted if any(cs.client_key == client for cs in scheduler.tasks[k].who_wants)]
     if not wanted:
         return 0
-    # any registered client may force it (stimulus_cancel looks it up): Dask's own one always exists
-    scheduler.stimulus_cancel(wanted, client or "fire-and-forget", force=client is None, reason=reason, msg=reason)
+    if client is None:
+        # any registered client may force it (stimulus_cancel looks it up): Dask's own one always exists
+        scheduler.stimulus_cancel(wanted, "fire-and-forget", force=True, reason=reason, msg=reason)
+        return len(wanted)
+    # Dask's unforced cancel releases a key only when no other client wants it (the other half
+    # of client.cancel, cancelling the caller's own future, runs in that client): a shared key
+    # is released for this client here, and its future told it was cancelled.
+    shared = [k for k in wanted if len(scheduler.tasks[k].who_wants) > 1]
+    alone = [k for k in wanted if k not in shared]
+    if alone:
+        scheduler.stimulus_cancel(alone, client, force=False, reason=reason, msg=reason)
+    if shared:
+        scheduler.client_releases_keys(keys=shared, client=client, stimulus_id=f"agents-cancel-{time.time()}")
+        scheduler.report({"op": "cancelled-keys", "keys": shared, "reason": reason, "msg": reason}, client=client)
     return len(wanted)
 
 

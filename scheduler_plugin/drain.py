@@ -69,15 +69,11 @@ class Drainer:
 
     def _source_calls(self, d: Drain) -> tuple[list, list]:
         """(waiting, running) tasks of the source model on the drained worker."""
-        ws = self.plugin.scheduler.workers.get(d.worker)
-        if ws is None:
-            return [], []
-        waiting = [ts for ts in dask_compat.waiting_on_worker(ws) if self._is_source(ts, d)]
-        processing = [ts for ts in ws.processing if self._is_source(ts, d)]
-        return waiting, [ts for ts in processing if ts not in waiting]
+        waiting, started = dask_compat.assigned_to_worker(self.plugin.scheduler, d.worker)
+        return [ts for ts in waiting if self._is_source(ts, d)], [ts for ts in started if self._is_source(ts, d)]
 
     def _is_source(self, ts: Any, d: Drain) -> bool:
-        rec = self.plugin.state.calls.get(ts.key)
+        rec = self.plugin.state.calls.get(dask_compat.task_key(ts))
         return rec is not None and rec.model == d.source
 
     def _move_waiting(self, d: Drain, others: list[str]) -> None:

@@ -1,7 +1,7 @@
 """Engines a worker gave up on, as the scheduler sees them: placement avoids them until they are back.
 
 A worker whose engine for a model was given up (it crashed again after ``RESTARTS_MAX``
-restarts, ``dask_agents.worker_plugin.engine.Engines``) says hello again without that model, and again with
+restarts, ``dask_agents.worker_plugin.engines.Engines``) says hello again without that model, and again with
 it once the engine is back (restarted or reloaded). ``set_worker_models`` then drops the worker
 from the model's hosts: while another worker hosts the model, sessions bound to the dead engine
 move there at their next call (``_bound_ok`` fails) and new sessions go there.

@@ -23,7 +23,7 @@ from typing import Any
 from distributed import Scheduler, SchedulerPlugin
 
 import dask_agents.config as agents_config
-from dask_agents.calls import ANNOTATION, MAX_LABEL, sanitize_annotation
+from dask_agents.annotation import ANNOTATION, MAX_LABEL, sanitize_annotation
 from dask_agents.scheduler_plugin import dask_compat, engine_health, metrics, validate
 from dask_agents.scheduler_plugin.actions import Kill, Provision
 from dask_agents.scheduler_plugin.admission import HELD, Admission
@@ -356,7 +356,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             self._strand_lost(ts)
         elif bound is not None:
             dask_compat.restrict_to_worker(ts, bound)
-            self.placed[ts.key] = (bound, component)
+            self.placed[dask_compat.task_key(ts)] = (bound, component)
             self.open_placed[(bound, component)] += 1
         elif candidates := self._candidates(None, component):
             self._place(ts, sid, component, candidates)
@@ -438,7 +438,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 if not what.startswith("llm:"):
                     self.session_workers[session].add(bound)
         dask_compat.restrict_to_worker(ts, bound)
-        self.placed[ts.key] = (bound, what)
+        self.placed[dask_compat.task_key(ts)] = (bound, what)
         self.open_placed[(bound, what)] += 1
 
     def _unplace(self, key: str) -> None:
@@ -844,13 +844,13 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
     @staticmethod
     def component_of(model: str) -> str:
         """The component name of a model's calls."""
-        from dask_agents.llm import component_name
+        from dask_agents.annotation import component_name
 
         return component_name(model)
 
     def model_bounds(self) -> dict[str, tuple[int, int | None]]:
         """model -> (min replicas, max replicas) from agents.llm.models."""
-        from dask_agents.worker_plugin.engine import registry
+        from dask_agents.worker_plugin.engines import registry
 
         try:
             return {m: (s.min_replicas, s.max_replicas) for m, s in registry().items()}

@@ -33,7 +33,7 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from dask_agents.calls import ANNOTATION, sanitize_annotation
+from dask_agents.annotation import ANNOTATION, sanitize_annotation
 from dask_agents.errors import InstanceLostError, where
 from dask_agents.scheduler_plugin import dask_compat
 

@@ -111,7 +111,7 @@ def label(value: Any, what: str, limit: int = MAX_LABEL, reason: str | None = No
 
 def _session_pattern() -> re.Pattern:
     # the label rule of da.session(name=...) (dask_agents/session.py), then "-" and 16 hex digits
-    from dask_agents.session import _LABEL
+    from dask_agents.annotation import SESSION_LABEL as _LABEL
 
     return re.compile(rf"(?:{_LABEL.pattern})-[0-9a-f]{{16}}")
 

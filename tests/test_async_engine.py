@@ -12,7 +12,7 @@ from distributed import Client, LocalCluster
 import dask_agents as da
 from tests.conftest import wait_for
 from dask_agents.worker_plugin.async_engine import AsyncEngineHost
-from dask_agents.worker_plugin.engine import ModelSettings
+from dask_agents.model_settings import ModelSettings
 
 TINY = {"model": "builtin:tiny-llama", "load-format": "dummy", "tokenizer": "byte", "dtype": "bfloat16",
         "max-model-len": 1024, "kv-cache-memory-bytes": "16 MiB"}

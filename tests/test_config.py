@@ -12,7 +12,8 @@ import yaml
 
 import dask_agents.config as agents_config
 from dask_agents.errors import ConfigError
-from dask_agents.worker_plugin.engine import ModelSettings, registry
+from dask_agents.model_settings import ModelSettings
+from dask_agents.worker_plugin.engines import registry
 
 
 def test_defaults_validate_against_schema():

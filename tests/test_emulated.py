@@ -21,7 +21,8 @@ from dask_agents.worker_plugin.emulated import (
     Sequence,
     block_hashes,
 )
-from dask_agents.worker_plugin.engine import ModelSettings, make_host
+from dask_agents.model_settings import ModelSettings
+from dask_agents.worker_plugin.engines import make_host
 
 SAGA_MS = {"file_io": (45, 320, 1200), "code_exec": (180, 2400, 28000),
            "web_api": (850, 4500, 45000), "db_query": (120, 890, 3500)}
@@ -363,7 +364,7 @@ def test_emulated_engine_crash_is_retried_and_a_stop_is_a_clear_error():
                     # a later call starts the engine again
                     assert da.llm("slow").generate(prompt, max_tokens=4).value(30).output_tokens == 4
                     # an engine that keeps crashing is not reloaded forever (budget: 1 restart here)
-                    import dask_agents.worker_plugin.engine as engine_module
+                    import dask_agents.worker_plugin.engines as engine_module
 
                     old_max, engine_module.RESTARTS_MAX = engine_module.RESTARTS_MAX, 1
                     try:

@@ -29,7 +29,8 @@ from dask_agents.worker_plugin.emulated import (
     Sequence,
     block_hashes,
 )
-from dask_agents.worker_plugin.engine import Engines, ModelSettings, make_host
+from dask_agents.worker_plugin.engines import Engines, make_host
+from dask_agents.model_settings import ModelSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 # Only what a test looks at costs anything: emulated seconds come out as exact small numbers.
@@ -315,7 +316,7 @@ def test_the_compat_layer_covers_what_the_manager_calls_and_needs_no_vllm():
     used = set(re.findall(r"\bvc\.([a-z_]+)\(", (ROOT / "kv" / "runtime" / "manager.py").read_text()))
     assert used and all(hasattr(EMULATED_COMPAT, name) for name in used), used - set(dir(EMULATED_COMPAT))
     code = ("import sys; from dask_agents.worker_plugin.emulated import EmulatedEngineHost;"
-            "from dask_agents.worker_plugin.engine import ModelSettings;"
+            "from dask_agents.model_settings import ModelSettings;"
             "h = EmulatedEngineHost('e', ModelSettings(model='m', engine='emulated', tokenizer='byte', kv_policy='ours',"
             " emulation={'time_scale': 0.0})); h.start();"
             "out = h.submit('r', [5] * 40, h.sampling_params(4, 0.0, None), 's').result(30);"

@@ -28,8 +28,9 @@ from dask_agents.kv.runtime import vllm_compat
 from tests.conftest import wait_for
 from tests.kv_helpers import generate as run
 from tests.kv_helpers import prompt_ids
-from dask_agents.worker_plugin import engine as engine_module
-from dask_agents.worker_plugin.engine import EngineHost, Engines
+from dask_agents.worker_plugin import engines as engine_module
+from dask_agents.worker_plugin.vllm_host import EngineHost
+from dask_agents.worker_plugin.engines import Engines
 
 TINY = {"model": "builtin:tiny-llama", "load-format": "dummy", "tokenizer": "byte", "dtype": "bfloat16",
         "max-model-len": 1024, "kv-cache-memory-bytes": "16 MiB", "kv-policy": "none"}

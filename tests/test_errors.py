@@ -173,7 +173,8 @@ def test_leaving_a_session_whose_client_closed_inside_it_is_quiet(client):
 def test_a_missing_engine_library_says_how_to_install_it(monkeypatch):
     """No vLLM in the worker's environment: a da.EngineLoadError naming the model and the
     install line, not a bare RuntimeError."""
-    from dask_agents.worker_plugin.engine import EngineHost, ModelSettings
+    from dask_agents.worker_plugin.vllm_host import EngineHost
+    from dask_agents.model_settings import ModelSettings
 
     def no_vllm(self):
         raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
@@ -192,7 +193,7 @@ def test_install_names_the_worker_and_cause_when_an_engine_cannot_load(monkeypat
     install with da.EngineLoadError naming the worker, the model and the cause (with the install
     line when the engine library is missing), instead of "install ok" and a failure at the first
     call."""
-    from dask_agents.worker_plugin.engine import EngineHost
+    from dask_agents.worker_plugin.vllm_host import EngineHost
 
     def no_vllm(self):
         raise ModuleNotFoundError("No module named 'vllm'", name="vllm")

@@ -57,7 +57,8 @@ from dask_agents.scheduler_plugin.actions import (
     Route,
     SetPriority,
 )
-from dask_agents.worker_plugin.engine import KV_OPS, Engines
+from dask_agents.worker_plugin.host import KV_OPS
+from dask_agents.worker_plugin.engines import Engines
 
 # DASK_AGENTS_FUZZ_SCALE=10 runs ten times the examples (a deeper hunt, not for every test run)
 _SCALE = max(1, int(os.environ.get("DASK_AGENTS_FUZZ_SCALE", "1")))
@@ -242,7 +243,7 @@ def test_fuzzed_config_values_are_valid_or_a_config_error_naming_the_key(key, va
     from dask.utils import parse_bytes, parse_timedelta
 
     from dask_agents.kv.runtime.blocks import Tiers
-    from dask_agents.worker_plugin.engine import ModelSettings
+    from dask_agents.model_settings import ModelSettings
 
     if key.startswith("llm.models.fuzz."):
         entry = {"model": "emulated-x", key.rsplit(".", 1)[1]: value}

@@ -451,7 +451,7 @@ def test_example_config_is_valid():
     defaults (as Dask merges it), gives valid model settings; its GPU engines need the
     non-daemonic workers the engine jobs provide."""
     from dask_agents.config import DEFAULTS, validate
-    from dask_agents.worker_plugin.engine import ModelSettings
+    from dask_agents.model_settings import ModelSettings
 
     with open(os.path.join(REPO, "examples", "hpc", "agents.yaml")) as f:
         cfg = yaml.safe_load(f)

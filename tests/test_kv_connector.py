@@ -10,7 +10,7 @@ import pytest
 from dask_agents.kv.runtime.engine_kv import KVDirectiveError
 from tests.kv_helpers import prompt_ids
 from dask_agents.worker_plugin.async_engine import AsyncEngineHost
-from dask_agents.worker_plugin.engine import ModelSettings
+from dask_agents.model_settings import ModelSettings
 
 BLOCK = 128
 TINY = dict(model="builtin:tiny-llama", load_format="dummy", tokenizer="byte", dtype="bfloat16", max_model_len=1024,
@@ -73,7 +73,7 @@ def test_a_shared_prefix_survives_invalidating_one_session(host):
 
 def test_a_session_end_drops_its_kv_from_the_host_tier(host):
     from tests.conftest import wait_for
-    from dask_agents.worker_plugin.engine import Engines
+    from dask_agents.worker_plugin.engines import Engines
 
     run(host, prompt_ids(11, 520), "ends")
     assert kv(host, "inspect", "ends")["result"]["host_blocks"] == 4

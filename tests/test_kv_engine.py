@@ -13,7 +13,8 @@ from dask_agents.kv.runtime.engine_kv import KVDirectiveError
 from tests.conftest import wait_for
 from tests.kv_helpers import generate as run
 from tests.kv_helpers import prompt_ids as tokens
-from dask_agents.worker_plugin.engine import EngineHost, ModelSettings
+from dask_agents.worker_plugin.vllm_host import EngineHost
+from dask_agents.model_settings import ModelSettings
 
 BLOCK = 128
 # kv-policy none: these tests check EngineKV's directives against vLLM's own LRU eviction (the
@@ -289,7 +290,7 @@ def test_compat_engine_lifecycle_and_request_bookkeeping(host):
     from vllm.v1.engine.core import EngineCore
 
     from dask_agents.kv.runtime import vllm_compat as vc
-    from dask_agents.worker_plugin.engine import _STEP_LOCK
+    from dask_agents.worker_plugin.host import _STEP_LOCK
 
     assert vc.vocab_size(host._engine) == 1024  # worker_plugin/models/tiny-llama/config.json
     assert vc.vocab_size(object()) is None
@@ -334,7 +335,7 @@ def test_kv_control_rejected_by_the_compat_check_still_loads(host, monkeypatch, 
         raise RuntimeError(f"dask-agents' KV management supports vLLM >= 0.32, < 0.34; found {version} (pretend)")
 
     monkeypatch.setattr(vc, "check_version", reject)
-    caplog.set_level(logging.WARNING, logger="dask_agents.worker_plugin.engine")
+    caplog.set_level(logging.WARNING, logger="dask_agents.worker_plugin.vllm_host")
     plain = EngineHost("kv-off", ModelSettings(**{**MODEL, "kv_policy": "ours", "kv_disk_bytes": 0}))
     plain.start()
     try:

@@ -20,7 +20,9 @@ from dask_agents.kv.runtime.engine_kv import KVDirectiveError
 from tests.conftest import wait_for
 from tests.kv_helpers import generate as run
 from tests.kv_helpers import prompt_ids as tokens
-from dask_agents.worker_plugin.engine import EngineHost, Engines, ModelSettings
+from dask_agents.worker_plugin.vllm_host import EngineHost
+from dask_agents.worker_plugin.engines import Engines
+from dask_agents.model_settings import ModelSettings
 
 BLOCK = 128
 MODEL = dict(model="builtin:tiny-llama", load_format="dummy", tokenizer="byte", dtype="bfloat16",
@@ -297,7 +299,7 @@ def test_a_retained_sessions_pin_holds_until_its_queued_request_runs(host):
     (or the step's allocations could evict the prefix the request is about to hit)."""
     from concurrent.futures import Future
 
-    from dask_agents.worker_plugin.engine import _Request
+    from dask_agents.worker_plugin.vllm_host import _Request
 
     use(host, "lru")
     clear_stale(host)

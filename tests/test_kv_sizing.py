@@ -3,7 +3,7 @@
 import pytest
 
 from dask_agents.kv import KVGeometry
-from dask_agents.worker_plugin.engine import registry
+from dask_agents.worker_plugin.engines import registry
 
 
 def test_builtin_tiny_model_geometry_matches_vllm_blocks():

@@ -251,7 +251,7 @@ def test_reallocation_provisions_when_no_donor_and_allowed():
 
 
 def test_engine_priority_keeps_the_workflow_order():
-    from dask_agents.worker_plugin.engine import engine_priority
+    from dask_agents.worker_plugin.host import engine_priority
 
     new, advanced, starved = priority(0, 0, 1), priority(0, 5, 9), priority(0, 0, 10, starved=True)
     assert engine_priority(starved) < engine_priority(advanced) < engine_priority(new)

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from dask_agents.model_settings import ModelSettings, byte_size
-from dask_agents.worker_plugin.engine import _LOAD_LOCK, _resolve, engine_priority, wait_loaded
+from dask_agents.worker_plugin.host import _LOAD_LOCK, resolve as _resolve, engine_priority, wait_loaded
 from dask_agents.worker_plugin.token_times import TokenTimes
 from dask_agents.worker_plugin.tokenizer import ByteTokenizer
 
@@ -199,6 +199,27 @@ class AsyncEngineHost:
         finally:
             self._tasks.pop(request_id, None)
             self._pending.pop(request_id, None)
+
+    def stats(self) -> dict[str, Any]:
+        """None here: AsyncLLM's scheduler runs in the engine core's process."""
+        return {}
+
+    def kv_report(self) -> dict | None:
+        """None: no per-session KV tiers in this process (the connector's host tier is in the core's)."""
+        return None
+
+    def kv_hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
+                at: float | None = None) -> Future | None:
+        """Ignored (None): no KV manager runs beside AsyncLLM."""
+        return None
+
+    def kv_directive(self, op: str, session: str, timeout: float = 60.0, **args: Any) -> dict:
+        """See :meth:`kv_connector_directive`."""
+        return self.kv_connector_directive(op, session, timeout, **args)
+
+    def kv_session_end(self, session: str) -> None:
+        """See :meth:`kv_connector_forget`."""
+        self.kv_connector_forget(session)
 
     def kv_connector_directive(self, op: str, session: str, timeout: float = 60.0, **args: Any) -> dict:
         """One KV directive through the engine's KV connector (``kv-connector: dask-agents``),

@@ -8,8 +8,8 @@ is stepped here by one thread, which sleeps each iteration's emulated time times
 EMULATED. Settings come from ``agents.llm.models.<name>`` with ``engine: emulated`` and
 parameters under ``emulation`` (:class:`EmulationParams`).
 
-The host has the interface :class:`~dask_agents.worker_plugin.engine.Engines` uses of
-:class:`~dask_agents.worker_plugin.engine.EngineHost`, per-session KV control included: ``kv`` is an
+The host has the interface :class:`~dask_agents.worker_plugin.engines.Engines` uses of
+:class:`~dask_agents.worker_plugin.vllm_host.EngineHost`, per-session KV control included: ``kv`` is an
 :class:`EmulatedEngineKV` (the methods and attributes of :class:`dask_agents.kv.runtime.engine_kv.EngineKV` that
 KV directives and :class:`dask_agents.kv.runtime.manager.KVManager` use), and with ``kv-policy`` set on the model
 entry ``kv_manager`` is KVManager itself, which reads the engine's internals through its KV
@@ -44,7 +44,8 @@ from dask_agents.worker_plugin.emulated_kv import (  # noqa: F401  (the cost mod
     Sequence,
     block_hashes,
 )
-from dask_agents.worker_plugin.engine import ModelSettings, wait_loaded
+from dask_agents.model_settings import ModelSettings
+from dask_agents.worker_plugin.host import wait_loaded
 from dask_agents.worker_plugin.host_kv import SessionKVHost
 from dask_agents.worker_plugin.tokenizer import ByteTokenizer
 
@@ -357,6 +358,7 @@ class EmulatedEngineHost(SessionKVHost):
         self.started_at: float | None = None
         self.load_seconds: float | None = None  # "loading" is instant: 0.0 once started
         self.crashed: BaseException | None = None  # why the stepping thread died (the host restarts it)
+        self.vocab_size: int | None = None  # the byte tokenizer's ids are not checked against a model
         try:  # a bad config is reported like a failed load: to every caller, not at worker start
             self.params = EmulationParams(**settings.emulation)
         except Exception as e:

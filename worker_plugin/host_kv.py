@@ -1,7 +1,7 @@
 """What every engine host with per-session KV control shares: the KV manager's hooks on the
 stepping thread, hints, and calls run between steps.
 
-:class:`~dask_agents.worker_plugin.engine.EngineHost` (real vLLM) and
+:class:`~dask_agents.worker_plugin.vllm_host.EngineHost` (real vLLM) and
 :class:`~dask_agents.worker_plugin.emulated.EmulatedEngineHost` keep the same attributes (``kv``: an
 ``EngineKV``-shaped object or None, ``kv_manager``: a ``KVManager`` or None, ``_calls``: a
 queue of ``(fn, future)`` the stepping thread runs between steps, ``name``) and inherit the
@@ -52,6 +52,24 @@ class SessionKVHost:
 
     def _kv_lock(self) -> Any:
         return contextlib.nullcontext()
+
+    def kv_directive(self, op: str, session: str, timeout: float = 60.0, **args: Any) -> dict:
+        """Apply one KV directive between engine steps (the registry checked ``op`` and
+        ``args``): ``{"result": ..., "residency": {...}}`` (no residency after ``invalidate``)."""
+        import dataclasses
+
+        def apply(kv: Any) -> dict:
+            result = getattr(kv, op)(session, **args)
+            out: dict = {"result": dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result}
+            if op != "invalidate":
+                out["residency"] = dataclasses.asdict(kv.inspect(session))
+            return out
+
+        return self.kv_call(apply).result(timeout)
+
+    def kv_session_end(self, session: str) -> None:
+        """The session ended: invalidate its KV between steps (nobody waits)."""
+        self.kv_call(lambda kv: kv.invalidate(session))
 
     def kv_hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
                 at: float | None = None) -> Future | None:

@@ -22,7 +22,7 @@ import dask_agents.config as agents_config
 from dask_agents.errors import NotInstalledError
 from dask_agents.worker_plugin import dask_compat
 from dask_agents.worker_plugin.batching import Batcher
-from dask_agents.worker_plugin.engine import Engines
+from dask_agents.worker_plugin.engines import Engines
 from dask_agents.worker_plugin.instances import Instances
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         models = self._models_for(worker)
         self.engines = Engines(worker.address, models)
         self.engines.on_announce = self._announce
+        self.engines.on_metrics = self.record_metrics
         for m in models:
             self.engines.start(m)  # loads in its own thread; calls wait for it
         dask_compat.set_batched_send_interval(worker, agents_config.seconds("worker.batched-send-interval"))
@@ -306,12 +307,10 @@ def engine_report(host: Any) -> dict:
     None when they work)."""
     settings = host.settings
     out: dict[str, Any] = {"engine": settings.engine, "emulated": settings.engine == "emulated",
-                           "steps": int(getattr(host, "steps", 0)),
-                           "kv_control": bool(getattr(host, "kv_control", False)),
-                           "kv_control_reason": getattr(host, "kv_control_reason", "no per-session KV control")}
-    stats = getattr(host, "stats", None)
-    if callable(stats):
-        st = stats()
+                           "steps": int(host.steps), "kv_control": bool(host.kv_control),
+                           "kv_control_reason": host.kv_control_reason}
+    st = host.stats()
+    if st:
         out.update(running=st.get("running"), waiting=st.get("waiting"), evictions=st.get("evictions"),
                    hit_tokens=st.get("hits"), query_tokens=st.get("queries"))
         # batch slots and KV blocks: what the scheduler's admission binds calls against
@@ -326,13 +325,12 @@ def engine_report(host: Any) -> dict:
             v = st.get(k, getattr(params, k, None))
             if v is not None:
                 out[k] = int(v)
-        geometry = getattr(host, "geometry", None)
+        geometry = host.geometry
         if geometry is not None and st.get("used_blocks") is not None:
             out["kv_bytes"] = {"device": int(st["used_blocks"]) * geometry.bytes_per_block}
             out["kv_capacity_bytes"] = {"device": int(st["capacity_blocks"]) * geometry.bytes_per_block}
-    kv_report = getattr(host, "kv_report", None)
-    if callable(kv_report):
-        kv = kv_report() or {}
+    kv = host.kv_report()
+    if kv:
         for k in ("kv_bytes", "kv_capacity_bytes", "kv_traffic_bytes"):
             if kv.get(k):
                 out[k] = {**out.get(k, {}), **kv[k]}

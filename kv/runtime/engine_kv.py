@@ -19,7 +19,7 @@ owns on the device, and invalidating a session drops only the blocks no other li
 owns.
 
 Threading: every method must run on the engine's stepping thread, between steps (see
-``dask_agents.kv.runtime.vllm_compat``). ``dask_agents.worker_plugin.engine.EngineHost.kv_call`` gets you there.
+``dask_agents.kv.runtime.vllm_compat``). ``dask_agents.worker_plugin.vllm_host.EngineHost.kv_call`` gets you there.
 """
 
 from __future__ import annotations

@@ -377,7 +377,7 @@ def max_running_requests(parts: EngineParts) -> int:
 #
 # These are not gated by ``check_version``: an engine whose KV layout this module rejects still
 # loads (with plain prefix caching), and still needs a clean shutdown. Their callers treat a
-# failure here as "unknown" and fall back to the safe behaviour (see worker_plugin/engine.py).
+# failure here as "unknown" and fall back to the safe behaviour (see worker_plugin/vllm_host.py).
 
 def vocab_size(engine: Any) -> int | None:
     """The model's vocabulary size (``LLMEngine`` or ``AsyncLLM``): token ids must be below it.
