@@ -33,4 +33,13 @@ def test_dask_agents_is_a_dask_cli_subcommand():
         pytest.fail("the dask_cli entry point 'agents' is not installed (pip install -e . registers it)")
     assert eps[0].load() is main and main.name == "agents"
     text = _run("-m", "dask", "agents", "--help")
-    assert "stubgen" in text and "replay" in text and "whatif" in text
+    assert set(main.commands) == {"replay", "report", "stubgen", "whatif"}
+    for command in main.commands:  # every command is listed
+        assert f"  {command} " in text, command
+
+
+@pytest.mark.parametrize("module", ["examples.swe", "examples.finance", "examples.router", "examples.hpc.slurm"])
+def test_the_examples_help_names_the_command_that_runs_them(module):
+    text = _run("-m", module, "--help")
+    assert text.startswith(f"usage: python -m {module} "), text[:200]
+    assert "__main__.py" not in text

@@ -40,7 +40,7 @@ def table(outcomes, df):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m examples.finance", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=8, help="concurrent requests (sessions)")
     parser.add_argument("--engine", choices=("real", "emulated"), default="real")
     parser.add_argument("--workers", type=int, default=2, help="workers, each hosting an engine")

@@ -229,7 +229,7 @@ def run_workflow(client: Client, changes: Sequence[str], model: str = "coder", n
 # -- command line ------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     """Submit engine and agent jobs, link the cluster to the control plane, run the workflow."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m examples.hpc.slurm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--print-script", action="store_true", help="print both job scripts and exit")
     p.add_argument("--engine-jobs", type=int, default=1, help="GPU engine jobs at start")
     p.add_argument("--agent-jobs", type=int, default=1, help="CPU agent jobs")

@@ -42,7 +42,7 @@ def table(outcomes, df):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m examples.router", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=None,
                         help="requests to replay (default: 32 emulated, 4 real)")
     parser.add_argument("--engine", choices=("real", "emulated"), default="real")

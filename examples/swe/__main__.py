@@ -13,7 +13,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m examples.swe", description=__doc__)
     parser.add_argument("--requests", type=int, default=8, help="concurrent requests (sessions)")
     parser.add_argument("--engine", choices=("real", "emulated"), default="real",
                         help="real: a vLLM CPU engine (tiny dummy-weight Llama) per worker; emulated: the "
