@@ -594,13 +594,7 @@ class EmulatedEngineHost(SessionKVHost):
         with self._lock:
             seqs = self._finishing + self._sched.drain()
             self._finishing = []
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                seqs.append(item)
+        seqs.extend(self._take_inbox())
         for s in seqs:
             if s.future is not None and not s.future.done():
                 s.future.set_exception(exc)

@@ -53,6 +53,17 @@ class SessionKVHost:
     def _kv_lock(self) -> Any:
         return contextlib.nullcontext()
 
+    def _take_inbox(self) -> list:
+        """Empty the requests queued for the stepping thread (its wake-up ``None``s left out)."""
+        out = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return out
+            if item is not None:
+                out.append(item)
+
     def kv_directive(self, op: str, session: str, timeout: float = 60.0, **args: Any) -> dict:
         """Apply one KV directive between engine steps (the registry checked ``op`` and
         ``args``): ``{"result": ..., "residency": {...}}`` (no residency after ``invalidate``)."""

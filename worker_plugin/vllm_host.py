@@ -211,13 +211,8 @@ class EngineHost(SessionKVHost):
         for req in list(self._pending.values()):
             resolve(req.future, exc=exc)
         self._pending.clear()
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                resolve(item.future, exc=exc)
+        for item in self._take_inbox():
+            resolve(item.future, exc=exc)
         self._fail_calls(exc)
 
     def _count(self, out: Any) -> None:
