@@ -38,8 +38,6 @@ def wait_loaded(host: Any, timeout: float | None = None) -> None:
 # Seeds torch's generators take (vLLM seeds one per request inside the step: a larger one crashes it).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
-
-
 KV_OPS = ("inspect", "retain", "release", "offload", "prefetch", "invalidate")
 # the keyword arguments each directive takes (EngineKV's signatures): anything else is refused
 # before it reaches an engine, where it would raise a bare TypeError on the stepping thread
