@@ -451,6 +451,15 @@ class AgentsPage:
             f.xgrid.ticker = ticker
             return f
 
+        # Every model of the page costs each message to the browser (Bokeh serializes references
+        # to all of them per message): the time series' lines share one view of their source
+        # and have no selection or muted copies of their glyph (nothing selects or mutes them).
+        ts_view = CDSView()
+
+        def ts_line(fig: Any, col: str, label: str, color: str) -> None:
+            r = fig.line("t_ms", col, source=self.ts_src, line_width=1.5, color=color, legend_label=label, view=ts_view)
+            r.nonselection_glyph = r.muted_glyph = None
+
         ts_figs = []
         for title, lines in (
                 ("sessions and calls waiting", (("live_sessions", "live sessions", "#1e88e5"),
@@ -471,7 +480,7 @@ class AgentsPage:
             f = time_figure(height=180, sizing_mode="stretch_width", title=title, tools="", toolbar_location=None)
             _no_sync_back(f)
             for col, label, color in lines:
-                f.line("t_ms", col, source=self.ts_src, line_width=1.5, color=color, legend_label=label)
+                ts_line(f, col, label, color)
             f.legend.location, f.legend.label_text_font_size, f.legend.background_fill_alpha = "top_left", "8pt", 0.5
             ts_figs.append(f)
         self.ts_figs = ts_figs
@@ -486,7 +495,7 @@ class AgentsPage:
         _no_sync_back(ticks_fig)
         for col, label, color in (("control_pass_p50_ms", "median", "#1e88e5"), ("control_pass_max_ms", "longest",
                                                                                   "#e53935")):
-            ticks_fig.line("t_ms", col, source=self.ts_src, line_width=1.5, color=color, legend_label=label)
+            ts_line(ticks_fig, col, label, color)
         ticks_fig.legend.location, ticks_fig.legend.label_text_font_size = "top_left", "8pt"
         self.decisions_src = ColumnDataSource({c: [] for c in DECISION_COLUMNS}, name="agents-decisions")
         self.decisions_table = table(self.decisions_src, [
