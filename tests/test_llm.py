@@ -258,4 +258,7 @@ def test_an_engine_load_is_queueing_never_a_calls_service_time():
             load = one["engine_load_s"]
             assert load > 0 and pd.isna(two["engine_load_s"])  # the second found the engine there
             assert one["queue_s"] >= load  # the wait for the engine is queueing ...
-            assert one["service_s"] < load  # ... and the load is not in the call's service time
+            # ... and its service starts once the engine was there (the load is not in service_s)
+            (loaded_at,) = c.run(lambda dask_worker: dask_worker.plugins["dask-agents"].engines._hosts["coder"].started_at
+                                 + dask_worker.plugins["dask-agents"].engines._hosts["coder"].load_seconds).values()
+            assert one["started"].timestamp() >= loaded_at

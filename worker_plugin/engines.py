@@ -224,7 +224,8 @@ class Engines:
                                       f"seed={seed}): {e} (call {key})") from None
         return host.submit(key, ids, params, sid), ids
 
-    def _result(self, header: tuple, model: str, host: Any, ids: list[int], out: Any, load_wait: float = 0.0) -> Any:
+    def _result(self, header: tuple, model: str, host: Any, ids: list[int], out: Any, load_wait: float = 0.0,
+                ready_at: float | None = None) -> Any:
         from dask_agents.models import LLMResult
 
         comp = out.outputs[0]
@@ -235,6 +236,7 @@ class Engines:
         times = host.token_times.pop(header[3], len(toks))
         if load_wait > 0:  # it waited for its engine to load: queueing, not service (see the worker plugin)
             times["engine_load_s"] = load_wait
+            times["engine_ready_at"] = ready_at  # when its engine was there (the worker plugin's start)
         if self.on_metrics is not None:
             self.on_metrics(header[3], prompt_tokens=len(ids), cached_tokens=cached, output_tokens=len(toks),
                             model=model, kv_bytes=kv_bytes, emulated=emulated, **times)
@@ -253,18 +255,19 @@ class Engines:
 
         host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
         attempts = self._attempts()
-        load_wait = 0.0
+        load_wait, ready_at = 0.0, None
         for attempt in range(attempts):
             if not host.loaded.is_set():
                 secede_if_in_task()
                 t0 = time.time()
                 host.loaded.wait()
-                load_wait += time.time() - t0
+                ready_at = time.time()
+                load_wait += ready_at - t0
             host.wait_loaded()
             fut, ids = self._submit(header, model, host, prompt, sampling)
             secede_if_in_task()  # the engine works for us; free the worker slot meanwhile
             try:
-                return self._result(header, model, host, ids, fut.result(), load_wait)
+                return self._result(header, model, host, ids, fut.result(), load_wait, ready_at)
             except Exception as e:
                 host = self._retry_or_raise(e, attempt, attempts, header, model)
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -311,12 +314,13 @@ class Engines:
         host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
         secede_async_task(header[3])
         attempts = self._attempts()
-        load_wait = 0.0
+        load_wait, ready_at = 0.0, None
         for attempt in range(attempts):
             if not host.loaded.is_set():
                 t0 = time.time()
                 await asyncio.to_thread(host.loaded.wait)
-                load_wait += time.time() - t0
+                ready_at = time.time()
+                load_wait += ready_at - t0
             host.wait_loaded()
             fut, ids = self._submit(header, model, host, prompt, sampling)
             self._inflight[header[3]] = host
@@ -332,7 +336,7 @@ class Engines:
                 continue
             finally:
                 self._inflight.pop(header[3], None)
-            return self._result(header, model, host, ids, out, load_wait)
+            return self._result(header, model, host, ids, out, load_wait, ready_at)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def abort_call(self, key: str) -> bool:

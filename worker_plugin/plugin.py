@@ -192,9 +192,9 @@ class AgentsWorkerPlugin(WorkerPlugin):
                 # An LLM call that waited for its engine to load (a lazily started model, a
                 # restarted engine) started when the engine was there: the load is its queueing
                 # (queue_s, and engine_load_s says how much), never its service time.
-                load = m.get("engine_load_s")
-                if isinstance(load, (int, float)) and load > 0:
-                    report["started"] = min(t0 + load, report["finished"])
+                ready = m.pop("engine_ready_at", None)  # (not a metric: it moves the start)
+                if isinstance(ready, (int, float)) and ready > t0:
+                    report["started"] = min(ready, report["finished"])
             self._reports.append(report)
 
     def _agents_annotation(self, key: Any) -> dict | None:
