@@ -141,8 +141,16 @@ def workers(scheduler: Scheduler) -> list[Any]:
 
 def worker_summary(ws: Any) -> tuple[str, int, int, int]:
     """(address, nthreads, tasks assigned, tasks running: executing or seceded)."""
-    # a worker's heartbeat lists its seceded tasks in ``executing`` too: count each task once
-    return ws.address, ws.nthreads, len(ws.processing), len(ws.executing.keys() | ws.long_running)
+    return ws.address, ws.nthreads, len(ws.processing), len(ws.executing) + len(ws.long_running) - _seceded_listed(ws)
+
+
+def _seceded_listed(ws: Any) -> int:
+    """Seceded tasks a worker's heartbeat also listed in ``executing`` (it reports every active
+    task): counted once, in O(the smaller of the two) (this runs per worker every control tick)."""
+    executing, seceded = ws.executing, ws.long_running
+    if len(seceded) <= len(executing):
+        return sum(1 for ts in seceded if ts in executing)
+    return sum(1 for ts in executing if ts in seceded)
 
 
 def executing(ws: Any) -> list[tuple[Any, float]]:
@@ -166,8 +174,7 @@ def free_threads(scheduler: Scheduler, address: str) -> int:
     ws = scheduler.workers.get(address)
     if ws is None or ws not in scheduler.running:
         return 0
-    seceded = ws.long_running  # (a heartbeat lists them in ``executing`` too: they hold no thread)
-    return ws.nthreads - sum(1 for ts in ws.executing if ts not in seceded)
+    return ws.nthreads - (len(ws.executing) - _seceded_listed(ws))  # seceded tasks hold no thread
 
 
 def waiting_on_worker(ws: Any) -> list[Any]:
