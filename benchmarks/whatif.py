@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/whatif.py --json benchmarks/results/whatif.json [--quick]
 
-1. Record: the Open-SWE workload (``benchmarks/e2e_swe.py``, Poisson arrivals) on dask-agents
+1. Record: the Open-SWE workload (``benchmarks/legacy/e2e_swe.py``, Poisson arrivals) on dask-agents
    with ONE engine worker; its ``da.telemetry`` is the recording.
 2. Calibrate the what-if model on it and replay it on its own allocation (the self-check).
 3. Predict the same workload on TWO engine workers (``--replicas coder=2``) and at a higher load.
@@ -34,8 +34,8 @@ def run(workers: int, rate: float, n: int, seed: int) -> tuple[Any, dict]:
     import pandas as pd
 
     import dask_agents as da
-    from benchmarks import e2e
-    from benchmarks import e2e_swe as swe
+    from benchmarks.legacy import e2e
+    from benchmarks.legacy import e2e_swe as swe
 
     with e2e.AgentsBackend(workers=workers) as backend:
         warm = e2e.specs_for(swe.make_specs(2, seed + 10_000), f"warm-{workers}")
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     size = QUICK if args.quick else FULL
     n, load, high = size["requests"], size["load"], size["high_load"]
-    config = {"workload": "Open-SWE (benchmarks/e2e_swe.py), EMULATED engine and tools", "requests": n,
+    config = {"workload": "Open-SWE (benchmarks/legacy/e2e_swe.py), EMULATED engine and tools", "requests": n,
               "recorded": {"engine_workers": 1, "load_rps": load},
               "unseen": [{"engine_workers": 2, "load_rps": load}, {"engine_workers": 2, "load_rps": high}],
               "seed": args.seed, "python": platform.python_version(), "cpus": os.cpu_count(), "emulated": True}

@@ -179,3 +179,9 @@ class LLMResult(BaseModel):
     worker: str
     finish_reason: str | None = None
     emulated: bool = False  # produced by the emulated engine: a cost model, not a real LLM
+    # When the engine received the request and when its output was complete (POSIX seconds,
+    # the worker's clock; vLLM's RequestOutput.metrics arrival_time/finished_time): the time
+    # between them is the engine's, queueing inside it included; the rest of a call's latency
+    # is the framework's.
+    arrival_time: float | None = None
+    finished_time: float | None = None

@@ -98,7 +98,8 @@ class EngineFit:
                                decode_s_per_step=self.decode_s_per_step, decode_s_per_seq=self.decode_s_per_seq,
                                kv_blocks=kv_blocks, block_size=block_size, time_scale=1.0,
                                # the fit has no context term: the emulated default's would add one
-                               decode_s_per_ctx_token=0.0)
+                               decode_s_per_ctx_token=0.0,
+                               prefill_s_per_token_pos=0.0)
 
 
 @dataclass

@@ -34,7 +34,9 @@ from dask_agents.model_settings import ModelSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 # Only what a test looks at costs anything: emulated seconds come out as exact small numbers.
-FREE = dict(prefill_s_per_token=0.0, decode_s_per_step=0.0, decode_s_per_seq=0.0, decode_s_per_ctx_token=0.0)
+# (prefill_s_per_token_pos, the attention term, defaults to the 8B/H100 value: zeroed here too.)
+FREE = dict(prefill_s_per_token=0.0, prefill_s_per_token_pos=0.0, decode_s_per_step=0.0, decode_s_per_seq=0.0,
+            decode_s_per_ctx_token=0.0)
 
 
 def params(**kw) -> EmulationParams:

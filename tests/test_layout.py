@@ -13,13 +13,16 @@ FOLDERS = {"dask_agents": "dask_agents", "scheduler_plugin": "dask_agents.schedu
            "worker_plugin": "dask_agents.worker_plugin"}
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(folders: dict[str, str] = FOLDERS, pattern: str = "*.py") -> dict[str, set[str]]:
     """module -> the modules of ours it imports, anywhere in its code (lazy imports included).
-    Importing the bare ``dask_agents`` package is left out: every submodule import runs it."""
+    Importing the bare ``dask_agents`` package is left out: every submodule import runs it.
+    ``folders``: source folder -> its package; ``pattern``: "**/*.py" takes subpackages too."""
     modules: dict[str, set[str]] = {}
-    for folder, pkg in FOLDERS.items():
-        for path in (ROOT / folder).glob("*.py"):
-            name = pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
+    for folder, pkg in folders.items():
+        for path in (ROOT / folder).glob(pattern):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            name = ".".join((pkg,) + parts)
             deps: set[str] = set()
             tree = ast.parse(path.read_text(encoding="utf-8"))
             typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
@@ -34,7 +37,13 @@ def import_graph() -> dict[str, set[str]]:
                 elif isinstance(node, ast.Import):
                     deps.update(a.name for a in node.names)
             modules[name] = deps
-    return {m: {d for d in deps if d in modules and d not in (m, "dask_agents")} for m, deps in modules.items()}
+    return {m: {d for d in deps if d in modules and d not in (m, "dask_agents", pkg_root(m, folders))}
+            for m, deps in modules.items()}
+
+
+def pkg_root(module: str, folders: dict[str, str]) -> str | None:
+    """The package a module belongs to (its import runs when any of its modules is imported)."""
+    return next((p for p in folders.values() if module == p or module.startswith(p + ".")), None)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

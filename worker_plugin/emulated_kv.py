@@ -32,10 +32,17 @@ computed, only counted. It follows what vLLM v1 does (``vllm/v1/core/sched/sched
   sequence's last pending token samples its next token.
 - **Step cost** (emulated seconds)::
 
-      restore stall + prefill_s_per_token * prefill tokens + decode_s_per_step
-        + decode_s_per_seq * sequences in the step + decode_s_per_ctx_token * context tokens read
+      restore stall
+        + sum over prefilled tokens of (prefill_s_per_token + prefill_s_per_token_pos * position)
+        + decode_s_per_step + decode_s_per_seq * sequences in the step
+        + decode_s_per_ctx_token * context tokens read
 
-  where a sequence's context read is every token whose KV the step reads (its tokens so far).
+  where a token's position is the number of tokens before it in its sequence (its attention
+  reads them all: the attention FLOPs of a prefill grow with the square of its length), and a
+  sequence's context read is every token whose KV the step reads (its tokens so far). The
+  prefill term of a chunk at positions ``[start, end)`` is summed in closed form
+  (:func:`prefill_cost`); the rest is :func:`decode_step_cost`. Both are pure functions of the
+  parameters, so bounds computed outside the engine use the very same formulas.
 - **Host tier** (``host_kv_blocks`` > 0). ``host_policy: lru``: every block leaving the device
   (evicted, offloaded) is copied to the host, which evicts LRU: workflow-blind, what vLLM's
   native CPU offloading and LMCache give. ``directed``: only what KV directives offload goes
@@ -57,6 +64,11 @@ derived from first principles, not measured:
   (``decode_s_per_ctx_token``).
 - Compute ~400 TFLOP/s effective, 2 x 8e9 FLOP per token: 4e-5 s per prefilled token
   (``prefill_s_per_token``) and per decoded sequence (``decode_s_per_seq``).
+- Attention in prefill: QK^T and AV are 2 x 2 x d_model FLOP per layer per token per earlier
+  position, 4 x 32 layers x 4096 = 524,288 FLOP; at ~400 TFLOP/s, 1.3e-9 s per prefilled
+  token per token before it (``prefill_s_per_token_pos``): a 32k-token prompt's last token
+  costs twice what its first one does. (Decode's attention is a memory read:
+  ``decode_s_per_ctx_token``.)
 - ``max_batch`` 256 and ``max_num_batched_tokens`` 8192: vLLM's defaults.
 - KV capacity: an 80 GB card leaves ~60 GB for KV, ~480k tokens, ~30k blocks
   (:data:`H100_KV_BLOCKS`); used only when the model entry gives no KV bytes (the host uses
@@ -98,6 +110,9 @@ class EmulationParams(BaseModel):
     max_batch: int = Field(256, ge=1, description="concurrent sequences (vLLM's max_num_seqs)")
     max_num_batched_tokens: int = Field(8192, ge=1, description="tokens one step schedules at most (chunked prefill)")
     prefill_s_per_token: float = Field(4e-5, ge=0, description="prefill cost per computed prompt token (2*8e9 FLOP at 400 TFLOP/s)")
+    prefill_s_per_token_pos: float = Field(
+        1.3e-9, ge=0, description="prefill attention cost per computed token per token before it "
+                                  "(4*32 layers*4096 FLOP at 400 TFLOP/s)")
     decode_s_per_step: float = Field(5.3e-3, ge=0, description="fixed cost of one step (16 GB of weights at 3 TB/s)")
     decode_s_per_seq: float = Field(4e-5, ge=0, description="extra step cost per sequence in it (its token's FLOPs)")
     decode_s_per_ctx_token: float = Field(4.4e-8, ge=0, description="step cost per context token read (128 KiB at 3 TB/s)")
@@ -146,16 +161,44 @@ class EmulatedRequestOutput:
     emulated: bool = True
 
 
+# -- the cost formulas (pure: the step charges these, and bounds computed outside use them) ----
+
+def prefill_positions(start: int, end: int) -> int:
+    """Sum of the positions ``start .. end - 1`` (each token's count of tokens before it)."""
+    return (end - start) * (start + end - 1) // 2 if end > start else 0
+
+
+def prefill_cost(p: EmulationParams, start: int, end: int) -> float:
+    """Emulated seconds to prefill one sequence's tokens at positions ``[start, end)``:
+    ``prefill_s_per_token`` each, plus ``prefill_s_per_token_pos`` per token before it."""
+    if end <= start:
+        return 0.0
+    return _prefill_cost(p, end - start, prefill_positions(start, end))
+
+
+def _prefill_cost(p: EmulationParams, tokens: int, positions: int) -> float:
+    """The prefill term of ``tokens`` prefilled tokens whose positions sum to ``positions``."""
+    return p.prefill_s_per_token * tokens + p.prefill_s_per_token_pos * positions
+
+
+def decode_step_cost(p: EmulationParams, seqs: int, ctx_tokens: int) -> float:
+    """Emulated seconds of a step of ``seqs`` sequences reading ``ctx_tokens`` tokens of KV in
+    all, besides its prefill term and restore stall: ``decode_s_per_step`` (the weights read
+    once), ``decode_s_per_seq`` per sequence, ``decode_s_per_ctx_token`` per context token."""
+    return p.decode_s_per_step + p.decode_s_per_seq * seqs + p.decode_s_per_ctx_token * ctx_tokens
+
+
 def _chain(parent: int, tokens: Iterable[int]) -> int:
     # hash() of ints and tuples of ints is not salted: identical in every process.
     return hash((parent, tuple(tokens)))
 
 
-def block_hashes(tokens: list[int], block_size: int) -> list[int]:
+def block_hashes(tokens: list[int] | tuple[int, ...], block_size: int) -> list[int]:
     """Chained hashes of the full blocks of ``tokens`` (a block's hash covers its whole prefix)."""
+    t = tokens if isinstance(tokens, tuple) else tuple(tokens)  # (slices of a tuple are tuples: _chain's key)
     out, parent = [], 0
-    for i in range(0, len(tokens) - block_size + 1, block_size):
-        parent = _chain(parent, tokens[i:i + block_size])
+    for i in range(0, len(t) - block_size + 1, block_size):
+        parent = hash((parent, t[i:i + block_size]))
         out.append(parent)
     return out
 
@@ -302,9 +345,10 @@ class EmulatedScheduler:
         self.check(seq.request_id, len(seq.prompt), seq.max_tokens)
         if seq.request_id in self.requests:
             raise ValueError(f"request {seq.request_id} is already in the emulated engine")
-        seq.rng = random.Random(hash((tuple(seq.prompt), 0 if seq.seed is None else seq.seed)))
+        prompt = tuple(seq.prompt)
+        seq.rng = random.Random(hash((prompt, 0 if seq.seed is None else seq.seed)))
         if self.prefix_caching:
-            seq.hashes = block_hashes(seq.prompt, self.p.block_size)
+            seq.hashes = block_hashes(prompt, self.p.block_size)
             self._own(seq, 0)
         seq.key = (tuple(seq.priority), next(self._arrivals))
         seq.length = len(seq.prompt) + len(seq.output)
@@ -360,6 +404,31 @@ class EmulatedScheduler:
         self._uncache(b, to_host=self.p.host_policy == "lru")
         return b
 
+    def _allocate_into(self, out: list[Block], n: int) -> None:
+        """Append ``n`` blocks holding nothing to ``out``, referenced once; the caller checked
+        that ``n`` are free. :meth:`_allocate` ``n`` times, inlined: an admission takes thousands."""
+        empty = self._empty
+        k = min(n, len(empty))
+        for _ in range(k):
+            b = empty.pop()
+            b.ref_cnt = 1
+            out.append(b)
+        n -= k
+        if n <= 0:
+            return
+        lru, cached = self._lru, self._cached
+        to_host = self.p.host_policy == "lru" and self.host_capacity > 0
+        host_put = self._host_put
+        self.counters["evictions"] += n
+        for _ in range(n):  # (_uncache inlined)
+            h, b = lru.popitem(last=False)
+            del cached[h]
+            if to_host:
+                host_put(h)
+            b.block_hash, b.ready_at, b.from_host = None, 0.0, False
+            b.ref_cnt = 1
+            out.append(b)
+
     def _cache(self, h: int, b: Block) -> None:
         self._cached[h] = b
         if self._stored is not None:
@@ -404,8 +473,14 @@ class EmulatedScheduler:
 
     def _release_blocks(self, seq: Sequence) -> None:
         # Tail first, as vLLM frees them: the LRU takes a chain's tail before its head.
-        for b in reversed(seq.blocks):
-            self._unref(b)
+        lru, empty = self._lru, self._empty
+        for b in reversed(seq.blocks):  # (_unref inlined)
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                if b.block_hash is not None:
+                    lru[b.block_hash] = b  # most recently used end
+                else:
+                    empty.append(b)
         seq.blocks, seq.num_hashed = [], 0
 
     def _cache_full(self, seq: Sequence) -> None:
@@ -455,11 +530,18 @@ class EmulatedScheduler:
         return True
 
     def _host_put(self, h: int) -> bool:
-        """Copy a device block to the host (beside the steps: not charged); False without a host tier."""
-        if h in self.host:
-            return self._host_keep(h)  # the copy is there already
-        if not self._host_keep(h):
+        """Copy a device block to the host (beside the steps: not charged); False without a host tier.
+        (:meth:`_host_keep` inlined: every eviction under ``lru`` comes here.)"""
+        host = self.host
+        if h in host:  # the copy is there already (so there is a host tier)
+            host.move_to_end(h)
+            return True
+        if self.host_capacity < 1:
             return False
+        while len(host) >= self.host_capacity:
+            host.popitem(last=False)
+            self.counters["host_evictions"] += 1
+        host[h] = None
         self.counters["offloaded_blocks"] += 1
         self.counters["offload_s"] += self.p.host_offload_s_per_block
         return True
@@ -526,39 +608,53 @@ class EmulatedScheduler:
         restored now), allocate the rest. False (nothing changed) if they do not fit."""
         bs, ntok = self.p.block_size, seq.length
         total = math.ceil(ntok / bs)
+        # (Loops over the prefix inlined, _ref included: a long context's admission walks thousands.)
         plan: list[Block | None] = []  # per prefix block: the device block, or None (on the host)
         if self.prefix_caching:
+            cached, host = self._cached, self.host
             for h in seq.hashes[:(ntok - 1) // bs]:  # the last token is always computed
-                b = self._cached.get(h)
-                if b is None and h not in self.host:
+                b = cached.get(h)
+                if b is None and h not in host:
                     break
                 plan.append(b)
         device = [b for b in plan if b is not None]
-        touched = sum(1 for b in device if b.ref_cnt == 0)  # taken off the free pool by admitting
+        touched = 0  # taken off the free pool by admitting
+        for b in device:
+            if b.ref_cnt == 0:
+                touched += 1
         if total - len(device) > self.free_blocks - touched:
             return False
+        lru = self._lru
         for b in device:  # referenced first: the allocations below cannot evict them
-            self._ref(b)
-        for h, b in zip(seq.hashes, plan):  # held aside too: evictions push blocks to the host
-            if b is None:
-                self.host.pop(h)
-        blocks: list[Block] = []
-        for h, b in zip(seq.hashes, plan):
-            if b is None:
-                b = self._restore_block(h, prefetch=False, held=True)
-                b.ref_cnt = 1
-            blocks.append(b)
-        while len(blocks) < total:
-            b = self._allocate()
-            b.ref_cnt = 1
-            blocks.append(b)
+            if b.ref_cnt == 0 and b.block_hash is not None:
+                lru.pop(b.block_hash, None)
+            b.ref_cnt += 1
+        if len(device) == len(plan):  # every prefix block on the device
+            blocks = device
+        else:
+            for h, b in zip(seq.hashes, plan):  # held aside too: evictions push blocks to the host
+                if b is None:
+                    self.host.pop(h)
+            blocks = []
+            for h, b in zip(seq.hashes, plan):
+                if b is None:
+                    b = self._restore_block(h, prefetch=False, held=True)
+                    b.ref_cnt = 1
+                blocks.append(b)
+        self._allocate_into(blocks, total - len(blocks))
         hit = len(plan) * bs
-        for b in blocks[:len(plan)]:
+        host_hits, ready = 0, 0.0
+        for i in range(len(plan)):
+            b = blocks[i]
             if b.from_host:  # restored for this admission, or prefetched earlier and not hit since
-                self.counters["host_hits"] += bs
+                host_hits += bs
                 b.from_host = False
+            if b.ready_at > ready:
+                ready = b.ready_at
+        if host_hits:
+            self.counters["host_hits"] += host_hits
         seq.blocks, seq.num_computed, seq.num_hashed, seq.prefill_target = blocks, hit, len(plan), ntok
-        seq.ready_at = max((b.ready_at for b in blocks[:len(plan)]), default=0.0)
+        seq.ready_at = ready
         if seq.preemptions:
             self.counters["preempted_queries"] += ntok
             self.counters["preempted_hits"] += hit
@@ -574,10 +670,7 @@ class EmulatedScheduler:
         need = math.ceil(tokens / self.p.block_size) - len(seq.blocks)
         if need > self.free_blocks:
             return False
-        for _ in range(need):
-            b = self._allocate()
-            b.ref_cnt = 1
-            seq.blocks.append(b)
+        self._allocate_into(seq.blocks, need)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -642,13 +735,15 @@ class EmulatedScheduler:
         if not scheduled:
             return 0.0, []
         stall = max(0.0, max((s.ready_at for s in admitted), default=0.0) - self.now)
-        prefill = ctx = decoded = 0
+        prefill = positions = ctx = decoded = 0
         done: list[Sequence] = []
         caching = self.prefix_caching
         for seq, n in scheduled:
             c = seq.num_computed
-            if c < seq.prefill_target:
-                prefill += min(n, seq.prefill_target - c)
+            if c < seq.prefill_target:  # prefill of positions c .. c + k - 1
+                k = min(n, seq.prefill_target - c)
+                prefill += k
+                positions += prefill_positions(c, c + k)
             c += n
             seq.num_computed = c
             ctx += c
@@ -662,8 +757,7 @@ class EmulatedScheduler:
                     self._extend_hashes(seq)
                 if len(seq.output) >= seq.max_tokens:
                     done.append(seq)
-        cost = (stall + p.prefill_s_per_token * prefill + p.decode_s_per_step
-                + p.decode_s_per_seq * len(scheduled) + p.decode_s_per_ctx_token * ctx)
+        cost = stall + _prefill_cost(p, prefill, positions) + decode_step_cost(p, len(scheduled), ctx)
         self.counters["prefill_tokens"] += prefill
         self.counters["decode_tokens"] += decoded
         self.counters["stall_s"] += stall
@@ -682,13 +776,18 @@ class EmulatedScheduler:
     def _own(self, seq: Sequence, start: int) -> None:
         if seq.session is None or not seq.tracked:
             return
-        blocks = self.sessions.setdefault(seq.session, OrderedDict())
+        session, hashes, owners = seq.session, seq.hashes, self._owners
+        blocks = self.sessions.setdefault(session, OrderedDict())
         bs = self.p.block_size
-        for i in range(start, len(seq.hashes)):
-            h = seq.hashes[i]
+        for i in range(start, len(hashes)):
+            h = hashes[i]
             if h not in blocks:
                 blocks[h] = (i + 1) * bs
-                self._owners.setdefault(h, set()).add(seq.session)
+                who = owners.get(h)
+                if who is None:
+                    owners[h] = {session}
+                else:
+                    who.add(session)
 
     def knows(self, session: str) -> bool:
         """Whether the engine tracks blocks for ``session``."""

@@ -233,7 +233,9 @@ class Engines:
         cached = int(out.num_cached_tokens or 0)
         kv_bytes = host.geometry.bytes_for(len(ids) + len(toks)) if host.geometry else None
         emulated = bool(getattr(out, "emulated", False))
-        times = host.token_times.pop(header[3], len(toks))
+        arrival = host.token_times.submitted_at(header[3])
+        finished = time.time()
+        times = host.token_times.pop(header[3], len(toks), finished)
         if load_wait > 0:  # it waited for its engine to load: queueing, not service (see the worker plugin)
             times["engine_load_s"] = load_wait
             times["engine_ready_at"] = ready_at  # when its engine was there (the worker plugin's start)
@@ -244,6 +246,7 @@ class Engines:
             model=model, text=host.tokenizer.decode(toks) if host.tokenizer else "",
             token_ids=toks, prompt_tokens=len(ids), cached_tokens=cached, output_tokens=len(toks),
             worker=self.worker_address, finish_reason=comp.finish_reason, emulated=emulated,
+            arrival_time=arrival, finished_time=finished,
         )
 
     def generate(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None = None,

@@ -29,6 +29,11 @@ class TokenTimes:
         if t is not None and t[1] is None:
             t[1] = time.time() if at is None else at
 
+    def submitted_at(self, request_id: str) -> float | None:
+        """When the request was submitted (POSIX seconds), or None if unknown."""
+        t = self._times.get(request_id)
+        return None if t is None else t[0]
+
     def pop(self, request_id: str, output_tokens: int, finished: float | None = None) -> dict:
         """``ttft_s`` (submitted -> first token) and ``tpot_s`` (first -> last token over the
         tokens after the first; None for one token) of a finished request; {} if unknown."""

@@ -58,7 +58,7 @@ import dask
 import distributed
 
 import dask_agents as da
-from benchmarks import e2e_swe as swe
+from benchmarks.legacy import e2e_swe as swe
 from dask_agents.kv.runtime.tool_latency import prior
 
 MODELS = ("chat", "coder")
@@ -66,7 +66,7 @@ WORKERS = 4
 # EMULATED engine of both models: 4 sequences per iteration, 20 ms per iteration, 0.1 ms per
 # fresh prompt token (no chunked prefill), prefix caching, wall time = emulated time.
 ENGINE = {"max_batch": 4, "decode_s_per_step": 0.02, "decode_s_per_seq": 5e-5, "prefill_s_per_token": 1e-4,
-          "kv_blocks": 2048, "block_size": 16, "time_scale": 1.0}
+          "prefill_s_per_token_pos": 0.0, "kv_blocks": 2048, "block_size": 16, "time_scale": 1.0}
 MAX_PROMPT_TOKENS, MAX_OUTPUT_TOKENS = 2048, 64
 TOOL_TIME_SCALE = 0.1
 TRACE_START_S = 260.0  # from 260 s on both labels alternate in the trace (examples.router)
@@ -271,7 +271,7 @@ class Pinner:
     """Per model: the worker with the fewest requests pinned right now, ties rotating."""
 
     def __init__(self, groups: dict[str, list[str]]):
-        from benchmarks.e2e_baselines import SessionPinner
+        from benchmarks.legacy.e2e_baselines import SessionPinner
 
         self.p = {m: SessionPinner(ws) for m, ws in groups.items()}
 
@@ -340,7 +340,7 @@ class RouterState(TypedDict, total=False):
 
 
 def _peer_classes() -> dict:
-    from benchmarks.e2e_peers import LangGraphPeer, RayPeer
+    from benchmarks.legacy.e2e_peers import LangGraphPeer, RayPeer
 
     class RouterRayPeer(_RouterPeer, RayPeer):
         """Ray: 4 engine-replica actors (both models each), the logic a coroutine in the driver."""
@@ -396,7 +396,7 @@ def make_peer(name: str, split: tuple[int, int] = START_SPLIT, tool_threads: int
 def _cluster(threads: int):
     from distributed import LocalCluster
 
-    from benchmarks.e2e import NO_DASHBOARD
+    from benchmarks.legacy.e2e import NO_DASHBOARD
 
     return LocalCluster(n_workers=WORKERS, threads_per_worker=threads, processes=True, dashboard_address=None,
                         scheduler_kwargs=NO_DASHBOARD)
@@ -437,7 +437,7 @@ class DaskRouterBackend:
         return [s for ss in self.client.run(_dask_engine_stats).values() for s in ss]
 
     def run(self, specs, arrivals, timeout: float) -> list[dict]:
-        from benchmarks.e2e import drive_threads
+        from benchmarks.legacy.e2e import drive_threads
 
         n_chat = self.split[0]
         pinner = Pinner({"chat": self.addrs[:n_chat], "coder": self.addrs[n_chat:]})
@@ -504,7 +504,7 @@ class AgentsRouterBackend:
         return self
 
     def __exit__(self, *exc):
-        from benchmarks.e2e import close_quietly
+        from benchmarks.legacy.e2e import close_quietly
 
         close_quietly(self.client, self.cluster, self._config)
 
@@ -512,7 +512,7 @@ class AgentsRouterBackend:
         return [s for ss in self.client.run(_agents_engine_stats).values() for s in ss]
 
     def run(self, specs, arrivals, timeout: float) -> list[dict]:
-        from benchmarks.e2e import drive_threads
+        from benchmarks.legacy.e2e import drive_threads
 
         return drive_threads(lambda s: solve_agents(self.client, s), specs, arrivals, timeout)
 
@@ -537,7 +537,7 @@ class AgentsRouterBackend:
 # -- runs ------------------------------------------------------------------------------------------
 
 def run_loads(backend, base, trace_at, loads, seed, warmup, tag, log, measured=None) -> dict:
-    from benchmarks import e2e
+    from benchmarks.legacy import e2e
 
     out: dict[str, dict] = dict(measured or {})
     loads = [r for r in loads if e2e.load_key(r) not in out]
@@ -577,7 +577,7 @@ def run_loads(backend, base, trace_at, loads, seed, warmup, tag, log, measured=N
 def run_benchmark(preset: dict, variants: list[str], seed: int = 0,
                   log: Callable[[str], None] = print) -> tuple[dict, dict]:
     """Run the selected variants of the router workflow; returns (variants, sweeps)."""
-    from benchmarks import e2e
+    from benchmarks.legacy import e2e
 
     base, trace_at = make_specs(preset["requests"], seed, preset["phases"])
     loads = sorted(preset["loads"])
@@ -640,7 +640,7 @@ def run_benchmark(preset: dict, variants: list[str], seed: int = 0,
 def run_peer(name: str, preset: dict, base, trace_at, loads, seed, log) -> tuple[dict, list[dict]]:
     """A peer's static chat/coder split by plain Dask's sweep (at the calibration load, on one
     instance, warm-up before the first split only), then every other load with the best split."""
-    from benchmarks import e2e
+    from benchmarks.legacy import e2e
 
     cal = preset["calibration_load"]
     t = time.perf_counter()

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from benchmarks import e2e
-from benchmarks import e2e_swe as swe
-from benchmarks.e2e_peers import Router
+from benchmarks.legacy import e2e
+from benchmarks.legacy import e2e_swe as swe
+from benchmarks.legacy.e2e_peers import Router
 from tests.conftest import wait_for
 
 
@@ -105,7 +105,7 @@ def test_sustained_detects_a_backlog_finished_together():
 
 
 def test_session_pinner_spreads_requests_and_releases():
-    from benchmarks.e2e_baselines import SessionPinner
+    from benchmarks.legacy.e2e_baselines import SessionPinner
 
     p = SessionPinner(["tcp://a", "tcp://b"])
     a, b = p.acquire(), p.acquire()
@@ -131,7 +131,7 @@ def test_router_rules():
 
 
 def test_replica_groups_of_a_static_split():
-    from benchmarks.e2e_peers import replica_groups
+    from benchmarks.legacy.e2e_peers import replica_groups
 
     assert replica_groups(["coder"], 2, None) == {"coder": [0, 1]}
     assert replica_groups(["chat", "coder"], 4, {"chat": 1, "coder": 3}) == {"chat": [0], "coder": [1, 2, 3]}
@@ -218,7 +218,7 @@ def test_phase_scenario_lengthens_the_second_half_context():
 def test_capped_pinner_bounds_live_requests_per_engine_under_threads():
     import threading
 
-    from benchmarks.e2e_baselines import CappedPinner
+    from benchmarks.legacy.e2e_baselines import CappedPinner
 
     p = CappedPinner(["tcp://a", "tcp://b"], cap=3)
     lock, live, peak, done = threading.Lock(), {"tcp://a": 0, "tcp://b": 0}, [0], threading.Event()
@@ -256,7 +256,7 @@ def test_capped_pinner_bounds_live_requests_per_engine_under_threads():
 def test_capped_pinner_is_fifo_and_close_wakes_waiters():
     import threading
 
-    from benchmarks.e2e_baselines import CappedPinner, PinnerClosed
+    from benchmarks.legacy.e2e_baselines import CappedPinner, PinnerClosed
 
     p = CappedPinner(["tcp://a", "tcp://b"], cap=1)
     held = [p.acquire(), p.acquire()]
@@ -295,7 +295,7 @@ def test_capped_pinner_is_fifo_and_close_wakes_waiters():
 
 
 def test_capped_pinner_slot_released_when_the_request_fails():
-    from benchmarks.e2e_baselines import CappedPinner, solve_dask
+    from benchmarks.legacy.e2e_baselines import CappedPinner, solve_dask
 
     class Broken:  # a client whose first submit fails
         def submit(self, *a, **kw):
@@ -465,7 +465,7 @@ def test_missing_peer_is_skipped_and_said_so(monkeypatch):
 
 def test_tiny_langgraph_run_if_installed():
     pytest.importorskip("langgraph")
-    from benchmarks import e2e_peers
+    from benchmarks.legacy import e2e_peers
 
     specs = e2e.specs_for(swe.make_specs(2, 5), "lg-test")
     with e2e_peers.make("langgraph", routing="session_sticky") as peer:
@@ -486,7 +486,7 @@ def test_tiny_langgraph_run_if_installed():
 def test_tiny_router_run_schema_and_completion(tmp_path, monkeypatch):
     """--workflow router at a tiny scale: every variant completes every request; the JSON keeps
     the summary keys per workflow (a missing peer null, reported skipped). No speed assertions."""
-    from benchmarks import e2e_router as router
+    from benchmarks.legacy import e2e_router as router
 
     monkeypatch.setattr(e2e, "peer_available", lambda name: (False, f"not importable (no module {name})"))
 
@@ -523,7 +523,7 @@ def test_tiny_router_run_schema_and_completion(tmp_path, monkeypatch):
 # -- finance workflow -----------------------------------------------------------------------------
 
 def test_finance_specs_and_prompts_carry_the_session_history():
-    from benchmarks import e2e_finance as fin
+    from benchmarks.legacy import e2e_finance as fin
 
     a, b = fin.make_specs(6, 3, fin.THINK_QUICK), fin.make_specs(6, 3, fin.THINK_QUICK)
     assert a == b and fin.make_specs(6, 4, fin.THINK_QUICK) != a
@@ -552,7 +552,7 @@ def test_finance_specs_and_prompts_carry_the_session_history():
 
 
 def test_finance_record_excludes_think_time_and_run_metrics():
-    from benchmarks import e2e_finance as fin
+    from benchmarks.legacy import e2e_finance as fin
 
     spec = fin.make_specs(1, 0, fin.THINK_QUICK)[0]
     stats = {"analysis": [400, 100], "summary": [100, 90], "follow_up": [200, 190], "follow_up_s": [0.1, 0.3]}
@@ -567,7 +567,7 @@ def test_finance_record_excludes_think_time_and_run_metrics():
 def test_tiny_finance_run_schema_completion_and_kv_reuse(tmp_path):
     """--workflow finance at a tiny scale: plain Dask (session-sticky) and dask-agents complete
     every request, send exactly the spec's prompts, and the follow-ups hit the session's KV."""
-    from benchmarks import e2e_finance as fin
+    from benchmarks.legacy import e2e_finance as fin
 
     preset = {"loads": [3.0], "requests": 3, "calibration_load": 3.0, "warmup": 0, "think_s": [0.05, 0.15],
               "dask_sweep": [{"threads": 4, "llm_slots": None, "routing": "session_sticky"}],
@@ -597,7 +597,7 @@ def test_tiny_finance_run_schema_completion_and_kv_reuse(tmp_path):
 
 
 def test_finance_missing_peer_is_skipped_and_said_so(monkeypatch):
-    from benchmarks import e2e_finance as fin
+    from benchmarks.legacy import e2e_finance as fin
 
     monkeypatch.setattr(e2e, "peer_available", lambda name: (False, f"not importable (no module {name})"))
     lines: list[str] = []
@@ -614,7 +614,7 @@ def test_finance_missing_peer_is_skipped_and_said_so(monkeypatch):
 @pytest.mark.parametrize("peer", ["langgraph", "ray"])
 def test_tiny_finance_peer_if_installed(peer):
     pytest.importorskip(peer)
-    from benchmarks import e2e_finance as fin
+    from benchmarks.legacy import e2e_finance as fin
 
     specs = fin.specs_for(fin.make_specs(2, 5, (0.05, 0.1)), f"{peer}-test")
     with fin.make_peer(peer, routing="session_sticky") as b:
@@ -631,7 +631,7 @@ def test_tiny_finance_peer_if_installed(peer):
 def test_tiny_router_peer_if_installed(peer):
     """Router peers: the static split sweep runs, every request completes with the spec's prompts."""
     pytest.importorskip(peer)
-    from benchmarks import e2e_router as router
+    from benchmarks.legacy import e2e_router as router
 
     try:
         base, _ = router.make_specs(6, 0, 2)

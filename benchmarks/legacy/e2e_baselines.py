@@ -38,7 +38,7 @@ from distributed import WorkerPlugin, get_worker, worker_client
 
 from dask_agents.stats import percentile
 
-from benchmarks import e2e_swe as swe
+from benchmarks.legacy import e2e_swe as swe
 
 PLUGIN = "e2e-emulated-engine"
 

@@ -70,8 +70,8 @@ from typing import (  # module level: the graphs' state hints resolve here
 
 import dask_agents as da
 from dask_agents.stats import percentile
-from benchmarks import e2e_swe as swe
-from benchmarks.e2e_peers import LangGraphPeer, RayPeer, _merge
+from benchmarks.legacy import e2e_swe as swe
+from benchmarks.legacy.e2e_peers import LangGraphPeer, RayPeer, _merge
 from examples.finance.workflow import SYSTEM, FinanceRequest, make_requests
 from dask_agents.kv.runtime.tool_latency import prior
 
@@ -410,7 +410,7 @@ def db_task(query: str, emulated_s: float, time_scale: float, seed: int, k: int,
 def analyze_task(spec: FinanceSpec, k: int, llm_slots: int | None, worker: str | None = None) -> dict:
     from distributed import worker_client
 
-    from benchmarks.e2e_baselines import _llm
+    from benchmarks.legacy.e2e_baselines import _llm
 
     with worker_client() as c:  # secedes: the waits below hold no worker thread
         rows = c.submit(db_task, db_query_text(spec, k), spec.db_s[k], spec.tool_time_scale, *db_args(spec, k),
@@ -422,7 +422,7 @@ def analyze_task(spec: FinanceSpec, k: int, llm_slots: int | None, worker: str |
 def summarize_task(spec: FinanceSpec, analyses: list[dict], llm_slots: int | None, worker: str | None = None) -> dict:
     from distributed import worker_client
 
-    from benchmarks.e2e_baselines import _llm
+    from benchmarks.legacy.e2e_baselines import _llm
 
     with worker_client() as c:
         r = _llm(c, summary_prompt(spec), SUMMARY_TOKENS, llm_slots, worker)
@@ -432,7 +432,7 @@ def summarize_task(spec: FinanceSpec, analyses: list[dict], llm_slots: int | Non
 def follow_up_task(spec: FinanceSpec, j: int, llm_slots: int | None, worker: str | None = None) -> dict:
     from distributed import worker_client
 
-    from benchmarks.e2e_baselines import _llm
+    from benchmarks.legacy.e2e_baselines import _llm
 
     with worker_client() as c:
         r = _llm(c, followup_prompt(spec, j), ANSWER_TOKENS, llm_slots, worker)
@@ -613,7 +613,7 @@ FULL = {"loads": [1.0, 2.0, 3.0, 4.0, 5.0], "requests": 60, "calibration_load": 
 
 def workflow(preset: dict):
     """The :class:`benchmarks.e2e.Workflow` of this workflow under ``preset`` (its think times)."""
-    from benchmarks import e2e
+    from benchmarks.legacy import e2e
 
     think = tuple(preset.get("think_s", THINK_FULL))
     return e2e.Workflow(
@@ -632,13 +632,13 @@ def workflow(preset: dict):
 
 def run_benchmark(preset: dict, variants: list[str], seed: int = 0, log=print) -> tuple[dict, dict]:
     """Run the selected variants of the finance workflow; returns (variants, sweeps)."""
-    from benchmarks import e2e
+    from benchmarks.legacy import e2e
 
     return e2e.run_benchmark(preset, [v for v in variants if v in VARIANTS], seed, log, wf=workflow(preset))
 
 
 def build_config(preset: dict, seed: int, variants: list[str]) -> dict:
-    from benchmarks import e2e
+    from benchmarks.legacy import e2e
 
     base = make_specs(preset["requests"], seed, tuple(preset.get("think_s", THINK_FULL)))
     return {

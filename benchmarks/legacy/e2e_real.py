@@ -43,12 +43,12 @@ import statistics
 import sys
 import time
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks import e2e  # noqa: E402
-from benchmarks import e2e_swe as swe  # noqa: E402
+from benchmarks.legacy import e2e  # noqa: E402
+from benchmarks.legacy import e2e_swe as swe  # noqa: E402
 
 CONTEXT_SCALE = 0.5  # the repository context, halved: every prompt fits 4,096 positions
 MAX_MODEL_LEN = 4096

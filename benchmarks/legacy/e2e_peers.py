@@ -37,10 +37,10 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Callable, TypedDict  # module level: the graph's state hints resolve here
 
-from benchmarks import e2e_swe as swe
+from benchmarks.legacy import e2e_swe as swe
 
 ROUTINGS = ("round_robin", "least_loaded", "session_sticky")
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Router:
@@ -156,7 +156,7 @@ class _AsyncPeer:
         return swe.tester_report(spec, rnd)
 
     def run(self, specs, arrivals, timeout: float) -> list[dict]:
-        from benchmarks.e2e import drive_async
+        from benchmarks.legacy.e2e import drive_async
 
         self._groups = replica_groups(list(self.models), self.replicas, self.split)
         self.routers = {m: Router(len(g), self.routing) for m, g in self._groups.items()}

@@ -1,0 +1,227 @@
+"""``python benchmarks/e2e.py``: the command line of the end-to-end benchmark.
+
+Phases: ``all`` (default: choose, then measure every unit, then summarize), ``choose`` (the
+sweeps: writes the chosen configurations, ``--json``), ``measure`` (``--choices FILE`` from a
+choose run, ``--job K/N`` for a slice of the units: writes the units' results), ``merge FILES``
+(joins choose and measure files of one plan: writes the summary, tables and plots). Every
+number is EMULATED; the time scale is printed with every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable
+
+from benchmarks.e2e import report, runner
+from benchmarks.e2e.profile import profile
+from benchmarks.e2e.program import Setup
+
+VARIANTS = ["dask", "dask-capped", "dask-ttl", "dask-agents", "dask-agents-no-admission", "ray", "langgraph"]
+ABLATIONS = ["dask-agents-no-prioritize", "dask-agents-no-balance"]
+QUICK = {"time_scale": 0.05, "requests": 16, "workflows": ["swe"], "scenarios": {"swe": ["stationary"]},
+         "factors": [0.8, 1.2], "seeds": [0], "variants": VARIANTS, "probe_rps": 0.15,
+         "static_sweep": [{"threads": 64, "llm_slots": None, "routing": "session_sticky"}],
+         "capacity_ladder": [0.1, 0.2], "caps": [12], "ttls": [30.0], "peer_routings": ["session_sticky"],
+         "deadline_s": 240.0, "replicas": 2}
+"""A smoke run of the whole pipeline under 10 minutes: one value per knob (no real sweep), 16
+requests, one seed, time scale 0.05 (framework overhead x20 against the engine's times): its
+numbers say the harness works, not where dask-agents stands."""
+FULL = {"time_scale": 0.1, "requests": 60, "workflows": ["swe", "finance", "router"],
+        "scenarios": {"swe": ["stationary", "bursty", "phase"], "finance": ["stationary", "bursty"],
+                      "router": ["skew"]},
+        "factors": [0.5, 0.8, 1.0, 1.2], "seeds": [0, 1, 2], "variants": VARIANTS + ABLATIONS, "probe_rps": 0.15,
+        "static_sweep": [{"threads": 64, "llm_slots": s, "routing": r} for s in (None, 32)
+                         for r in ("none", "session_sticky")],
+        "capacity_ladder": [0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4], "caps": [4, 8, 12, 16, 24],
+        "ttls": [5.0, 20.0, 60.0, 180.0], "peer_routings": ["least_loaded", "session_sticky"],
+        "deadline_s": 1800.0, "replicas": 2}
+"""The full run: every workflow and scenario, loads 0.5-1.2 of the derived capacity, 3 seeds,
+every variant and two ablations; time scale 0.1. Split with ``--job K/N`` (see the module
+docstring and benchmarks/README.md)."""
+
+
+def workflow(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"benchmarks.e2e.workflows.{name}").WORKFLOW
+
+
+def make_setup(wf: Any, preset: dict) -> Setup:
+    """The resources every variant gets: the REALISTIC engine profile, the replicas split evenly
+    over the workflow's models, the preset's time scale."""
+    models = tuple(getattr(wf, "models", ("coder",)))
+    per = max(1, preset["replicas"] // len(models))
+    return Setup(engine=profile("realistic"), replicas=per * len(models), models=tuple((m, per) for m in models),
+                 time_scale=preset["time_scale"], max_model_len=131072, tool_threads=64)
+
+
+def factory_for(setup: Setup, choices: dict) -> Callable[..., Callable]:
+    """``factory(name, scenario, override=None)`` -> a zero-argument constructor of the variant
+    with the chosen configuration (``override`` replaces a knob: the sweeps)."""
+    def factory(name: str, scenario: str, override: dict | None = None) -> Callable:
+        o = dict(override or {})
+        static = choices.get("static") or {"threads": 64, "llm_slots": None, "routing": "session_sticky"}
+        picks = (choices.get("per_scenario") or {}).get(scenario, {}).get(name, None)
+
+        def make() -> Any:
+            if name == "dask":
+                from benchmarks.e2e.variants.dask_plain import PlainDask
+                return PlainDask(setup, **{**static, **o})
+            if name in ("dask-capped", "dask-ttl"):
+                from benchmarks.e2e.variants.dask_plain import PlainDask
+                key = "cap" if name == "dask-capped" else "ttl"
+                value = o.get(key, picks)
+                if value is None:
+                    raise ValueError(f"{name}: no {key} chosen for scenario {scenario!r} (run the choose phase)")
+                return PlainDask(setup, threads=static["threads"], llm_slots=static["llm_slots"],
+                                 routing="session_sticky", **{key: value})
+            if name.startswith("dask-agents"):
+                from benchmarks.e2e.variants.agents import DaskAgents
+                return DaskAgents(setup, disabled=name[len("dask-agents-no-"):] if name != "dask-agents" else None)
+            if name in runner.PEERS:
+                routing = o.get("routing", picks or "session_sticky")
+                if name == "ray":
+                    from benchmarks.e2e.variants.ray_peer import RayPeer
+                    return RayPeer(setup, routing=routing)
+                from benchmarks.e2e.variants.langgraph_peer import LangGraphPeer
+                return LangGraphPeer(setup, routing=routing)
+            if name == "inprocess":
+                from benchmarks.e2e.variants.common import InProcess
+                return InProcess(setup)
+            raise ValueError(f"unknown variant {name!r}")
+
+        return make
+
+    return factory
+
+
+def check_peers(variants: list[str], no_peers: bool) -> list[str]:
+    """The variants to run: peers dropped only with ``--no-peers``; a peer that cannot import fails."""
+    if no_peers:
+        return [v for v in variants if v not in runner.PEERS]
+    for p in (v for v in variants if v in runner.PEERS):
+        try:
+            __import__({"ray": "ray", "langgraph": "langgraph"}[p])
+        except ImportError as e:
+            raise SystemExit(f"peer {p} is not installed ({e}); install the peers extra (make bench) "
+                             f"or pass --no-peers to leave peers out on purpose") from None
+    return variants
+
+
+def jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def config(preset: dict, mode: str) -> dict:
+    return {"mode": mode, "preset": preset, "python": platform.python_version(), "cpus": os.cpu_count(),
+            "emulated": "EMULATED: engines are worker_plugin/emulated.py's cost model; tools sleep",
+            "time_scale": preset["time_scale"], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python benchmarks/e2e.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", nargs="?", default="all", choices=["all", "choose", "measure", "merge"])
+    ap.add_argument("files", nargs="*", help="merge: the choose and measure JSON files")
+    ap.add_argument("--quick", action="store_true", help="the quick preset (under 10 minutes)")
+    ap.add_argument("--workflow", action="append", help="only these workflows (repeatable)")
+    ap.add_argument("--variants", help="comma list (default: the preset's)")
+    ap.add_argument("--seeds", type=int, help="number of seeds (0..N-1)")
+    ap.add_argument("--requests", type=int)
+    ap.add_argument("--time-scale", type=float)
+    ap.add_argument("--choices", help="measure: the choose phase's JSON")
+    ap.add_argument("--job", help="measure: K/N, the K-th of N slices of the units")
+    ap.add_argument("--no-peers", action="store_true", help="leave Ray and LangGraph out on purpose")
+    ap.add_argument("--json", help="write the results here (and PNGs beside it)")
+    a = ap.parse_args(argv)
+    preset = dict(QUICK if a.quick else FULL)
+    for key, val in (("requests", a.requests), ("time_scale", a.time_scale)):
+        if val is not None:
+            preset[key] = val
+    if a.seeds:
+        preset["seeds"] = list(range(a.seeds))
+    if a.workflow:
+        preset["workflows"] = a.workflow
+    if a.variants:
+        preset["variants"] = a.variants.split(",")
+    if a.phase == "merge":
+        return merge(a.files, a.json)
+    preset["variants"] = check_peers(preset["variants"], a.no_peers)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    mode = "quick" if a.quick else "full"
+    log(f"e2e ({mode}, {a.phase}): EMULATED, time scale {preset['time_scale']} (wall s per emulated s, engines "
+        f"and tools alike); latencies in emulated seconds")
+    out: dict[str, Any] = {"config": config(preset, mode), "choices": {}, "sweeps": {}, "units": [], "setups": {}}
+    choices_in = json.load(open(a.choices))["choices"] if a.choices else {}
+    job = tuple(int(x) for x in a.job.split("/")) if a.job else None
+    for name in preset["workflows"]:
+        wf = workflow(name)
+        setup = make_setup(wf, preset)
+        out["setups"][name] = setup.describe()
+        log(f"{name}: {setup.describe()}")
+        chosen = choices_in.get(name)
+        if a.phase in ("all", "choose"):
+            wpreset = {**preset, "scenarios": preset["scenarios"][name]}
+            res = runner.choose(wf, setup, wpreset, lambda ch: factory_for(setup, ch), log)
+            chosen, out["sweeps"][name] = res["chosen"], res["sweeps"]
+            log(f"{name}: chose {chosen}")
+        if chosen is None:
+            raise SystemExit(f"measure needs the choose phase's choices for {name} (--choices FILE)")
+        out["choices"][name] = chosen
+        if a.phase in ("all", "measure"):
+            plan = {"scenarios": preset["scenarios"][name], "factors": preset["factors"], "seeds": preset["seeds"],
+                    "variants": preset["variants"], "capacity_rps": chosen["capacity_rps"],
+                    "requests": preset["requests"], "deadline_s": preset["deadline_s"]}
+            out["units"] += runner.measure(wf, setup, plan, factory_for(setup, chosen), job, log)
+    if a.phase == "all":
+        out["summary"] = report.summarize(out["units"])
+        print(report.table(out["summary"]))
+    if a.json:
+        if out.get("summary"):
+            out["plots"] = report.plot(out["summary"], os.path.splitext(a.json)[0])
+        with open(a.json, "w") as f:
+            json.dump(jsonable(out), f, indent=1)
+        log(f"wrote {a.json}")
+    return 0
+
+
+def merge(files: list[str], path: str | None) -> int:
+    """Join choose/measure files of one plan into one result with its summary."""
+    if not files:
+        raise SystemExit("merge needs the files to join")
+    parts = [json.load(open(f)) for f in files]
+    out: dict[str, Any] = {"config": parts[0]["config"], "choices": {}, "sweeps": {}, "units": [], "setups": {},
+                           "merged_from": files}
+    for p in parts:
+        for k in ("choices", "sweeps", "setups"):
+            for wf, v in p.get(k, {}).items():
+                if k != "sweeps" and wf in out[k] and out[k][wf] != v:
+                    raise SystemExit(f"merge: {k} of {wf} differ between files: not one plan")
+                out[k][wf] = v
+        out["units"] += p.get("units", [])
+    keys = [(u["workflow"], u["scenario"], u["factor"], u["seed"], u["variant"]) for u in out["units"]]
+    if len(keys) != len(set(keys)):
+        raise SystemExit("merge: a unit appears twice (overlapping jobs)")
+    out["summary"] = report.summarize(out["units"])
+    print(report.table(out["summary"]))
+    if path:
+        out["plots"] = report.plot(out["summary"], os.path.splitext(path)[0])
+        with open(path, "w") as f:
+            json.dump(jsonable(out), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

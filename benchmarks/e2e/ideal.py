@@ -1,0 +1,104 @@
+"""Each request's ideal latency: its critical path with no queueing, no framework overhead, a
+perfect prefix cache and single-sequence engine steps, from the EMULATED engine's own cost model.
+
+The workflow's program runs here in virtual time (:class:`IdealRuntime`): agents run one after
+the other but each on its own clock starting when it was started; a gather moves the program's
+clock to the latest of them; a tool call takes its emulated latency; a user's pause its think
+time (left out of the latency, as the runner leaves it out of measured latencies). An LLM call
+takes what the engine's cost model charges one sequence alone on the engine:
+
+- prefill of the prompt tokens not cached, in chunks of ``max_num_batched_tokens``, each step
+  costing the fixed step cost, one sequence, the context it reads and the prefill term;
+- one decode step per further output token, reading the context so far.
+
+The perfect cache holds every block of every prompt the session sent before (finished before
+this call started) and the shared system prompt: a call's cached tokens are the full blocks of
+its longest common prefix with any of them (the last prompt token is always computed, as in the
+engine). Outputs are never cached (the engine's generated tokens are not the program's text),
+the same in every variant.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from benchmarks.e2e.profile import decode_step_cost, params, prefill_cost
+from benchmarks.e2e.program import LLMCall, LLMOut, ToolCall
+
+
+def common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix (binary search over C-level slice comparisons)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def llm_seconds(p: Any, prompt: int, cached: int, max_tokens: int) -> float:
+    """Emulated seconds one call takes alone on an engine with parameters ``p`` (EmulationParams,
+    or a dict of its fields; missing ones take the engine's defaults): the cost model's own
+    step functions, applied to this sequence's steps only."""
+    p = params(p)
+    t, c = 0.0, min(cached, prompt - 1)
+    while c < prompt:  # prefill chunks; the last one samples the first token
+        e = min(c + p.max_num_batched_tokens, prompt)
+        t += decode_step_cost(p, 1, e) + prefill_cost(p, c, e)
+        c = e
+    n = max_tokens - 1  # decode steps, reading prompt + 1 .. prompt + max_tokens - 1 tokens
+    t += n * decode_step_cost(p, 1, 0) + p.decode_s_per_ctx_token * (n * prompt + n * (n + 1) / 2)
+    return t
+
+
+class _Ctx:
+    def __init__(self, rt: "IdealRuntime", start: float):
+        self.rt, self.t, self.session = rt, start, rt.session
+
+    def llm(self, call: LLMCall) -> LLMOut:
+        cached = self.rt.cached(call.prompt, self.t)
+        self.rt.prefill_tokens += len(call.prompt) - cached
+        self.t += llm_seconds(self.rt.params, len(call.prompt), cached, call.max_tokens)
+        self.rt.sent.append((self.t, call.prompt))
+        return LLMOut(len(call.prompt), cached, call.max_tokens)
+
+    def tool(self, call: ToolCall) -> str:
+        self.t += call.emulated_s
+        return call.answer
+
+
+class IdealRuntime:
+    """A :class:`~benchmarks.e2e.program.Runtime` in virtual time (see the module docstring)."""
+
+    def __init__(self, session: str, params: Any, shared_prefix: str = "", block_size: int = 16):
+        self.session, self.params, self.bs = session, params, block_size
+        self.now = 0.0
+        self.think_s = 0.0
+        self.prefill_tokens = 0  # what a perfect cache prefills: the floor
+        self.sent: list[tuple[float, str]] = [(0.0, shared_prefix)] if shared_prefix else []
+
+    def cached(self, prompt: str, at: float) -> int:
+        best = max((common_prefix(prompt, p) for t, p in self.sent if t <= at), default=0)
+        return min(best, len(prompt) - 1) // self.bs * self.bs
+
+    def agent(self, role: str, fn: Callable, *args: Any) -> tuple[Any, float]:
+        ctx = _Ctx(self, self.now)
+        return fn(ctx, *args), ctx.t
+
+    def gather(self, handles: list) -> list:
+        self.now = max([self.now] + [t for _, t in handles])
+        return [v for v, _ in handles]
+
+    def think(self, seconds: float) -> None:
+        self.now += seconds
+        self.think_s += seconds
+
+
+def ideal(workflow: Any, spec: Any, params: Any) -> tuple[float, int]:
+    """The request's ideal latency (emulated seconds, think time left out) and the prompt tokens
+    a perfect cache prefills for it (the floor); checks the program's outcome on the way."""
+    rt = IdealRuntime(getattr(spec, "id", "ideal"), params, getattr(workflow, "shared_prefix", ""))
+    workflow.check(spec, workflow.program(rt, spec))
+    return rt.now - rt.think_s, rt.prefill_tokens

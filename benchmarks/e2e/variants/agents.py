@@ -1,0 +1,179 @@
+"""dask-agents: the workflow written in its programming model, every default policy on.
+
+Each agent role is a component (``@da.agent``, one per role name, so the control plane keeps
+per-component statistics); an invocation is a stub call returning an ``AgentFuture``; inside
+it LLM calls are ``da.llm(model).generate(...)`` and tools are ``@da.tool`` components with
+their kind (``file_io``, ``code_exec``, ...) as the hint the KV policies read. Every request is
+a ``da.session``. The engines are the same EMULATED engines, hosted by dask-agents' worker
+plugin from the ``agents.llm.models`` entry (``engine: emulated``), replica ``i`` on worker
+``i``. Ablations switch one policy off (``disabled``: ``admission``, or a control policy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator
+
+import dask
+import dask_agents as da
+
+from benchmarks.e2e.program import AgentClock, AgentResult, LLMCall, LLMOut, Recorder, Setup, ToolCall, sleep_tool
+from benchmarks.e2e.variants.common import model_entry
+
+ROLES = ("planner", "developer", "tester", "analyst", "summarizer", "followup", "classifier", "chat", "coder",
+         "agent")
+POLICIES = ("prioritize", "balance", "reallocate", "batching")
+
+
+class RoleAgent:
+    """Runs one agent function of a workflow program (``fn(ctx, *args)``) as this component."""
+
+    def run(self, fn: Callable, args: tuple, time_scale: float) -> AgentResult:
+        clock = AgentClock()
+        return clock.result(fn(_Ctx(da.current_session(), clock, time_scale), *args))
+
+
+# One component per role name, defined at import so workers find them by reference.
+COMPONENTS = {r: da.agent(name=r)(type(r.title(), (RoleAgent,), {"__module__": __name__})) for r in ROLES}
+globals().update({c.__name__: c for c in COMPONENTS.values()})
+
+
+@da.tool(kind="file_io")
+def tool_file_io(call: ToolCall, time_scale: float) -> tuple:
+    """A file tool (read, grep, edit): EMULATED latency."""
+    return sleep_tool(call, time_scale)
+
+
+@da.tool(kind="code_exec")
+def tool_code_exec(call: ToolCall, time_scale: float) -> tuple:
+    """A code run in a sandbox: EMULATED latency."""
+    return sleep_tool(call, time_scale)
+
+
+@da.tool(kind="code_exec")
+def tool_test_run(call: ToolCall, time_scale: float) -> tuple:
+    """A test-suite run (a code run of minutes): EMULATED latency."""
+    return sleep_tool(call, time_scale)
+
+
+@da.tool(kind="db_query")
+def tool_db_query(call: ToolCall, time_scale: float) -> tuple:
+    """A database query: EMULATED latency."""
+    return sleep_tool(call, time_scale)
+
+
+@da.tool(kind="web_api")
+def tool_web_api(call: ToolCall, time_scale: float) -> tuple:
+    """A web API call: EMULATED latency."""
+    return sleep_tool(call, time_scale)
+
+
+TOOLS = {"file_io": tool_file_io, "code_exec": tool_code_exec, "test_run": tool_test_run,
+         "db_query": tool_db_query, "web_api": tool_web_api}
+
+
+class _Ctx:
+    def __init__(self, session: str | None, clock: AgentClock, time_scale: float):
+        self.session, self.clock, self.time_scale = session or "", clock, time_scale
+
+    def llm(self, call: LLMCall) -> LLMOut:
+        issued = time.time()
+        r = da.llm(call.model).generate(call.prompt, max_tokens=call.max_tokens).value()
+        returned = time.time()
+        out = LLMOut(r.prompt_tokens, r.cached_tokens, r.output_tokens)
+        self.clock.add(issued, r.arrival_time or issued, r.finished_time or returned, returned)
+        self.clock.llm.append(out)
+        return out
+
+    def tool(self, call: ToolCall) -> str:
+        issued = time.time()
+        answer, started, ended = da.stub(TOOLS[call.kind])(call, self.time_scale).value()
+        self.clock.add(issued, started, ended, time.time())
+        return answer
+
+
+class _Runtime:
+    def __init__(self, session_id: str, time_scale: float):
+        self.session, self.time_scale = session_id, time_scale
+        self.rec = Recorder()
+
+    def agent(self, role: str, fn: Callable, *args: Any):
+        comp = COMPONENTS.get(role, COMPONENTS["agent"])
+        return time.time(), da.stub(comp).run(fn, args, self.time_scale)
+
+    def gather(self, handles: list) -> list:
+        results = [f.value() for _, f in handles]
+        self.rec.add_gather([t for t, _ in handles], results, time.time())
+        return [r.value for r in results]
+
+    def think(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds * self.time_scale)
+
+
+class DaskAgents:
+    """``dask-agents`` (every policy on) or an ablation (``disabled``: ``admission`` or a policy)."""
+
+    def __init__(self, setup: Setup, threads: int = 64, disabled: str | None = None):
+        if disabled not in (None, "admission") + POLICIES:
+            raise ValueError(f"unknown ablation {disabled!r}")
+        self.setup, self.threads, self.disabled = setup, threads, disabled
+        self.name = f"dask-agents-no-{disabled}" if disabled else "dask-agents"
+        self.cluster = self.client = None
+        self._config: contextlib.ExitStack | None = None
+        self.models = {i: [m] for i, m in enumerate(setup.replica_models())}  # replica i on worker i
+
+    def settings(self) -> dict:
+        out: dict = {"agents.llm.models": {m: model_entry(self.setup) for m in self.setup.model_names()}}
+        if self.disabled == "admission":
+            out["agents.scheduler.admission.enabled"] = False
+        elif self.disabled:
+            out[f"agents.control.policies.{self.disabled}.enabled"] = False
+        return out
+
+    def __enter__(self) -> "DaskAgents":
+        from distributed import Client, LocalCluster
+
+        self._config = contextlib.ExitStack()
+        self._config.enter_context(dask.config.set(self.settings()))  # before the workers start
+        self.cluster = LocalCluster(n_workers=self.setup.replicas, threads_per_worker=self.threads, processes=True,
+                                    dashboard_address=None, scheduler_kwargs={"dashboard_address": "127.0.0.1:0"})
+        self.client = Client(self.cluster)
+        da.install(self.client, models=self.models)
+        info = self.client.scheduler_info()["workers"]
+        self.workers = sorted(info, key=lambda a: int(info[a]["name"]))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for c in (self.client, self.cluster, self._config):
+            if c is not None:
+                with contextlib.suppress(Exception):
+                    c.close()
+
+    @contextlib.contextmanager
+    def session(self, session_id: str) -> Iterator[_Runtime]:
+        with da.session(self.client, name=session_id):
+            yield _Runtime(session_id, self.setup.time_scale)
+
+    def engine_stats(self) -> list[dict]:
+        stats = self.client.run(_engine_stats)
+        return [stats[a] for a in self.workers if stats.get(a) is not None]
+
+    def describe(self) -> dict:
+        import distributed
+
+        return {"framework": f"dask-agents {da.__version__} on dask/distributed {distributed.__version__}",
+                "setup": self.setup.describe(), "threads": self.threads,
+                "install": f"da.install(client, models={self.models})",
+                "disabled": self.disabled, "agents": "one component per role; LLM via da.llm; tools as da.tool"}
+
+
+def _engine_stats(dask_worker: Any) -> dict | None:
+    plugin = dask_worker.plugins.get("dask-agents")
+    engines = getattr(plugin, "engines", None)
+    if engines is None:
+        return None
+    for m in list(engines.hosted):
+        return {**engines.start(m).stats(), "model": m}
+    return None
