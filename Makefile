@@ -20,7 +20,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench,peers]"
 	$(PY) benchmarks/overhead.py --quick --json benchmarks/results/overhead.json
-	$(PY) benchmarks/e2e.py --quick --json benchmarks/results/e2e-quick.json
+	$(PY) benchmarks/e2e.py --quick --json benchmarks/results/e2e-realistic-quick.json
 
 clean-venv:
 	rm -rf $(VENV)

@@ -4,13 +4,13 @@ workflow program: values, LLM accounting, session-sticky prefix caching, engine 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import pytest
 
 pytest.importorskip("ray")
 
-from benchmarks.e2e.program import LLMCall, LLMOut, Outcome, Setup, ToolCall  # noqa: E402
+from benchmarks.e2e.program import LLMCall, LLMOut, Setup, ToolCall  # noqa: E402
 from benchmarks.e2e.variants.ray_peer import RayPeer  # noqa: E402
 
 SETUP = Setup(engine={"kv_blocks": 256, "max_batch": 8, "decode_s_per_step": 0.002}, replicas=2,
@@ -28,6 +28,12 @@ def coder(ctx, k: int) -> tuple[str, LLMOut, LLMOut]:
     b = ctx.llm(LLMCall(ctx.session, "coder", second, 6))
     answer = ctx.tool(ToolCall("file_io", 0.01, answer=f"docs {k}"))
     return answer, a, b
+
+
+class Outcome(NamedTuple):
+    value: list
+    overhead_s: float
+    llm_calls: int
 
 
 def program(rt) -> Outcome:

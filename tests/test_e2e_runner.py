@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from benchmarks.e2e import report, runner
+from benchmarks.e2e import report, runner, stats
 from benchmarks.e2e.cli import FULL, factory_for, make_setup, merge, workflow
 from benchmarks.e2e.ideal import ideal, llm_seconds
 from benchmarks.e2e.program import Setup
@@ -155,3 +155,90 @@ def test_the_benchmark_package_has_no_import_cycle():
     graph = import_graph({"benchmarks/e2e": "benchmarks.e2e"}, "**/*.py")
     assert {"benchmarks.e2e.runner", "benchmarks.e2e.cli", "benchmarks.e2e.variants.agents"} <= set(graph)
     assert cycles(graph) == []
+
+
+class _Slow:
+    """A fake variant whose requests finish only when the test says so."""
+
+    name = "slow"
+
+    def __init__(self):
+        import threading
+
+        self.release = threading.Event()
+
+    def session(self, session_id, models=None):
+        import contextlib
+
+        from benchmarks.e2e.program import Recorder
+
+        @contextlib.contextmanager
+        def cm():
+            class RT:
+                rec = Recorder()
+            yield RT()
+        return cm()
+
+
+class _Wf:
+    name = "fake"
+
+    def __init__(self, variant):
+        self.v = variant
+
+    def program(self, rt, spec):
+        if spec.id == "slow":
+            self.v.release.wait()
+        return spec.id
+
+    def check(self, spec, value):
+        assert value == spec.id
+
+    def think_s(self, spec):
+        return 0.0
+
+
+def test_a_request_past_the_deadline_is_censored_and_stays_so():
+    """Drive's snapshot at the deadline is final: the slow request is a timeout even though it
+    completes afterwards, and its latency counts (censored) instead of vanishing."""
+    from types import SimpleNamespace
+
+    v = _Slow()
+    wf = _Wf(v)
+    specs = [SimpleNamespace(id="fast"), SimpleNamespace(id="slow")]
+    recs = runner.drive(v, wf, specs, [0.0, 0.0], 1.0, 0.2)
+    v.release.set()  # the slow request finishes now, after the snapshot
+    by = {r["id"]: r for r in recs}
+    assert by["fast"]["ok"] and not by["slow"]["ok"] and "timeout" in by["slow"]["error"]
+    rows = [{"id": r["id"], "arrival": 0.0, "ideal": 0.01, "ok": r["ok"],
+             "latency": r["finish_wall"] - r["arrival_wall"], "overhead_s": 0.0} for r in recs] * 4
+    m = stats.point_metrics(rows, 1.0, {}, 1)
+    assert m["censored"] > 0 and not m["sustained"]
+    assert m["mean_s"] >= stats._mean([r["latency"] for r in rows if r["ok"]])
+
+
+def test_the_ideal_perfect_cache_sees_a_sibling_listed_later_that_started_first():
+    """Two parallel agents share a long prefix; the second listed starts first (the first waits
+    on a tool): the floor computes the shared part once, whichever order the program lists them."""
+    from benchmarks.e2e.program import LLMCall, ToolCall
+
+    shared = "x" * 4000
+
+    def a(ctx):
+        ctx.tool(ToolCall("file_io", 5.0))
+        ctx.llm(LLMCall(ctx.session, "a", shared + "A" * 100, 2))
+
+    def b(ctx):
+        ctx.llm(LLMCall(ctx.session, "b", shared + "B" * 100, 2))
+
+    class W:
+        shared_prefix = ""
+
+        def program(self, rt, spec):
+            rt.gather([rt.agent("a", a), rt.agent("b", b)])
+
+        def check(self, spec, value):
+            pass
+
+    _, floor = ideal(W(), None, {})
+    assert floor < 4000 + 2 * 100 + 2 * 16  # the 4,000 shared tokens prefilled once

@@ -37,6 +37,8 @@ def test_generate_and_prefix_cache_hit_in_same_session(client):
     assert r2.cached_tokens > 0  # the session's prefix stayed in vLLM's prefix cache
     assert r2.worker == r1.worker  # session affinity: the worker that holds its KV
     assert first.meta.component == "llm.coder" and first.key.startswith("llm.coder-")
+    # the engine's own times (vLLM's arrival/finished): inside the call, the second after the first
+    assert r1.arrival_time <= r1.finished_time <= r2.arrival_time <= r2.finished_time
 
     def tokens_reported():
         df = da.telemetry(client, s.id)

@@ -215,6 +215,7 @@ class Engines:
 
         component, method, sid, key = header[:4]
         max_tokens, temperature, seed = sampling
+        received = time.time()  # the engine host has the request: tokenizing and checks are its work
         ids = self._check_inputs(header, model, host, prompt, sampling)
         try:  # the engine's own parameter checks (vLLM's ranges) fail this call, named, and only it
             params = host.sampling_params(max_tokens, float(temperature), seed, task_priority(key))
@@ -222,7 +223,9 @@ class Engines:
             raise InvalidRequestError(f"{where(component, method, sid)}: model {model!r} refuses the sampling "
                                       f"parameters (max_tokens={max_tokens}, temperature={temperature}, "
                                       f"seed={seed}): {e} (call {key})") from None
-        return host.submit(key, ids, params, sid), ids
+        fut = host.submit(key, ids, params, sid)
+        host.token_times.restamp(key, received)
+        return fut, ids
 
     def _result(self, header: tuple, model: str, host: Any, ids: list[int], out: Any, load_wait: float = 0.0,
                 ready_at: float | None = None) -> Any:

@@ -29,6 +29,13 @@ class TokenTimes:
         if t is not None and t[1] is None:
             t[1] = time.time() if at is None else at
 
+    def restamp(self, request_id: str, at: float) -> None:
+        """The request reached the engine's host at ``at`` (earlier than its submission, which
+        followed tokenizing and checks): TTFT and the reported arrival count from there."""
+        t = self._times.get(request_id)
+        if t is not None:
+            t[0] = at
+
     def submitted_at(self, request_id: str) -> float | None:
         """When the request was submitted (POSIX seconds), or None if unknown."""
         t = self._times.get(request_id)

@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, val in (("requests", a.requests), ("time_scale", a.time_scale)):
         if val is not None:
             preset[key] = val
-    if a.seeds:
+    if a.seeds is not None:
+        if a.seeds < 1:
+            raise SystemExit("--seeds needs at least 1")
         preset["seeds"] = list(range(a.seeds))
     if a.workflow:
         preset["workflows"] = a.workflow
@@ -168,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     job = tuple(int(x) for x in a.job.split("/")) if a.job else None
     for name in preset["workflows"]:
         wf = workflow(name)
+        preset["scenarios"] = {**preset["scenarios"], name: preset["scenarios"].get(name, list(wf.scenarios))}
         setup = make_setup(wf, preset)
         out["setups"][name] = setup.describe()
         log(f"{name}: {setup.describe()}")
@@ -204,7 +207,11 @@ def merge(files: list[str], path: str | None) -> int:
     parts = [json.load(open(f)) for f in files]
     out: dict[str, Any] = {"config": parts[0]["config"], "choices": {}, "sweeps": {}, "units": [], "setups": {},
                            "merged_from": files}
-    for p in parts:
+    plan = {k: v for k, v in parts[0]["config"].get("preset", {}).items() if k != "workflows"}
+    for f, p in zip(files, parts):
+        other = {k: v for k, v in p["config"].get("preset", {}).items() if k != "workflows"}
+        if other != plan:
+            raise SystemExit(f"merge: {f} was run with another plan (preset) than {files[0]}")
         for k in ("choices", "sweeps", "setups"):
             for wf, v in p.get(k, {}).items():
                 if k != "sweeps" and wf in out[k] and out[k][wf] != v:

@@ -11,11 +11,12 @@ takes what the engine's cost model charges one sequence alone on the engine:
   costing the fixed step cost, one sequence, the context it reads and the prefill term;
 - one decode step per further output token, reading the context so far.
 
-The perfect cache holds every block of every prompt the session sent before (finished before
-this call started) and the shared system prompt: a call's cached tokens are the full blocks of
-its longest common prefix with any of them (the last prompt token is always computed, as in the
-engine). Outputs are never cached (the engine's generated tokens are not the program's text),
-the same in every variant.
+The perfect cache holds every block of every prompt of the same model the session sent before
+this call started (a sibling's too: KV is registered as it is computed, so this is optimistic,
+as a lower bound must be) and what every session's prompts begin with (the shared system
+prompt): a call's cached tokens are the full blocks of its longest common prefix with any of
+them (the last prompt token is always computed, as in the engine). Outputs are never cached
+(the engine's generated tokens are not the program's text), the same in every variant.
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ class _Ctx:
         self.rt, self.t, self.session = rt, start, rt.session
 
     def llm(self, call: LLMCall) -> LLMOut:
-        cached = self.rt.cached(call.prompt, self.t)
+        cached = self.rt.cached(call.model, call.prompt, self.t)
         self.rt.prefill_tokens += len(call.prompt) - cached
+        self.rt.record(call.model, call.prompt, self.t)
         self.t += llm_seconds(self.rt.params, len(call.prompt), cached, call.max_tokens)
-        self.rt.sent.append((self.t, call.prompt))
         return LLMOut(len(call.prompt), cached, call.max_tokens)
 
     def tool(self, call: ToolCall) -> str:
@@ -70,17 +71,33 @@ class _Ctx:
 
 
 class IdealRuntime:
-    """A :class:`~benchmarks.e2e.program.Runtime` in virtual time (see the module docstring)."""
+    """A :class:`~benchmarks.e2e.program.Runtime` in virtual time (see the module docstring).
 
-    def __init__(self, session: str, params: Any, shared_prefix: str = "", block_size: int = 16):
-        self.session, self.params, self.bs = session, params, block_size
+    The perfect cache: a call hits every full block of its longest common prefix with a prompt of
+    the same model sent before it started (at the same instant: sent by an agent listed before
+    it; the first of two simultaneous siblings computes what they share), and with ``shared``
+    (what every session's prompts begin with). Parallel agents run one after another here, so an
+    agent cannot see a sibling listed after it that started earlier in virtual time; ``earlier``
+    (the previous pass's prompts, by call order) closes that gap: :func:`ideal` runs passes
+    until the result stops changing."""
+
+    def __init__(self, session: str, params: Any, shared: str = "", block_size: int = 16,
+                 earlier: list | None = None):
+        self.session, self.params, self.bs, self.shared = session, params, block_size, shared
         self.now = 0.0
         self.think_s = 0.0
         self.prefill_tokens = 0  # what a perfect cache prefills: the floor
-        self.sent: list[tuple[float, str]] = [(0.0, shared_prefix)] if shared_prefix else []
+        self.sent: list[tuple[float, int, str, str]] = []  # (start, call order, model, prompt)
+        self.earlier = earlier or []
 
-    def cached(self, prompt: str, at: float) -> int:
-        best = max((common_prefix(prompt, p) for t, p in self.sent if t <= at), default=0)
+    def record(self, model: str, prompt: str, at: float) -> None:
+        self.sent.append((at, len(self.sent), model, prompt))
+
+    def cached(self, model: str, prompt: str, at: float) -> int:
+        me = len(self.sent)
+        seen = [p for t, o, m, p in self.sent if m == model and t <= at]
+        seen += [p for t, o, m, p in self.earlier if o > me and m == model and t < at]
+        best = max((common_prefix(prompt, p) for p in seen + [self.shared]), default=0)
         return min(best, len(prompt) - 1) // self.bs * self.bs
 
     def agent(self, role: str, fn: Callable, *args: Any) -> tuple[Any, float]:
@@ -96,9 +113,28 @@ class IdealRuntime:
         self.think_s += seconds
 
 
-def ideal(workflow: Any, spec: Any, params: Any) -> tuple[float, int]:
+def ideal(workflow: Any, spec: Any, params: Any, shared: str | None = None) -> tuple[float, int]:
     """The request's ideal latency (emulated seconds, think time left out) and the prompt tokens
-    a perfect cache prefills for it (the floor); checks the program's outcome on the way."""
-    rt = IdealRuntime(getattr(spec, "id", "ideal"), params, getattr(workflow, "shared_prefix", ""))
-    workflow.check(spec, workflow.program(rt, spec))
-    return rt.now - rt.think_s, rt.prefill_tokens
+    a perfect cache prefills for it (the floor); checks the program's outcome on the way.
+    ``shared``: what every session's prompts begin with (default the workflow's
+    ``shared_prefix``)."""
+    shared = getattr(workflow, "shared_prefix", "") if shared is None else shared
+    earlier: list = []
+    result = None
+    for _ in range(4):  # passes until a sibling's prompts are seen where they started first
+        rt = IdealRuntime(getattr(spec, "id", "ideal"), params, shared, earlier=earlier)
+        workflow.check(spec, workflow.program(rt, spec))
+        out = (rt.now - rt.think_s, rt.prefill_tokens)
+        if out == result:
+            break
+        result, earlier = out, rt.sent
+    return result
+
+
+def run_shared(workflow: Any, specs: list) -> str:
+    """What every request's prompts begin with: the workflow's shared prefix and the start of
+    the session header its prompts carry next (``"\nSession <id>"``, the ids' common start)."""
+    import os
+
+    base = getattr(workflow, "shared_prefix", "")
+    return os.path.commonprefix([f"{base}\nSession {s.id}" for s in specs]) if specs else base

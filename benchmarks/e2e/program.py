@@ -254,8 +254,9 @@ class Variant(Protocol):
 
     def __exit__(self, *exc: Any) -> None: ...
 
-    def session(self, session_id: str) -> Any:
-        """A context manager yielding the :class:`Runtime` of one request (its session)."""
+    def session(self, session_id: str, models: tuple | None = None) -> Any:
+        """A context manager yielding the :class:`Runtime` of one request (its session);
+        ``models``: the models it will call (None: any of the run's)."""
         ...
 
     def engine_stats(self) -> list[dict]:

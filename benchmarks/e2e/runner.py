@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable
 
 from benchmarks.e2e import stats
-from benchmarks.e2e.ideal import ideal
+from benchmarks.e2e.ideal import ideal, run_shared
 from benchmarks.e2e.program import Setup
 
 SWEEP_SEED = 1000
@@ -73,22 +73,34 @@ def arrivals(wf: Any, scenario: str, n: int, rate: float, seed: int) -> list[flo
 # -- one point ---------------------------------------------------------------------------------------
 
 def drive(variant: Any, wf: Any, specs: list, offsets: list[float], time_scale: float, deadline_s: float) -> list[dict]:
-    """Start each request at its arrival (emulated offsets x ``time_scale``) in its own thread,
-    wait for all or the deadline (wall seconds after the last arrival); records in wall time."""
+    """Start each request at its arrival (emulated offsets x ``time_scale``) in its own thread and
+    wait for all or the deadline (wall seconds after the last arrival). Returns a snapshot of
+    the records taken then (wall times): a request still running is recorded as timed out, and
+    nothing it does later changes the result. Time spent entering and leaving the request's
+    session (opening it with the scheduler, a capped baseline's wait for a slot) is framework
+    overhead on the critical path, added to the request's ``overhead_wall``."""
     records: list[dict] = [{} for _ in specs]
+    lock = threading.Lock()
     done = threading.Semaphore(0)
+    closed = [False]
 
     def one(i: int, t_arrival: float) -> None:
-        spec, rec = specs[i], records[i]
-        rec.update(id=spec.id, arrival_wall=t_arrival)
+        spec, rec = specs[i], {"id": specs[i].id, "arrival_wall": t_arrival}
         try:
-            with variant.session(spec.id) as rt:
+            t0 = time.time()
+            with variant.session(spec.id, models_of(wf, spec)) as rt:
+                t1 = time.time()
                 value = wf.program(rt, spec)
+                t2 = time.time()
             wf.check(spec, value)
-            rec.update(ok=True, finish_wall=time.time(), overhead_wall=rt.rec.overhead_s)
+            rec.update(ok=True, finish_wall=time.time(),
+                       overhead_wall=rt.rec.overhead_s + (t1 - t0) + (time.time() - t2))
         except BaseException as e:  # noqa: BLE001  (any failure is the request's, recorded)
             rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:300], finish_wall=time.time())
         finally:
+            with lock:
+                if not closed[0]:
+                    records[i] = rec
             done.release()
 
     t0 = time.time() + 0.2
@@ -97,20 +109,34 @@ def drive(variant: Any, wf: Any, specs: list, offsets: list[float], time_scale: 
         delay = at - time.time()
         if delay > 0:
             time.sleep(delay)
+        records[i] = {"id": specs[i].id, "arrival_wall": at}
         threading.Thread(target=one, args=(i, at), daemon=True, name=f"e2e-request-{i}").start()
     end = t0 + offsets[-1] * time_scale + deadline_s
     for _ in specs:
         if not done.acquire(timeout=max(0.0, end - time.time())):
             break
-    for rec in records:
+    with lock:
+        closed[0] = True
+        now = time.time()
+        out = [dict(r) for r in records]
+    for rec in out:
         if "finish_wall" not in rec:
-            rec.update(ok=False, error="timeout: not finished by the point's deadline")
-    return records
+            rec.update(ok=False, error="timeout: not finished by the point's deadline", finish_wall=now)
+    return out
+
+
+def models_of(wf: Any, spec: Any) -> tuple | None:
+    """The models a request calls (None: every model of the run)."""
+    f = getattr(wf, "models_of", None)
+    return tuple(f(spec)) if callable(f) else None
 
 
 def run_point(make: Callable[[], Any], wf: Any, specs: list, offsets: list[float], rate: float, setup: Setup,
               ideal_of: dict, deadline_s: float) -> dict:
-    """One point on a freshly started variant (see the module docstring)."""
+    """One point on a freshly started variant (see the module docstring). A request that failed
+    or timed out counts with its latency censored at the moment it was given up (a lower bound
+    of what it would have taken), so losing slow requests never lowers a variant's latency; the
+    point is then not sustained."""
     t_start = time.time()
     with make() as v:
         ready = time.time()
@@ -122,10 +148,9 @@ def run_point(make: Callable[[], Any], wf: Any, specs: list, offsets: list[float
     rows = []
     for spec, off, r in zip(specs, offsets, recs):
         lat, prefill = ideal_of[spec.id]
-        row = {"id": spec.id, "arrival": off, "ideal": lat, "ok": bool(r.get("ok")), "error": r.get("error")}
-        if r.get("ok"):
-            row["latency"] = (r["finish_wall"] - r["arrival_wall"]) / scale - wf.think_s(spec)
-            row["overhead_s"] = r["overhead_wall"] / scale
+        row = {"id": spec.id, "arrival": off, "ideal": lat, "ok": bool(r.get("ok")), "error": r.get("error"),
+               "latency": (r["finish_wall"] - r["arrival_wall"]) / scale - wf.think_s(spec)}
+        row["overhead_s"] = r["overhead_wall"] / scale if r.get("ok") else math.nan
         rows.append(row)
     floor = sum(ideal_of[s.id][1] for s in specs)
     m = stats.point_metrics(rows, rate, stats.counter_delta(before, after), floor)
@@ -134,7 +159,9 @@ def run_point(make: Callable[[], Any], wf: Any, specs: list, offsets: list[float
 
 
 def ideals(wf: Any, specs: list, setup: Setup) -> dict:
-    return {s.id: ideal(wf, s, setup.engine) for s in specs}
+    """Request id -> (ideal latency, floor prefill tokens) for a request set."""
+    shared = run_shared(wf, specs)
+    return {s.id: ideal(wf, s, setup.engine, shared) for s in specs}
 
 
 def score(m: dict) -> tuple:
@@ -201,9 +228,10 @@ def choose(wf: Any, setup: Setup, preset: dict, factory_for: Callable[[dict], Ca
 
     chosen: dict[str, Any] = {}
     factory = factory_for(chosen)
+    base = wf.scenarios[0]  # stationary where the workflow has it (router: its skew)
     best = None
     for cfg in preset["static_sweep"]:
-        m = point(factory("dask", "stationary", cfg), "stationary", preset["probe_rps"])
+        m = point(factory("dask", base, cfg), base, preset["probe_rps"])
         sweeps["static"].append({"config": cfg, "metrics": m})
         log(f"  sweep static {cfg}: mean {m['mean_s']:.1f} s sustained {m['sustained']}")
         if best is None or score(m) < score(best[1]):
@@ -211,15 +239,15 @@ def choose(wf: Any, setup: Setup, preset: dict, factory_for: Callable[[dict], Ca
     chosen["static"] = best[0]
     capacity = None
     for rate in preset["capacity_ladder"]:
-        m = point(factory("dask", "stationary"), "stationary", rate)
+        m = point(factory("dask", base), base, rate)
         sweeps["capacity"].append({"rate_rps": rate, "metrics": m})
         log(f"  capacity ladder {rate:g}/s: sustained {m['sustained']} mean {m['mean_s']:.1f} s")
         if not m["sustained"]:
             break
         capacity = rate
     chosen["capacity_rps"] = capacity if capacity is not None else preset["capacity_ladder"][0] / 2
-    chosen["capacity_note"] = ("highest ladder load the best static configuration sustained" if capacity is not None
-                               else "no ladder load sustained: half the lowest")
+    chosen["capacity_note"] = (f"highest ladder load the best static configuration sustained ({base})"
+                               if capacity is not None else "no ladder load sustained: half the lowest")
     for sc in preset["scenarios"]:
         rate, picks = chosen["capacity_rps"], {}
         for name, key, values in (("dask-capped", "cap", preset["caps"]), ("dask-ttl", "ttl", preset["ttls"]),

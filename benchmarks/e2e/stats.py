@@ -55,15 +55,18 @@ def completion_slope(done: list[dict]) -> float:
 
 
 def point_metrics(records: list[dict], offered: float, counters: dict, floor_prefill: int) -> dict:
-    """One point's metrics. ``records``: per request ``arrival`` (emulated s), ``latency``,
-    ``ideal``, ``overhead_s`` (emulated), ``ok``; ``counters``: the engines' counter deltas
-    summed; ``floor_prefill``: the prefill tokens of a perfect cache for the same requests."""
+    """One point's metrics. ``records``: per request ``arrival`` (emulated s), ``latency`` (a
+    failed request's censored where it was given up), ``ideal``, ``overhead_s`` (emulated), ``ok``;
+    ``counters``: the engines' counter deltas summed; ``floor_prefill``: the prefill tokens of a
+    perfect cache for the same requests. Latency statistics cover every request of the window,
+    failed ones included (censored), against the ideal of the same requests."""
     w = window(records)
     done = [r for r in w if r.get("ok")]
-    lat = [r["latency"] for r in done]
+    lat = [r["latency"] for r in w]
     ideal = sorted(r["ideal"] for r in w)
     slope = completion_slope(done)
-    thr = offered / slope if slope and slope > 0 else (math.inf if slope is not None and slope <= 0 else math.nan)
+    # throughput: the offered load while completions keep up (slope <= 1), less when they fall behind
+    thr = offered / max(slope, 1.0) if math.isfinite(slope) else math.nan
     g = len(done) // 3
     growth = math.nan
     if g >= 1:
@@ -77,12 +80,12 @@ def point_metrics(records: list[dict], offered: float, counters: dict, floor_pre
     prefill = counters.get("prefill_tokens", 0)
     return {
         "requests": len(records), "completed": sum(bool(r.get("ok")) for r in records), "window": len(w),
-        "failed": [r.get("error") for r in records if not r.get("ok")][:3],
+        "censored": len(w) - len(done), "failed": [r.get("error") for r in records if not r.get("ok")][:3],
         "offered_rps": offered, "mean_s": _mean(lat), "p50_s": percentile(lat, 50), "p95_s": percentile(lat, 95),
         "p99_s": p99, "ideal_mean_s": _mean(ideal), "ideal_p99_s": percentile(ideal, 99),
         "overhead_share": _mean([r["overhead_s"] / r["latency"] for r in done if r["latency"] > 0]),
-        "throughput_rps": thr, "latency_growth": growth, "sustained": sustained, "p99_bound_s": bound,
-        "hit_rate": h / q if q else math.nan, "prefill_tokens": prefill,
+        "throughput_rps": thr, "completion_slope": slope, "latency_growth": growth, "sustained": sustained,
+        "p99_bound_s": bound, "hit_rate": h / q if q else math.nan, "prefill_tokens": prefill,
         "recomputed_tokens": counters.get("recomputed_tokens", 0), "preemptions": counters.get("preemptions", 0),
         "host_hits": counters.get("host_hits", 0), "evictions": counters.get("evictions", 0),
         "floor_prefill_tokens": floor_prefill, "queried_tokens": q,
@@ -127,7 +130,9 @@ def ratio(key: str) -> Callable[[dict, dict], float | None]:
 
 def gap_closed(key: str, ideal_key: str) -> Callable[[dict, dict], float | None]:
     """(best baseline - variant) / (best baseline - ideal) on ``key``: 1 reaches the ideal bound,
-    0 ties the best baseline, < 0 is worse than it."""
+    0 ties the best baseline, < 0 is worse than it. None when the best baseline is at or below the
+    ideal bound (nothing to close: a bound that is not a bound there, reported as None, not hidden:
+    the spread's ``n`` counts the seeds that had a value)."""
     def f(variant: dict, best: dict) -> float | None:
         v, b, i = finite(variant.get(key)), finite(best.get(key)), finite(best.get(ideal_key))
         if v is None or b is None or i is None or b - i <= 0:

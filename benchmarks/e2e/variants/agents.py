@@ -152,13 +152,13 @@ class DaskAgents:
                     c.close()
 
     @contextlib.contextmanager
-    def session(self, session_id: str) -> Iterator[_Runtime]:
+    def session(self, session_id: str, models: tuple | None = None) -> Iterator[_Runtime]:
         with da.session(self.client, name=session_id):
             yield _Runtime(session_id, self.setup.time_scale)
 
     def engine_stats(self) -> list[dict]:
         stats = self.client.run(_engine_stats)
-        return [stats[a] for a in self.workers if stats.get(a) is not None]
+        return [stats.get(a) or {} for a in self.workers]  # one entry per worker: before/after pair up
 
     def describe(self) -> dict:
         import distributed

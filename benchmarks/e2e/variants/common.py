@@ -46,8 +46,8 @@ def generate_on(host: Any, call: LLMCall, session: str | None = None) -> tuple[L
     """Run one LLM call on an engine host and wait: its counts, and when the engine received it
     and finished it (wall clock). ``session`` is passed to the engine only by variants whose
     engine knows sessions (dask-agents does it itself; a workflow-blind engine gets None)."""
+    received = time.time()  # (before tokenizing: every variant stamps receipt here)
     ids = host.tokenizer.encode(call.prompt)
-    received = time.time()
     fut = host.submit(uuid.uuid4().hex, ids, host.sampling_params(call.max_tokens, 0.0, None), session)
     out = fut.result()
     done = time.time()
@@ -192,7 +192,7 @@ class InProcess:
         return self.tools.submit(sleep_tool, call, self.setup.time_scale).result()
 
     @contextmanager
-    def session(self, session_id: str) -> Iterator[ThreadRuntime]:
+    def session(self, session_id: str, models: tuple | None = None) -> Iterator[ThreadRuntime]:
         def start(role: str, fn: Callable, args: tuple) -> Future:
             key = f"{session_id}/{next(self._agents)}" if self.per_agent else session_id
             return self.pool.submit(run_agent_in_thread, session_id, fn, args,

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 from distributed import WorkerPlugin, get_worker, worker_client
 
-from benchmarks.e2e.program import AgentClock, LLMCall, Recorder, Setup, ToolCall, sleep_tool
+from benchmarks.e2e.program import AgentClock, AgentResult, LLMCall, Recorder, Setup, ToolCall, sleep_tool
 from benchmarks.e2e.variants.common import generate_on, make_engine
 
 PLUGIN = "e2e-emulated-engine"
@@ -74,22 +74,23 @@ def llm_task(call: LLMCall, ttl_wall_s: float | None) -> tuple:
     if ttl_wall_s is None:
         return generate_on(host, call)
     out = generate_on(host, call, session=call.session)  # the TTL pin needs the engine to know sessions
-    with contextlib.suppress(Exception):  # the pin budget may be spent: the call still counts
-        host.kv.retain(call.session, ttl_s=ttl_wall_s)
+    # Between engine steps (kv_directive runs it on the stepping thread: the KV is not thread-safe);
+    # a pin beyond the engine's pin budget pins fewer blocks, it does not fail.
+    host.kv_directive("retain", call.session, ttl_s=ttl_wall_s)
     return out
 
 
 class _Ctx:
     def __init__(self, session: str, clock: AgentClock, pins: dict, llm_slots: int | None, ttl: float | None,
-                 time_scale: float):
-        self.session, self.clock, self.pins = session, clock, pins
+                 time_scale: float, model_workers: dict):
+        self.session, self.clock, self.pins, self.model_workers = session, clock, pins, model_workers
         self.llm_slots, self.ttl, self.time_scale = llm_slots, ttl, time_scale
 
     def llm(self, call: LLMCall):
         kw: dict = {"key": f"llm-{call.role}-{uuid.uuid4().hex}", "pure": False}
         addr = self.pins.get(call.model)
-        if addr is not None:
-            kw.update(workers=[addr], allow_other_workers=False)
+        # pinned to its session's engine, or to any worker hosting the call's model
+        kw.update(workers=[addr] if addr is not None else self.model_workers[call.model], allow_other_workers=False)
         if self.llm_slots:
             kw["resources"] = {"LLM": 1}
         issued = time.time()
@@ -107,10 +108,10 @@ class _Ctx:
 
 
 def agent_task(session: str, fn: Callable, args: tuple, pins: dict, llm_slots: int | None, ttl: float | None,
-               time_scale: float):
+               time_scale: float, model_workers: dict) -> AgentResult:
     """One agent invocation as a task."""
     clock = AgentClock()
-    return clock.result(fn(_Ctx(session, clock, pins, llm_slots, ttl, time_scale), *args))
+    return clock.result(fn(_Ctx(session, clock, pins, llm_slots, ttl, time_scale, model_workers), *args))
 
 
 class Pinner:
@@ -175,7 +176,8 @@ class _Runtime:
     def agent(self, role: str, fn: Callable, *args: Any):
         v = self.v
         return time.time(), v.client.submit(agent_task, self.session, fn, args, self.pins, v.llm_slots, v.ttl_wall,
-                                             v.setup.time_scale, key=f"{role}-{uuid.uuid4().hex}", pure=False)
+                                             v.setup.time_scale, v.by_model, key=f"{role}-{uuid.uuid4().hex}",
+                                             pure=False)
 
     def gather(self, handles: list) -> list:
         results = [f.result() for _, f in handles]
@@ -216,6 +218,7 @@ class PlainDask:
         by_model: dict[str, list[str]] = {}
         for addr in sorted(stats):
             by_model.setdefault(stats[addr]["model"], []).append(addr)
+        self.by_model = by_model
         self.pinners = {m: Pinner(ws, self.cap) for m, ws in by_model.items()} if self.routing != "none" else {}
         self.workers = sorted(stats, key=lambda a: self.client.scheduler_info()["workers"][a]["name"])
         return self
@@ -228,15 +231,18 @@ class PlainDask:
                 c.close()
 
     @contextlib.contextmanager
-    def session(self, session_id: str) -> Iterator[_Runtime]:
+    def session(self, session_id: str, models: tuple | None = None) -> Iterator[_Runtime]:
+        """Pins (session_sticky) or slots (capped) for the models the request calls; without
+        routing its LLM tasks may run on any worker hosting their model."""
         pins: dict[str, str] = {}
         try:
-            for m, p in self.pinners.items():
-                pins[m] = p.acquire()
+            for m in models or tuple(self.by_model):
+                pins[m] = self.pinners[m].acquire() if self.pinners else None
             yield _Runtime(self, session_id, pins)
         finally:
             for m, addr in pins.items():
-                self.pinners[m].release(addr)
+                if addr is not None:
+                    self.pinners[m].release(addr)
 
     def engine_stats(self) -> list[dict]:
         stats = self.client.run(engine_stats)

@@ -126,7 +126,7 @@ class LangGraphPeer:
     # -- the Variant interface --------------------------------------------------------------------
 
     @contextmanager
-    def session(self, session_id: str) -> Iterator[ThreadRuntime]:
+    def session(self, session_id: str, models: tuple | None = None) -> Iterator[ThreadRuntime]:
         """One request's runtime: its agents are graph invocations on the driver pool. (The
         router keeps the session's backend in its own LRU map, as a deployed router does.)"""
         def start(role: str, fn: Callable, args: tuple) -> Future:

@@ -132,7 +132,7 @@ class RayPeer:
         return ray.get(actor.run.remote(call, self.setup.time_scale))
 
     @contextmanager
-    def session(self, session_id: str) -> Iterator[ThreadRuntime]:
+    def session(self, session_id: str, models: tuple | None = None) -> Iterator[ThreadRuntime]:
         """The runtime of one request; its sticky replicas are forgotten when it ends."""
         def start(role: str, fn: Callable, args: tuple) -> Future:
             return self.pool.submit(run_agent_in_thread, session_id, fn, args,
