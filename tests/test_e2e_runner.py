@@ -6,7 +6,6 @@ import cycle."""
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 
@@ -99,7 +98,8 @@ def test_every_variant_gets_the_same_resources():
     chosen = {"static": {"threads": 64, "llm_slots": None, "routing": "none"},
               "per_scenario": {"stationary": {"dask-capped": 8, "dask-ttl": 20.0}}}
     f = factory_for(setup, chosen)
-    for name in ("dask", "dask-capped", "dask-ttl", "dask-agents", "dask-agents-no-admission", "inprocess"):
+    for name in ("dask", "dask-capped", "dask-ttl", "dask-agents", "dask-agents-no-admission", "ray", "langgraph",
+                 "inprocess"):
         assert f(name, "stationary")().describe()["setup"] == setup.describe(), name
     units = [{"workflow": "swe", "scenario": "stationary", "factor": 0.8, "seed": 0, "variant": v, "rate_rps": 0.1,
               "metrics": fake_metrics(3.0)} for v in ("dask", "dask-agents")]
@@ -127,8 +127,6 @@ def test_ideal_llm_seconds_is_the_cost_models_single_sequence_time():
 
 @pytest.mark.parametrize("name", ["swe", "finance", "router"])
 def test_ideal_bound_is_below_an_unloaded_request_and_tight_on_the_in_process_floor(name):
-    from benchmarks.e2e.variants.common import InProcess
-
     """One request alone: the bound is below what the plain-Dask baseline measures, and within 10%
     of the in-process floor when every concurrent agent has an engine to itself (the bound's
     single-sequence steps; sharing one engine batches the parallel agents' steps)."""

@@ -24,7 +24,8 @@ from benchmarks.e2e.program import Setup
 
 VARIANTS = ["dask", "dask-capped", "dask-ttl", "dask-agents", "dask-agents-no-admission", "ray", "langgraph"]
 ABLATIONS = ["dask-agents-no-prioritize", "dask-agents-no-balance"]
-QUICK = {"time_scale": 0.05, "requests": 16, "workflows": ["swe"], "scenarios": {"swe": ["stationary"]},
+QUICK = {"time_scale": 0.05, "requests": 16, "workflows": ["swe"],
+         "scenarios": {"swe": ["stationary"], "finance": ["stationary"], "router": ["skew"]},
          "factors": [0.8, 1.2], "seeds": [0], "variants": VARIANTS, "probe_rps": 0.15,
          "static_sweep": [{"threads": 64, "llm_slots": None, "routing": "session_sticky"}],
          "capacity_ladder": [0.1, 0.2], "caps": [12], "ttls": [30.0], "peer_routings": ["session_sticky"],

@@ -150,7 +150,55 @@ class ThreadRuntime:
             time.sleep(seconds * self.time_scale)
 
 
-class InProcess:
+class DriverAgents:
+    """What variants whose agents are driver threads share (the in-process floor, Ray): a
+    :class:`Router` per model picks the replica of each LLM call, ``_generate(replica, call)``
+    runs it there (the variant's own way), ``_tool(call)`` runs a tool; ``per_agent`` routes by
+    agent invocation instead of by session. Subclasses set ``setup``, ``routing``, ``pool``,
+    ``groups`` and ``routers`` in ``__enter__`` (:meth:`_start_routing`)."""
+
+    per_agent = False
+
+    def _start_routing(self, threads: int, prefix: str) -> None:
+        self.groups = replica_groups(self.setup)
+        self.routers = {m: Router(len(g), self.routing) for m, g in self.groups.items()}
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix=prefix)
+        self._agents = itertools.count()
+
+    def _generate(self, replica: int, call: LLMCall) -> tuple[LLMOut, float, float]:
+        raise NotImplementedError
+
+    def _tool(self, call: ToolCall) -> tuple[str, float, float]:
+        raise NotImplementedError
+
+    def _llm(self, key: str, call: LLMCall) -> tuple[LLMOut, float, float]:
+        router = self.routers[call.model]
+        i = router.pick(key)
+        try:
+            return self._generate(self.groups[call.model][i], call)
+        finally:
+            router.done(i)
+
+    @contextmanager
+    def session(self, session_id: str, models: tuple | None = None) -> Iterator[ThreadRuntime]:
+        """The runtime of one request; its sticky replicas are forgotten when it ends."""
+        keys: list[str] = []
+
+        def start(role: str, fn: Callable, args: tuple) -> Future:
+            key = f"{session_id}/{next(self._agents)}" if self.per_agent else session_id
+            keys.append(key)
+            return self.pool.submit(run_agent_in_thread, session_id, fn, args,
+                                    lambda c: self._llm(key, c), self._tool)
+
+        try:
+            yield ThreadRuntime(session_id, start, self.setup.time_scale)
+        finally:
+            for r in self.routers.values():
+                for key in set(keys) | {session_id}:
+                    r.forget(key)
+
+
+class InProcess(DriverAgents):
     """The floor: engines as objects in the driver process, agents as threads calling them
     directly, no framework at all (``session_sticky`` routing). Used by tests and as the
     reference the ideal bound is checked against; not a peer anyone deploys."""
@@ -164,13 +212,10 @@ class InProcess:
         # steps), which is the ideal bound's assumption; the tests check the bound against it.
         self.per_agent = per_agent
         self.hosts: list[Any] = []
-        self._agents = itertools.count()
 
     def __enter__(self) -> "InProcess":
         self.hosts = [make_engine(m, self.setup) for m in self.setup.replica_models()]
-        self.groups = replica_groups(self.setup)
-        self.routers = {m: Router(len(g), self.routing) for m, g in self.groups.items()}
-        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="e2e-agent")
+        self._start_routing(self.threads, "e2e-agent")
         self.tools = ThreadPoolExecutor(self.setup.tool_threads * self.setup.replicas, thread_name_prefix="e2e-tool")
         return self
 
@@ -180,29 +225,11 @@ class InProcess:
         for h in self.hosts:
             h.close()
 
-    def _llm(self, session: str, call: LLMCall) -> tuple[LLMOut, float, float]:
-        router = self.routers[call.model]
-        i = router.pick(session)
-        try:
-            return generate_on(self.hosts[self.groups[call.model][i]], call)
-        finally:
-            router.done(i)
+    def _generate(self, replica: int, call: LLMCall) -> tuple[LLMOut, float, float]:
+        return generate_on(self.hosts[replica], call)
 
     def _tool(self, call: ToolCall) -> tuple[str, float, float]:
         return self.tools.submit(sleep_tool, call, self.setup.time_scale).result()
-
-    @contextmanager
-    def session(self, session_id: str, models: tuple | None = None) -> Iterator[ThreadRuntime]:
-        def start(role: str, fn: Callable, args: tuple) -> Future:
-            key = f"{session_id}/{next(self._agents)}" if self.per_agent else session_id
-            return self.pool.submit(run_agent_in_thread, session_id, fn, args,
-                                    lambda c: self._llm(key, c), self._tool)
-
-        try:
-            yield ThreadRuntime(session_id, start, self.setup.time_scale)
-        finally:
-            for r in self.routers.values():
-                r.forget(session_id)
 
     def engine_stats(self) -> list[dict]:
         return [h.stats() for h in self.hosts]

@@ -74,9 +74,11 @@ def llm_task(call: LLMCall, ttl_wall_s: float | None) -> tuple:
     if ttl_wall_s is None:
         return generate_on(host, call)
     out = generate_on(host, call, session=call.session)  # the TTL pin needs the engine to know sessions
-    # Between engine steps (kv_directive runs it on the stepping thread: the KV is not thread-safe);
-    # a pin beyond the engine's pin budget pins fewer blocks, it does not fail.
-    host.kv_directive("retain", call.session, ttl_s=ttl_wall_s)
+    # Pinned between engine steps (on the stepping thread: the KV is not thread-safe), and not
+    # waited for: an engine that pins at a request's end (Continuum) adds nothing to the call.
+    # A pin beyond the engine's pin budget pins fewer blocks; it does not fail.
+    session, ttl = call.session, ttl_wall_s
+    host.kv_call(lambda kv: kv.retain(session, ttl_s=ttl))
     return out
 
 

@@ -16,18 +16,10 @@ import itertools
 import os
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from benchmarks.e2e.program import LLMCall, LLMOut, Setup, ToolCall, sleep_tool
-from benchmarks.e2e.variants.common import (
-    Router,
-    ThreadRuntime,
-    make_engine,
-    replica_groups,
-    run_agent_in_thread,
-)
+from benchmarks.e2e.variants.common import DriverAgents, make_engine
 
 # The repository root, on the job's code_search_path (workers put it on sys.path): actors import
 # ``benchmarks`` and ``dask_agents`` from it whatever the driver's cwd (a runtime_env would do too,
@@ -68,7 +60,7 @@ class ToolActor:
         return sleep_tool(call, time_scale)
 
 
-class RayPeer:
+class RayPeer(DriverAgents):
     """Ray as its users would deploy it for agents: one async engine actor per replica, one
     threaded tool actor per replica (round-robin), agents as driver threads calling them."""
 
@@ -100,9 +92,7 @@ class RayPeer:
             ray.shutdown()
             raise
         self._next_tool = itertools.count()  # next() on a count is atomic under the GIL
-        self.groups = replica_groups(self.setup)
-        self.routers = {m: Router(len(g), self.routing) for m, g in self.groups.items()}
-        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="e2e-ray-agent")
+        self._start_routing(self.threads, "e2e-ray-agent")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -113,16 +103,10 @@ class RayPeer:
             ray.shutdown()
         self.engines, self.tools = [], []
 
-    def _llm(self, session: str, call: LLMCall) -> tuple[LLMOut, float, float]:
+    def _generate(self, replica: int, call: LLMCall) -> tuple[LLMOut, float, float]:
         import ray
 
-        router = self.routers[call.model]
-        i = router.pick(session)
-        try:
-            actor = self.engines[self.groups[call.model][i]]
-            p, c, o, received, finished = ray.get(actor.generate.remote(call.prompt, call.max_tokens))
-        finally:
-            router.done(i)
+        p, c, o, received, finished = ray.get(self.engines[replica].generate.remote(call.prompt, call.max_tokens))
         return LLMOut(p, c, o), received, finished
 
     def _tool(self, call: ToolCall) -> tuple[str, float, float]:
@@ -130,19 +114,6 @@ class RayPeer:
 
         actor = self.tools[next(self._next_tool) % len(self.tools)]
         return ray.get(actor.run.remote(call, self.setup.time_scale))
-
-    @contextmanager
-    def session(self, session_id: str, models: tuple | None = None) -> Iterator[ThreadRuntime]:
-        """The runtime of one request; its sticky replicas are forgotten when it ends."""
-        def start(role: str, fn: Callable, args: tuple) -> Future:
-            return self.pool.submit(run_agent_in_thread, session_id, fn, args,
-                                    lambda c: self._llm(session_id, c), self._tool)
-
-        try:
-            yield ThreadRuntime(session_id, start, self.setup.time_scale)
-        finally:
-            for r in self.routers.values():
-                r.forget(session_id)
 
     def engine_stats(self) -> list[dict]:
         """Every engine actor's counters, replica order."""
