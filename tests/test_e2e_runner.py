@@ -144,9 +144,13 @@ def test_ideal_bound_is_below_an_unloaded_request_and_tight_on_the_in_process_fl
     if name == "swe":
         from benchmarks.e2e.variants.dask_plain import PlainDask
 
-        dask = runner.run_point(lambda: PlainDask(base, threads=16), wf, [spec], [0.0], 0.01, base,
-                                {spec.id: bound}, 600)
-        assert dask["completed"] == 1 and bound[0] < dask["mean_s"]
+        from benchmarks.e2e.variants.agents import DaskAgents
+
+        for make in (lambda: PlainDask(base, threads=16, routing="session_sticky", ttl=20.0),
+                     lambda: DaskAgents(base, threads=16)):
+            m = runner.run_point(make, wf, [spec], [0.0], 0.01, base, {spec.id: bound}, 600)
+            assert m["completed"] == 1 and bound[0] < m["mean_s"], m["variant"]
+            assert m["variant"]["setup"] == base.describe() and m["overhead_share"] > 0
 
 
 def test_the_benchmark_package_has_no_import_cycle():

@@ -171,6 +171,29 @@ class AgentClock:
         return AgentResult(value, self.started, time.time(), self.overhead_s, self.llm)
 
 
+class FuturesRuntime:
+    """A request's :class:`Runtime` for every variant whose agent invocations are futures:
+    ``start_agent(role, fn, args)`` starts one (a driver thread, a Dask task, a dask-agents
+    component call, a LangGraph invocation) and returns something whose ``result()`` is the
+    agent's :class:`AgentResult`."""
+
+    def __init__(self, session: str, start_agent: Callable[[str, Callable, tuple], Any], time_scale: float):
+        self.session, self._start, self.time_scale = session, start_agent, time_scale
+        self.rec = Recorder()
+
+    def agent(self, role: str, fn: Callable, *args: Any) -> tuple[float, Any]:
+        return time.time(), self._start(role, fn, args)
+
+    def gather(self, handles: list) -> list:
+        results = [f.result() for _, f in handles]
+        self.rec.add_gather([t for t, _ in handles], results, time.time())
+        return [r.value for r in results]
+
+    def think(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds * self.time_scale)
+
+
 def sleep_tool(call: ToolCall, time_scale: float) -> tuple[str, float, float]:
     """The body of every EMULATED tool: sleep ``emulated_s * time_scale``; returns the answer and
     the body's start and end (wall clock)."""

@@ -132,13 +132,15 @@ def table(summary: dict) -> str:
                 for v, m in e["variants"].items():
                     g = e.get("gap_closed_mean", {}).get(v, {}).get("median")
                     g99 = e.get("gap_closed_p99", {}).get(v, {}).get("median")
-                    lines.append(f"  {v:28s} {fmt(m['mean_s']['median']):>7s} {fmt(m['p99_s']['median']):>7s} "
-                                 f"{fmt(m['hit_rate']['median'], '.2f'):>5s} {fmt(m['prefill_vs_floor']['median'], '.2f'):>8s} "
-                                 f"{fmt(m['overhead_share']['median'], '.2f'):>5s} {fmt(m['sustained']['median'], '.1f'):>4s} "
+                    med = {k: m[k]["median"] for k in KEYS}
+                    lines.append(f"  {v:28s} {fmt(med['mean_s']):>7s} {fmt(med['p99_s']):>7s} "
+                                 f"{fmt(med['hit_rate'], '.2f'):>5s} {fmt(med['prefill_vs_floor'], '.2f'):>8s} "
+                                 f"{fmt(med['overhead_share'], '.2f'):>5s} {fmt(med['sustained'], '.1f'):>4s} "
                                  f"{fmt(g, '.2f'):>8s} {fmt(g99, '.2f'):>8s}")
                 for k, s in e.items():
                     if k.startswith("mean_speedup_vs_"):
-                        lines.append(f"  {OURS} {k}: {fmt(s['median'], '.2f')} [{fmt(s['min'], '.2f')}, {fmt(s['max'], '.2f')}]")
+                        lo, hi = fmt(s["min"], ".2f"), fmt(s["max"], ".2f")
+                        lines.append(f"  {OURS} {k}: {fmt(s['median'], '.2f')} [{lo}, {hi}]")
             p = loads.get("kv_bound_proof", {})
             lines.append(f"  KV-bound proof ({wf}/{sc}): holds={p.get('holds')} "
                          f"hit-rate gap {fmt((p.get('hit_rate_gap_to_perfect') or {}).get('median'), '.2f')}, "

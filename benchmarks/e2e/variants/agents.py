@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterator
 import dask
 import dask_agents as da
 
-from benchmarks.e2e.program import AgentClock, AgentResult, LLMCall, LLMOut, Recorder, Setup, ToolCall, sleep_tool
+from benchmarks.e2e.program import (AgentClock, AgentResult, FuturesRuntime, LLMCall, LLMOut, Setup, ToolCall,
+                                    sleep_tool)
 from benchmarks.e2e.variants.common import model_entry
 
 ROLES = ("planner", "developer", "tester", "analyst", "summarizer", "followup", "classifier", "chat", "coder",
@@ -93,25 +94,6 @@ class _Ctx:
         return answer
 
 
-class _Runtime:
-    def __init__(self, session_id: str, time_scale: float):
-        self.session, self.time_scale = session_id, time_scale
-        self.rec = Recorder()
-
-    def agent(self, role: str, fn: Callable, *args: Any):
-        comp = COMPONENTS.get(role, COMPONENTS["agent"])
-        return time.time(), da.stub(comp).run(fn, args, self.time_scale)
-
-    def gather(self, handles: list) -> list:
-        results = [f.value() for _, f in handles]
-        self.rec.add_gather([t for t, _ in handles], results, time.time())
-        return [r.value for r in results]
-
-    def think(self, seconds: float) -> None:
-        if seconds > 0:
-            time.sleep(seconds * self.time_scale)
-
-
 class DaskAgents:
     """``dask-agents`` (every policy on) or an ablation (``disabled``: ``admission`` or a policy)."""
 
@@ -152,9 +134,14 @@ class DaskAgents:
                     c.close()
 
     @contextlib.contextmanager
-    def session(self, session_id: str, models: tuple | None = None) -> Iterator[_Runtime]:
+    def session(self, session_id: str, models: tuple | None = None) -> Iterator[FuturesRuntime]:
+        scale = self.setup.time_scale
+
+        def start(role: str, fn: Callable, args: tuple) -> Any:
+            return da.stub(COMPONENTS.get(role, COMPONENTS["agent"])).run(fn, args, scale)
+
         with da.session(self.client, name=session_id):
-            yield _Runtime(session_id, self.setup.time_scale)
+            yield FuturesRuntime(session_id, start, scale)
 
     def engine_stats(self) -> list[dict]:
         stats = self.client.run(_engine_stats)

@@ -16,7 +16,7 @@ from benchmarks.e2e.program import (
     AgentResult,
     LLMCall,
     LLMOut,
-    Recorder,
+    FuturesRuntime,
     Setup,
     ToolCall,
     sleep_tool,
@@ -128,28 +128,6 @@ def run_agent_in_thread(session: str, fn: Callable, args: tuple, llm_fn: Callabl
     return clock.result(value)
 
 
-class ThreadRuntime:
-    """A request's runtime whose agents run on a shared thread pool of the driver (the peers
-    and the in-process floor). ``start_agent(role, fn, args) -> Future[AgentResult]`` is the
-    variant's way of running one agent (LangGraph wraps it in a graph)."""
-
-    def __init__(self, session: str, start_agent: Callable[[str, Callable, tuple], Future], time_scale: float):
-        self.session, self._start, self.time_scale = session, start_agent, time_scale
-        self.rec = Recorder()
-
-    def agent(self, role: str, fn: Callable, *args: Any) -> tuple[float, Future]:
-        return time.time(), self._start(role, fn, args)
-
-    def gather(self, handles: list) -> list:
-        results = [f.result() for _, f in handles]
-        self.rec.add_gather([t for t, _ in handles], results, time.time())
-        return [r.value for r in results]
-
-    def think(self, seconds: float) -> None:
-        if seconds > 0:
-            time.sleep(seconds * self.time_scale)
-
-
 class DriverAgents:
     """What variants whose agents are driver threads share (the in-process floor, Ray): a
     :class:`Router` per model picks the replica of each LLM call, ``_generate(replica, call)``
@@ -180,7 +158,7 @@ class DriverAgents:
             router.done(i)
 
     @contextmanager
-    def session(self, session_id: str, models: tuple | None = None) -> Iterator[ThreadRuntime]:
+    def session(self, session_id: str, models: tuple | None = None) -> Iterator[FuturesRuntime]:
         """The runtime of one request; its sticky replicas are forgotten when it ends."""
         keys: list[str] = []
 
@@ -191,7 +169,7 @@ class DriverAgents:
                                     lambda c: self._llm(key, c), self._tool)
 
         try:
-            yield ThreadRuntime(session_id, start, self.setup.time_scale)
+            yield FuturesRuntime(session_id, start, self.setup.time_scale)
         finally:
             for r in self.routers.values():
                 for key in set(keys) | {session_id}:

@@ -29,11 +29,12 @@ import threading
 import time
 import uuid
 from collections import deque
+from functools import partial
 from typing import Any, Callable, Iterator
 
 from distributed import WorkerPlugin, get_worker, worker_client
 
-from benchmarks.e2e.program import AgentClock, AgentResult, LLMCall, Recorder, Setup, ToolCall, sleep_tool
+from benchmarks.e2e.program import AgentClock, AgentResult, FuturesRuntime, LLMCall, Setup, ToolCall, sleep_tool
 from benchmarks.e2e.variants.common import generate_on, make_engine
 
 PLUGIN = "e2e-emulated-engine"
@@ -170,27 +171,6 @@ class Pinner:
             self.cond.notify_all()
 
 
-class _Runtime:
-    def __init__(self, v: "PlainDask", session: str, pins: dict):
-        self.v, self.session, self.pins = v, session, pins
-        self.rec = Recorder()
-
-    def agent(self, role: str, fn: Callable, *args: Any):
-        v = self.v
-        return time.time(), v.client.submit(agent_task, self.session, fn, args, self.pins, v.llm_slots, v.ttl_wall,
-                                             v.setup.time_scale, v.by_model, key=f"{role}-{uuid.uuid4().hex}",
-                                             pure=False)
-
-    def gather(self, handles: list) -> list:
-        results = [f.result() for _, f in handles]
-        self.rec.add_gather([t for t, _ in handles], results, time.time())
-        return [r.value for r in results]
-
-    def think(self, seconds: float) -> None:
-        if seconds > 0:
-            time.sleep(seconds * self.v.setup.time_scale)
-
-
 class PlainDask:
     """``dask`` (static), ``dask-capped`` (``cap``) or ``dask-ttl`` (``ttl``, emulated seconds)."""
 
@@ -233,18 +213,23 @@ class PlainDask:
                 c.close()
 
     @contextlib.contextmanager
-    def session(self, session_id: str, models: tuple | None = None) -> Iterator[_Runtime]:
+    def session(self, session_id: str, models: tuple | None = None) -> Iterator[FuturesRuntime]:
         """Pins (session_sticky) or slots (capped) for the models the request calls; without
         routing its LLM tasks may run on any worker hosting their model."""
         pins: dict[str, str] = {}
         try:
             for m in models or tuple(self.by_model):
                 pins[m] = self.pinners[m].acquire() if self.pinners else None
-            yield _Runtime(self, session_id, pins)
+            yield FuturesRuntime(session_id, partial(self._start_agent, session_id, pins), self.setup.time_scale)
         finally:
             for m, addr in pins.items():
                 if addr is not None:
                     self.pinners[m].release(addr)
+
+    def _start_agent(self, session: str, pins: dict, role: str, fn: Callable, args: tuple) -> Any:
+        """One agent invocation as a task (the driver submits it; it makes its own nested calls)."""
+        return self.client.submit(agent_task, session, fn, args, pins, self.llm_slots, self.ttl_wall,
+                                  self.setup.time_scale, self.by_model, key=f"{role}-{uuid.uuid4().hex}", pure=False)
 
     def engine_stats(self) -> list[dict]:
         stats = self.client.run(engine_stats)

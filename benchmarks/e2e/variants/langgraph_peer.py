@@ -23,7 +23,8 @@ from contextlib import contextmanager  # noqa: E402
 from typing import Any, Callable, Iterator, TypedDict  # noqa: E402  (module level: the state's hints resolve here)
 
 from benchmarks.e2e.program import AgentResult, LLMCall, LLMOut, Setup, ToolCall, sleep_tool  # noqa: E402
-from benchmarks.e2e.variants.common import ROUTINGS, ThreadRuntime, run_agent_in_thread  # noqa: E402
+from benchmarks.e2e.program import FuturesRuntime  # noqa: E402
+from benchmarks.e2e.variants.common import ROUTINGS, run_agent_in_thread  # noqa: E402
 from benchmarks.e2e.variants.http_engine import SESSION_HEADER, HTTPEngines  # noqa: E402
 
 
@@ -126,13 +127,13 @@ class LangGraphPeer:
     # -- the Variant interface --------------------------------------------------------------------
 
     @contextmanager
-    def session(self, session_id: str, models: tuple | None = None) -> Iterator[ThreadRuntime]:
+    def session(self, session_id: str, models: tuple | None = None) -> Iterator[FuturesRuntime]:
         """One request's runtime: its agents are graph invocations on the driver pool. (The
         router keeps the session's backend in its own LRU map, as a deployed router does.)"""
         def start(role: str, fn: Callable, args: tuple) -> Future:
             return self.pool.submit(self._invoke, session_id, role, fn, args)
 
-        yield ThreadRuntime(session_id, start, self.setup.time_scale)
+        yield FuturesRuntime(session_id, start, self.setup.time_scale)
 
     def engine_stats(self) -> list[dict]:
         """Every engine server's ``/stats`` (the host's counters plus ``"server"``), replica order."""
