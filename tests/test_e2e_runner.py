@@ -41,6 +41,7 @@ def test_reported_numbers_never_come_from_a_sweep_run(monkeypatch):
     monkeypatch.setattr(runner, "ideals", lambda wf, specs, setup: {s.id: (1.0, 10) for s in specs})
     wf = workflow("swe")
     preset = {**FULL, "requests": 2, "scenarios": ["stationary"], "static_sweep": FULL["static_sweep"][:2],
+              "probe_rps": FULL["probe_rps"]["swe"],
               "capacity_ladder": [0.1, 0.2], "caps": [4], "ttls": [5.0], "peer_routings": ["session_sticky"]}
     res = runner.choose(wf, TINY, preset, lambda ch: factory_for(TINY, ch), lambda s: None)
     assert {p for p, _ in calls} == {"sweep"} and res["chosen"]["capacity_rps"] == 0.2

@@ -36,10 +36,13 @@ numbers say the harness works, not where dask-agents stands."""
 FULL = {"time_scale": 0.1, "requests": 60, "workflows": ["swe", "finance", "router"],
         "scenarios": {"swe": ["stationary", "bursty", "phase"], "finance": ["stationary", "bursty"],
                       "router": ["skew"]},
-        "factors": [0.5, 0.8, 1.0, 1.2], "seeds": [0, 1, 2], "variants": VARIANTS + ABLATIONS, "probe_rps": 0.15,
+        "factors": [0.5, 0.8, 1.0, 1.2], "seeds": [0, 1, 2], "variants": VARIANTS + ABLATIONS,
+        "probe_rps": {"swe": 0.15, "finance": 0.2, "router": 1.0},
         "static_sweep": [{"threads": 64, "llm_slots": s, "routing": r} for s in (None, 32)
                          for r in ("none", "session_sticky")],
-        "capacity_ladder": [0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4], "caps": [4, 8, 12, 16, 24],
+        "capacity_ladder": {"swe": [0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4],
+                            "finance": [0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8],
+                            "router": [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]}, "caps": [4, 8, 12, 16, 24],
         "ttls": [5.0, 20.0, 60.0, 180.0], "peer_routings": ["least_loaded", "session_sticky"],
         "deadline_s": 1800.0, "replicas": 2}
 """The full run: every workflow and scenario, loads 0.5-1.2 of the derived capacity, 3 seeds,
@@ -178,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         chosen = choices_in.get(name)
         if a.phase in ("all", "choose"):
             wpreset = {**preset, "scenarios": preset["scenarios"][name]}
+            for key in ("probe_rps", "capacity_ladder"):  # per workflow where the preset says so
+                if isinstance(preset[key], dict):
+                    wpreset[key] = preset[key][name]
             res = runner.choose(wf, setup, wpreset, lambda ch: factory_for(setup, ch), log)
             chosen, out["sweeps"][name] = res["chosen"], res["sweeps"]
             log(f"{name}: chose {chosen}")
