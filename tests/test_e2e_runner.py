@@ -209,7 +209,7 @@ def test_a_request_past_the_deadline_is_censored_and_stays_so():
     v = _Slow()
     wf = _Wf(v)
     specs = [SimpleNamespace(id="fast"), SimpleNamespace(id="slow")]
-    recs = runner.drive(v, wf, specs, [0.0, 0.0], 1.0, 0.2)
+    recs = runner.drive(v, wf, specs, [0.0, 0.0], 1.0, 3.0)  # (the fast one finishes at once; the slow one waits)
     v.release.set()  # the slow request finishes now, after the snapshot
     by = {r["id"]: r for r in recs}
     assert by["fast"]["ok"] and not by["slow"]["ok"] and "timeout" in by["slow"]["error"]
