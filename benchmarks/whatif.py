@@ -2,15 +2,18 @@
 
     .venv/bin/python benchmarks/whatif.py --json benchmarks/results/whatif.json [--quick]
 
-1. Record: the Open-SWE workload (``benchmarks/legacy/e2e_swe.py``, Poisson arrivals) on dask-agents
-   with ONE engine worker; its ``da.telemetry`` is the recording.
+1. Record: the yardstick's Open-SWE workflow (``benchmarks/e2e/workflows/swe.py``: contexts
+   growing to 30-64k tokens, tools from milliseconds to minutes; Poisson arrivals) on
+   dask-agents (the yardstick's ``dask-agents`` variant) with ONE engine worker of the
+   realistic profile (``benchmarks/e2e/profile.py``); its ``da.telemetry`` is the recording.
 2. Calibrate the what-if model on it and replay it on its own allocation (the self-check).
 3. Predict the same workload on TWO engine workers (``--replicas coder=2``) and at a higher load.
 4. Run both for real, and compare prediction with measurement.
 
 The JSON's ``summary`` holds the relative errors of the predicted mean and P95 session latency
-for the self-check and for each unseen allocation. Engines and tools are EMULATED (the emulated
-engine at time scale 1.0: wall time is emulated time), so are all numbers here.
+for the self-check and for each unseen allocation. Engines and tools are EMULATED at time scale
+``TIME_SCALE`` (wall seconds per emulated second, engines and tools alike); every latency here
+is in wall seconds, what the recording shows and the model predicts.
 """
 
 from __future__ import annotations
@@ -25,31 +28,37 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-QUICK = {"requests": 12, "load": 1.0, "high_load": 1.5}
-FULL = {"requests": 32, "load": 1.0, "high_load": 1.5}
+TIME_SCALE = 0.1
+# loads in emulated requests/s: one realistic engine sustains about half the two-engine
+# capacity of the yardstick's choose phase (benchmarks/results/e2e-swe-choose.json)
+QUICK = {"requests": 12, "load": 0.04, "high_load": 0.06}
+FULL = {"requests": 32, "load": 0.04, "high_load": 0.06}
 
 
 def run(workers: int, rate: float, n: int, seed: int) -> tuple[Any, dict]:
-    """One real run on ``workers`` engine workers; (telemetry of its sessions, measured summary)."""
+    """One real run on ``workers`` engine workers; (telemetry of its sessions, the driver's
+    latency summary in wall seconds)."""
     import pandas as pd
 
     import dask_agents as da
-    from benchmarks.legacy import e2e
-    from benchmarks.legacy import e2e_swe as swe
+    from benchmarks.e2e import runner, stats
+    from benchmarks.e2e.profile import profile
+    from benchmarks.e2e.program import Setup
+    from benchmarks.e2e.variants.agents import DaskAgents
+    from benchmarks.e2e.workflows.swe import WORKFLOW as wf
 
-    with e2e.AgentsBackend(workers=workers) as backend:
-        warm = e2e.specs_for(swe.make_specs(2, seed + 10_000), f"warm-{workers}")
-        backend.run(warm, [0.0, 0.25], timeout=120)
-        specs = e2e.specs_for(swe.make_specs(n, seed), f"w{workers}-L{rate:g}")
-        arrivals = swe.poisson_arrivals(n, rate, seed)
+    setup = Setup(engine=profile("realistic"), replicas=workers, models=(("coder", workers),), time_scale=TIME_SCALE)
+    specs = wf.make_specs(n, seed, "stationary")
+    offsets = runner.poisson(n, rate, seed)
+    with DaskAgents(setup) as variant:
         t0 = time.time()
-        records = backend.run(specs, arrivals, timeout=max(60.0, 10 * n / rate))
+        records = runner.drive(variant, wf, specs, offsets, TIME_SCALE, deadline_s=600.0)
         failed = [r for r in records if not r.get("ok")]
         if failed:
             raise RuntimeError(f"{len(failed)} request(s) failed on {workers} worker(s): {failed[0].get('error')}")
         deadline = time.time() + 30
         while True:  # the workers' exact timings arrive in batches
-            df = da.telemetry(backend.client)
+            df = da.telemetry(variant.client)
             df = df[df["created"] >= pd.Timestamp(t0, unit="s", tz="UTC")]
             # the workers' reports (exact start times, tokens) trail the scheduler's transitions
             if (len(df) and df[["started", "finished"]].notna().all(axis=None)
@@ -58,7 +67,10 @@ def run(workers: int, rate: float, n: int, seed: int) -> tuple[Any, dict]:
             if time.time() > deadline:
                 raise RuntimeError("telemetry did not complete within 30 s")
             time.sleep(0.5)
-    return pd.DataFrame(df), e2e.load_metrics(records, specs, rate)
+    lat = sorted(r["finish_wall"] - r["arrival_wall"] for r in records)
+    driver = {"mean_s": sum(lat) / len(lat), "p50_s": stats.percentile(lat, 50), "p95_s": stats.percentile(lat, 95),
+              "p99_s": stats.percentile(lat, 99)}
+    return pd.DataFrame(df), driver
 
 
 def compare(pred: dict, measured: dict) -> dict:
@@ -71,12 +83,13 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="PATH", required=True)
-    p.add_argument("--quick", action="store_true", help="fewer requests (under 5 minutes)")
+    p.add_argument("--quick", action="store_true", help="fewer requests (a few minutes)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     size = QUICK if args.quick else FULL
     n, load, high = size["requests"], size["load"], size["high_load"]
-    config = {"workload": "Open-SWE (benchmarks/legacy/e2e_swe.py), EMULATED engine and tools", "requests": n,
+    config = {"workload": "Open-SWE (benchmarks/e2e/workflows/swe.py), EMULATED engine (realistic profile) and tools",
+              "time_scale": TIME_SCALE, "requests": n,
               "recorded": {"engine_workers": 1, "load_rps": load},
               "unseen": [{"engine_workers": 2, "load_rps": load}, {"engine_workers": 2, "load_rps": high}],
               "seed": args.seed, "python": platform.python_version(), "cpus": os.cpu_count(), "emulated": True}

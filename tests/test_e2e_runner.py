@@ -109,6 +109,57 @@ def test_every_variant_gets_the_same_resources():
         report.summarize(units)
 
 
+def test_baselines_engines_are_workflow_blind_and_dask_agents_runs_its_kv_policy():
+    """Every variant gets the run's engine entry; a baseline's engine runs no KV policy (vLLM's
+    prefix cache and the engine's LRU host tier), dask-agents' runs the configured one. The
+    dask-agents variant once ran its emulated engines with no policy at all: the engine ignored
+    ``agents.kv.policy``, unlike the vLLM host."""
+    import dask
+
+    from benchmarks.e2e.variants.agents import DaskAgents
+    from benchmarks.e2e.variants.common import model_entry
+    from dask_agents.model_settings import ModelSettings
+    from dask_agents.worker_plugin.engines import make_host
+
+    setup = make_setup(workflow("swe"), FULL)
+    blind, aware = model_entry(setup), model_entry(setup, workflow_aware=True)
+    assert blind["kv-policy"] == "none" and "kv-policy" not in aware
+    assert {k: v for k, v in blind.items() if k != "kv-policy"} == aware
+    assert DaskAgents(setup).settings()["agents.llm.models"]["coder"] == aware
+    with dask.config.set({"agents.kv.policy": "ours"}):
+        for entry, want in ((blind, "none"), (aware, "ours")):
+            host = make_host("coder", ModelSettings(**entry))
+            try:
+                host.start()
+                assert host.kv_report()["kv_policy"] == want
+            finally:
+                host.close()
+    real = Setup(engine={"block_size": 128}, replicas=2, entry={"model": "builtin:tiny-llama", "engine": "vllm",
+                                                                "kv-policy": "lru"})
+    assert model_entry(real) == real.entry and model_entry(real, workflow_aware=True) == {
+        "model": "builtin:tiny-llama", "engine": "vllm"}
+    assert real.describe()["entry"] == real.entry and "entry" not in setup.describe()
+
+
+def test_the_real_engine_check_matches_its_engine():
+    """benchmarks/e2e_real.py: its ideal bound uses the cost shape fitted on the real engine, its
+    engines' KV is the 96 blocks its docstring promises, its entry is a valid model entry."""
+    import json
+    import os
+
+    from benchmarks import e2e_real
+    from dask_agents.model_settings import ModelSettings
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    fit = json.load(open(os.path.join(here, "benchmarks/results/engine-shape.json")))["fit"]
+    for key in ("decode_s_per_step", "decode_s_per_seq", "decode_s_per_ctx_token", "prefill_s_per_token"):
+        assert e2e_real.REAL_SHAPE[key] == pytest.approx(fit[key], rel=0.01), key
+    setup = e2e_real.make_setup(e2e_real.FULL)
+    entry = ModelSettings(**setup.entry)
+    assert entry.kv_bytes() // (128 * 1024) == e2e_real.REAL_SHAPE["kv_blocks"] == 96  # 128 KiB per block
+    assert setup.max_model_len == entry.max_model_len == e2e_real.MAX_MODEL_LEN
+
+
 def test_ideal_llm_seconds_is_the_cost_models_single_sequence_time():
     """Against the emulated scheduler itself: one request alone on an engine with room for it."""
     from dask_agents.worker_plugin.emulated_kv import EmulatedScheduler, EmulationParams, Sequence

@@ -111,6 +111,23 @@ def test_swe_prompts_fit_the_context() -> None:
             assert swe.longest_prompt(spec) < 131072
 
 
+def test_swe_scaled_keeps_the_draws_and_fits_a_small_engine() -> None:
+    """The real-engine check's Open-SWE (benchmarks/e2e_real.py) is the realistic requests shrunk:
+    the same draws, every length and tool latency scaled, every prompt plus its output within the
+    tiny model's 4,096 positions, on the measure seeds and the sweep seed alike."""
+    small = swe.SWE(tokens=0.05, tools=0.05, max_len=4096)
+    assert small.name == "swe-x0.05" and swe.WORKFLOW.name == "swe"
+    for seed in (0, 1, 2, 1000):
+        big, specs = swe.WORKFLOW.make_specs(40, seed, "stationary"), small.make_specs(40, seed, "stationary")
+        for x, y in zip(big, specs):
+            assert y == swe.scaled(x, 0.05, 0.05) and y.failing == x.failing and len(y.steps) == len(x.steps)
+            assert y.test_s[0] == pytest.approx(0.05 * x.test_s[0]) and y.context == round(0.05 * x.context)
+            assert swe.longest_prompt(y) + swe.max_output(y) <= 4096
+            assert swe.plan_prompt(y).startswith(small.shared_prefix + "\nSession ")
+    with pytest.raises(ValueError, match="do not fit 4096"):
+        swe.SWE(tokens=0.2, max_len=4096).make_specs(4, 0, "stationary")
+
+
 def test_router_prompts_and_phases() -> None:
     wf = router.WORKFLOW
     specs = wf.make_specs(60, 0, "skew")

@@ -429,8 +429,21 @@ def test_abort_between_steps(kv_config):
         h.close()
 
 
+def test_unset_kv_policy_is_the_configured_one_as_on_a_vllm_engine():
+    """An emulated engine models the vLLM host: a model entry without ``kv-policy`` runs
+    ``agents.kv.policy`` (a benchmark's dask-agents engines once ran no policy at all)."""
+    for configured, want in (("ours", "ours"), ("lru", "lru"), ("none", "none")):
+        with dask.config.set({"agents.kv.policy": configured}):
+            h = EmulatedEngineHost("emu", ModelSettings(**{**model(), "kv-policy": None}))
+            try:
+                h.start()
+                assert h.kv_report()["kv_policy"] == want
+            finally:
+                h.close()
+
+
 def test_report_shapes_match_the_vllm_host():
-    h = EmulatedEngineHost("emu", ModelSettings(**{**model(host_kv_blocks=0), "kv-policy": None}))
+    h = EmulatedEngineHost("emu", ModelSettings(**{**model(host_kv_blocks=0), "kv-policy": "none"}))
     try:
         h.start()
         report = h.kv_report()

@@ -59,9 +59,8 @@ def test_profiles_are_valid_and_cited():
     with pytest.raises(KeyError, match="realistic"):
         prof.profile("huge")
     assert set(prof.CITATIONS) == set(prof.REALISTIC)
-    from benchmarks.legacy import e2e_swe  # the old benchmark: SMALL is its profile
-
-    assert prof.SMALL == e2e_swe.ENGINE
+    # the previous regime's profile: 2,048 blocks, batch 8, no host tier, no attention term
+    assert prof.SMALL["kv_blocks"] == 2048 and prof.SMALL["max_batch"] == 8
     assert prof.SMALL["prefill_s_per_token_pos"] == 0.0 and "host_kv_blocks" not in prof.SMALL
 
 

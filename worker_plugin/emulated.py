@@ -414,8 +414,11 @@ class EmulatedEngineHost(SessionKVHost):
             self.loaded.set()
 
     def _make_manager(self) -> Any:
-        name = self.settings.kv_policy
-        if self.kv is None or name in (None, "none"):
+        import dask_agents.config as agents_config
+
+        # unset on the model: the configured policy, as on a vLLM engine (vllm_host.py)
+        name = self.settings.kv_policy or str(agents_config.get("kv.policy") or "none")
+        if self.kv is None or name == "none":
             return None
         try:
             from dask_agents.kv.runtime.manager import KVManager

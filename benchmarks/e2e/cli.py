@@ -56,12 +56,13 @@ def workflow(name: str) -> Any:
     return importlib.import_module(f"benchmarks.e2e.workflows.{name}").WORKFLOW
 
 
-def make_setup(wf: Any, preset: dict) -> Setup:
-    """The resources every variant gets: the REALISTIC engine profile, the replicas split evenly
-    over the workflow's models, the preset's time scale."""
+def make_setup(wf: Any, preset: dict, engine_profile: str = "realistic") -> Setup:
+    """The resources every variant gets: the engine profile (REALISTIC unless ``--profile``
+    says otherwise), the replicas split evenly over the workflow's models, the preset's time
+    scale."""
     models = tuple(getattr(wf, "models", ("coder",)))
     per = max(1, preset["replicas"] // len(models))
-    return Setup(engine=profile("realistic"), replicas=per * len(models), models=tuple((m, per) for m in models),
+    return Setup(engine=profile(engine_profile), replicas=per * len(models), models=tuple((m, per) for m in models),
                  time_scale=preset["time_scale"], max_model_len=131072, tool_threads=64)
 
 
@@ -148,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--choices", help="measure: the choose phase's JSON")
     ap.add_argument("--job", help="measure: K/N, the K-th of N slices of the units")
     ap.add_argument("--no-peers", action="store_true", help="leave Ray and LangGraph out on purpose")
+    ap.add_argument("--profile", default="realistic", choices=["realistic", "small"],
+                    help="the engine profile (benchmarks/e2e/profile.py; small: the previous regime's)")
     ap.add_argument("--json", help="write the results here (and PNGs beside it)")
     a = ap.parse_args(argv)
     preset = dict(QUICK if a.quick else FULL)
@@ -169,13 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     mode = "quick" if a.quick else "full"
     log(f"e2e ({mode}, {a.phase}): EMULATED, time scale {preset['time_scale']} (wall s per emulated s, engines "
         f"and tools alike); latencies in emulated seconds")
-    out: dict[str, Any] = {"config": config(preset, mode), "choices": {}, "sweeps": {}, "units": [], "setups": {}}
+    out: dict[str, Any] = {"config": {**config(preset, mode), "profile": a.profile}, "choices": {}, "sweeps": {},
+                           "units": [], "setups": {}}
     choices_in = json.load(open(a.choices))["choices"] if a.choices else {}
     job = tuple(int(x) for x in a.job.split("/")) if a.job else None
     for name in preset["workflows"]:
         wf = workflow(name)
         preset["scenarios"] = {**preset["scenarios"], name: preset["scenarios"].get(name, list(wf.scenarios))}
-        setup = make_setup(wf, preset)
+        setup = make_setup(wf, preset, a.profile)
         out["setups"][name] = setup.describe()
         log(f"{name}: {setup.describe()}")
         chosen = choices_in.get(name)
@@ -219,6 +223,8 @@ def merge(files: list[str], path: str | None) -> int:
         other = {k: v for k, v in p["config"].get("preset", {}).items() if k != "workflows"}
         if other != plan:
             raise SystemExit(f"merge: {f} was run with another plan (preset) than {files[0]}")
+        if p["config"].get("profile", "realistic") != parts[0]["config"].get("profile", "realistic"):
+            raise SystemExit(f"merge: {f} was run on another engine profile than {files[0]}")
         for k in ("choices", "sweeps", "setups"):
             for wf, v in p.get(k, {}).items():
                 if k != "sweeps" and wf in out[k] and out[k][wf] != v:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from benchmarks.e2e import profile
 from benchmarks.e2e.profile import decode_step_cost, params, prefill_cost
 from benchmarks.e2e.program import LLMCall, LLMOut, ToolCall
 
@@ -122,7 +123,8 @@ def ideal(workflow: Any, spec: Any, params: Any, shared: str | None = None) -> t
     earlier: list = []
     result = None
     for _ in range(4):  # passes until a sibling's prompts are seen where they started first
-        rt = IdealRuntime(getattr(spec, "id", "ideal"), params, shared, earlier=earlier)
+        rt = IdealRuntime(getattr(spec, "id", "ideal"), params, shared, block_size=profile.params(params).block_size,
+                          earlier=earlier)
         workflow.check(spec, workflow.program(rt, spec))
         out = (rt.now - rt.think_s, rt.prefill_tokens)
         if out == result:

@@ -5,8 +5,8 @@
   with the LRU host tier of vLLM's native CPU offloading / LMCache. Every number is derived
   from a public spec or default (:data:`CITATIONS`), none is measured here. ``time_scale`` is
   left to the runner.
-- :data:`SMALL`: the old benchmark's profile (``benchmarks/legacy/e2e_swe.py``'s ``ENGINE``): 8
-  sequences, 2048 blocks, no host tier, no attention term.
+- :data:`SMALL`: the previous harness's profile (``e2e.py --profile small``): 8 sequences, 2048
+  blocks, no host tier, no attention term.
 
 :func:`prefill_cost` and :func:`decode_step_cost` ARE the engine's formulas (re-exported from
 :mod:`dask_agents.worker_plugin.emulated_kv`, where the step charges them), so the ideal bound
@@ -93,7 +93,7 @@ CITATIONS: dict[str, str] = {
                    "LMCache): workflow-blind, the same tier for every variant",
 }
 
-SMALL: dict[str, Any] = {  # benchmarks/legacy/e2e_swe.py's ENGINE: no host tier
+SMALL: dict[str, Any] = {  # the previous harness's ENGINE (git show 9f87883:benchmarks/legacy/e2e_swe.py)
     "max_batch": 8,
     "decode_s_per_step": 0.02,
     "decode_s_per_seq": 5e-5,

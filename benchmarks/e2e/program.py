@@ -215,7 +215,9 @@ class Setup:
     model name -> replica count (sums to ``replicas``; one model unless the workflow routes
     between models), ``time_scale``: wall seconds per emulated second for engines and tools,
     ``max_model_len``: the engines' context limit, ``tool_threads``: threads for tools and
-    agents per engine worker (peers: x replicas in one pool)."""
+    agents per engine worker (peers: x replicas in one pool), ``entry``: the engines'
+    ``agents.llm.models`` entry where they are not emulated (a REAL vLLM engine; ``engine``
+    then holds its fitted cost shape, what the ideal bound uses)."""
 
     engine: dict
     replicas: int
@@ -223,6 +225,7 @@ class Setup:
     time_scale: float = 1.0
     max_model_len: int = 131072
     tool_threads: int = 64
+    entry: dict | None = None
 
     def engine_params(self) -> dict:
         """The engine parameters with this run's time scale (what every variant's engines get)."""
@@ -238,7 +241,7 @@ class Setup:
     def describe(self) -> dict:
         return {"engine": dict(self.engine), "replicas": self.replicas, "models": dict(self.models),
                 "time_scale": self.time_scale, "max_model_len": self.max_model_len,
-                "tool_threads": self.tool_threads}
+                "tool_threads": self.tool_threads, **({"entry": dict(self.entry)} if self.entry else {})}
 
 
 class Workflow(Protocol):

@@ -107,7 +107,8 @@ class DaskAgents:
         self.models = {i: [m] for i, m in enumerate(setup.replica_models())}  # replica i on worker i
 
     def settings(self) -> dict:
-        out: dict = {"agents.llm.models": {m: model_entry(self.setup) for m in self.setup.model_names()}}
+        out: dict = {"agents.llm.models": {m: model_entry(self.setup, workflow_aware=True)
+                                           for m in self.setup.model_names()}}
         if self.disabled == "admission":
             out["agents.scheduler.admission.enabled"] = False
         elif self.disabled:
@@ -153,7 +154,8 @@ class DaskAgents:
         return {"framework": f"dask-agents {da.__version__} on dask/distributed {distributed.__version__}",
                 "setup": self.setup.describe(), "threads": self.threads,
                 "install": f"da.install(client, models={self.models})",
-                "disabled": self.disabled, "agents": "one component per role; LLM via da.llm; tools as da.tool"}
+                "disabled": self.disabled, "agents": "one component per role; LLM via da.llm; tools as da.tool",
+                "kv_policy": dask.config.get("agents.kv.policy")}
 
 
 def _engine_stats(dask_worker: Any) -> dict | None:

@@ -25,20 +25,31 @@ from benchmarks.e2e.program import (
 ROUTINGS = ("round_robin", "least_loaded", "session_sticky")
 
 
-def model_entry(setup: Setup) -> dict:
-    """The ``agents.llm.models`` entry of every emulated engine of a run (all variants)."""
-    return {"engine": "emulated", "model": "emulated", "tokenizer": "byte", "max-model-len": setup.max_model_len,
-            "enable-prefix-caching": True, "emulation": setup.engine_params()}
+def model_entry(setup: Setup, workflow_aware: bool = False) -> dict:
+    """The ``agents.llm.models`` entry of every engine of a run: the Setup's own entry (a real
+    engine) or the EMULATED engine of its profile. Every variant gets the same engine, prefix
+    cache and host tier; a baseline's engine is workflow-blind (``kv-policy`` as the Setup says:
+    ``none`` on an emulated engine, whose LRU host tier is the engine's own), while dask-agents
+    (``workflow_aware``) runs the product's configured KV policy on it (``agents.kv.policy``)."""
+    if setup.entry is not None:
+        entry = dict(setup.entry)
+    else:
+        entry = {"engine": "emulated", "model": "emulated", "tokenizer": "byte", "max-model-len": setup.max_model_len,
+                 "enable-prefix-caching": True, "emulation": setup.engine_params(), "kv-policy": "none"}
+    if workflow_aware:
+        entry.pop("kv-policy", None)
+    return entry
 
 
 def make_engine(name: str, setup: Setup) -> Any:
-    """One EMULATED engine host, started: the class dask-agents' worker plugin hosts for the entry."""
+    """One engine host of a baseline, started: the class dask-agents' worker plugin hosts for
+    the run's entry (:func:`model_entry`)."""
     from dask_agents.model_settings import ModelSettings
     from dask_agents.worker_plugin.engines import make_host
 
     host = make_host(name, ModelSettings(**model_entry(setup)))
     host.start()
-    host.wait_loaded(30)
+    host.wait_loaded(30 if setup.entry is None else 600)  # a real engine loads in tens of seconds
     return host
 
 

@@ -45,7 +45,8 @@ from dask_agents.kv.runtime.tool_latency import ToolLatency, prior
 from benchmarks.e2e.program import LLMCall, Runtime, ToolCall, call
 from benchmarks.e2e.workflows.text import synthetic_text
 
-SYSTEM = synthetic_text("swe-system", 1200)  # the shared system prompt (tool descriptions, rules)
+SYSTEM_TOKENS = 1200  # the shared system prompt (tool descriptions, rules)
+SYSTEM = synthetic_text("swe-system", SYSTEM_TOKENS)
 CONTEXT_TOKENS = (8_000, 20_000)
 PLAN_TOKENS = (300, 800)
 STEP_TOKENS = (100, 400)
@@ -76,7 +77,8 @@ class Step:
 @dataclass(frozen=True)
 class Spec:
     """One Open-SWE request with every draw made. ``steps[k][a]``: developer ``k``'s steps at
-    attempt ``a``; ``failing[r]``: the subtask failing round ``r`` (None: passed)."""
+    attempt ``a``; ``failing[r]``: the subtask failing round ``r`` (None: passed); ``system``:
+    the system prompt's length."""
 
     id: str
     seed: int
@@ -87,6 +89,7 @@ class Spec:
     test_s: tuple
     failing: tuple
     logs: tuple
+    system: int = SYSTEM_TOKENS
 
     @property
     def retries(self) -> int:
@@ -101,8 +104,10 @@ def _steps(rng: random.Random, n: int) -> tuple:
     return tuple(out)
 
 
-def make_spec(rid: str, seed: int) -> Spec:
-    """One request from its seed (a pure function of the arguments)."""
+def make_spec(rid: str, seed: int, tokens: float = 1.0, tools: float = 1.0) -> Spec:
+    """One request from its seed (a pure function of the arguments). ``tokens`` and ``tools``
+    scale every length and tool latency after the draws (the same draws at every scale: a
+    smaller engine, ``benchmarks/e2e_real.py``, gets the same requests shrunk)."""
     rng = random.Random(f"swe-{seed}")
     n = rng.randint(*SUBTASKS)
     failing: list = []
@@ -117,17 +122,29 @@ def make_spec(rid: str, seed: int) -> Spec:
     steps = tuple(tuple(_steps(rng, rng.randint(*(STEPS if a == 0 else RETRY_STEPS))) for a in range(attempts[k]))
                   for k in range(n))
     rounds = len(failing)
-    return Spec(rid, seed, rng.randint(*CONTEXT_TOKENS), rng.randint(*PLAN_TOKENS), steps,
+    spec = Spec(rid, seed, rng.randint(*CONTEXT_TOKENS), rng.randint(*PLAN_TOKENS), steps,
                 tuple(rng.randint(*REVIEW_TOKENS) for _ in range(rounds)),
                 tuple(TOOLS["test_run"].sample(rng) for _ in range(rounds)), tuple(failing),
                 tuple(rng.randint(*LOG_TOKENS) for _ in range(rounds)))
+    return spec if (tokens, tools) == (1.0, 1.0) else scaled(spec, tokens, tools)
+
+
+def scaled(spec: Spec, tokens: float, tools: float) -> Spec:
+    """``spec`` with every length x ``tokens`` (at least one token) and every tool latency x ``tools``."""
+    n = lambda x: max(1, round(x * tokens))  # noqa: E731
+    steps = tuple(tuple(tuple(Step(n(st.out), st.tool, st.tool_s * tools, n(st.obs)) for st in att) for att in dev)
+                  for dev in spec.steps)
+    return dataclasses.replace(spec, context=n(spec.context), plan=n(spec.plan), steps=steps,
+                               review=tuple(n(x) for x in spec.review), test_s=tuple(x * tools for x in spec.test_s),
+                               logs=tuple(n(x) for x in spec.logs), system=n(spec.system))
 
 
 # -- prompts: pure functions of the spec ----------------------------------------------------------
 
 @functools.lru_cache(maxsize=4096)
 def _head(spec: Spec) -> str:
-    return f"{SYSTEM}\nSession {spec.id}\nIssue {spec.seed}:\n" + synthetic_text(f"ctx-{spec.seed}", spec.context)
+    system = SYSTEM if spec.system == SYSTEM_TOKENS else synthetic_text("swe-system", spec.system)
+    return f"{system}\nSession {spec.id}\nIssue {spec.seed}:\n" + synthetic_text(f"ctx-{spec.seed}", spec.context)
 
 
 def plan_prompt(spec: Spec) -> str:
@@ -221,16 +238,31 @@ def longest_prompt(spec: Spec) -> int:
                for p in dev_prompts(spec, k, a))
 
 
+def max_output(spec: Spec) -> int:
+    return max([spec.plan, *spec.review, *(st.out for dev in spec.steps for att in dev for st in att)])
+
+
 class SWE:
-    """The workflow object the runner uses (``benchmarks/e2e/program.py``'s Workflow)."""
+    """The workflow object the runner uses (``benchmarks/e2e/program.py``'s Workflow).
+    ``tokens``/``tools``: every length / tool latency scaled (:func:`scaled`; 1: the realistic
+    regime); ``max_len``: the engines' context limit, which every prompt plus its output must fit."""
 
-    name = "swe"
     scenarios = ("stationary", "bursty", "phase")
-    shared_prefix = SYSTEM  # cached on every engine once warm: the ideal bound's perfect cache has it
 
-    def make_specs(self, n: int, seed: int, scenario: str, max_len: int = 131072) -> list[Spec]:
-        specs = [make_spec(f"swe-s{seed}-{i:04d}", seed * 100_003 + i) for i in range(n)]
-        return phase(specs, max_len) if scenario == "phase" else specs
+    def __init__(self, tokens: float = 1.0, tools: float = 1.0, max_len: int = 131072):
+        self.tokens, self.tools, self.max_len = tokens, tools, max_len
+        self.name = "swe" if (tokens, tools) == (1.0, 1.0) else f"swe-x{tokens:g}"
+        # cached on every engine once warm: the ideal bound's perfect cache has it
+        self.shared_prefix = synthetic_text("swe-system", max(1, round(SYSTEM_TOKENS * tokens)))
+
+    def make_specs(self, n: int, seed: int, scenario: str) -> list[Spec]:
+        specs = [make_spec(f"swe-s{seed}-{i:04d}", seed * 100_003 + i, self.tokens, self.tools) for i in range(n)]
+        specs = phase(specs, self.max_len) if scenario == "phase" else specs
+        for s in specs:
+            if longest_prompt(s) + max_output(s) > self.max_len:
+                raise ValueError(f"{s.id}: a prompt of {longest_prompt(s)} tokens and its output do not fit "
+                                 f"{self.max_len} positions")
+        return specs
 
     program = staticmethod(program)
     check = staticmethod(check)
