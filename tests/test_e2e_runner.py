@@ -31,10 +31,12 @@ def test_reported_numbers_never_come_from_a_sweep_run(monkeypatch):
     measure runs never use a sweep seed."""
     counter = itertools.count()
     calls: list[tuple] = []
+    deadlines: set[tuple] = set()
 
     def fake_point(make, wf, specs, offsets, rate, setup, ideal_of, deadline_s, sweeping=[True]):
         phase = "measure" if all(not s.id.startswith("swe-s1000-") for s in specs) else "sweep"
         calls.append((phase, specs[0].id))
+        deadlines.add((phase, deadline_s))
         return fake_metrics((1000.0 if phase == "sweep" else 1.0) + next(counter))
 
     monkeypatch.setattr(runner, "run_point", fake_point)
@@ -54,6 +56,8 @@ def test_reported_numbers_never_come_from_a_sweep_run(monkeypatch):
     for entry in summary["swe"]["stationary"].values():
         for v in entry.get("variants", {}).values():
             assert all(x < 1000 for x in v["mean_s"]["per_seed"].values())
+    # a sweep gives a hopeless configuration up sooner than a measurement gives up a request
+    assert deadlines == {("sweep", FULL["sweep_deadline_s"]), ("measure", 10)}
 
 
 def test_jobs_cover_every_unit_once_and_merge_rejects_overlaps(tmp_path):
@@ -72,6 +76,14 @@ def test_jobs_cover_every_unit_once_and_merge_rejects_overlaps(tmp_path):
         (tmp_path / f"{name}.json").write_text(json.dumps({"config": {}, "units": [u]}))
     with pytest.raises(SystemExit, match="twice"):
         merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")], None)
+    # files of one plan merge even where only their choose phases' knobs differ; not otherwise
+    for name, preset in (("c", FULL), ("d", {**FULL, "ttls": [1.0], "sweep_deadline_s": 60.0}),
+                         ("e", {**FULL, "requests": 30})):
+        v = {**u, "seed": {"c": 0, "d": 1, "e": 2}[name]}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"config": {"preset": preset}, "units": [v]}))
+    assert merge([str(tmp_path / "c.json"), str(tmp_path / "d.json")], None) == 0
+    with pytest.raises(SystemExit, match="another plan"):
+        merge([str(tmp_path / "c.json"), str(tmp_path / "e.json")], None)
 
 
 def test_summary_has_the_ideal_bound_gap_closed_and_paired_speedups():

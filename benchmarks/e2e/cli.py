@@ -44,7 +44,7 @@ FULL = {"time_scale": 0.1, "requests": 60, "workflows": ["swe", "finance", "rout
                             "finance": [0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8],
                             "router": [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]}, "caps": [4, 8, 12, 16, 24],
         "ttls": [5.0, 20.0, 60.0, 180.0], "peer_routings": ["least_loaded", "session_sticky"],
-        "deadline_s": 1800.0, "replicas": 2}
+        "deadline_s": 1800.0, "sweep_deadline_s": 300.0, "replicas": 2}
 """The full run: every workflow and scenario, loads 0.5-1.2 of the derived capacity, 3 seeds,
 every variant and two ablations; time scale 0.1. Split with ``--job K/N`` (see the module
 docstring and benchmarks/README.md)."""
@@ -54,6 +54,12 @@ def workflow(name: str) -> Any:
     import importlib
 
     return importlib.import_module(f"benchmarks.e2e.workflows.{name}").WORKFLOW
+
+
+CHOOSE_ONLY = ("workflows", "static_sweep", "capacity_ladder", "caps", "ttls", "peer_routings", "probe_rps",
+               "sweep_deadline_s")
+"""Preset keys only the choose phase reads: files merged into one result may differ in them
+(each workflow's choices and sweeps are recorded with it)."""
 
 
 def make_setup(wf: Any, preset: dict, engine_profile: str = "realistic") -> Setup:
@@ -218,9 +224,12 @@ def merge(files: list[str], path: str | None) -> int:
     parts = [json.load(open(f)) for f in files]
     out: dict[str, Any] = {"config": parts[0]["config"], "choices": {}, "sweeps": {}, "units": [], "setups": {},
                            "merged_from": files}
-    plan = {k: v for k, v in parts[0]["config"].get("preset", {}).items() if k != "workflows"}
+    def plan_of(part: dict) -> dict:  # what the measure phase runs (the choose-only knobs may differ)
+        return {k: v for k, v in part["config"].get("preset", {}).items() if k not in CHOOSE_ONLY}
+
+    plan = plan_of(parts[0])
     for f, p in zip(files, parts):
-        other = {k: v for k, v in p["config"].get("preset", {}).items() if k != "workflows"}
+        other = plan_of(p)
         if other != plan:
             raise SystemExit(f"merge: {f} was run with another plan (preset) than {files[0]}")
         if p["config"].get("profile", "realistic") != parts[0]["config"].get("profile", "realistic"):

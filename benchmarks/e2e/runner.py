@@ -7,7 +7,8 @@ variants interleaved within each seed), jobs and merge.
   requests no measurement uses: plain Dask's best static configuration at the probe load; the
   capacity (the highest load of a ladder the best static configuration sustains); per scenario
   at the capacity the cap, the TTL and the peers' routing. Its runs are kept under ``sweeps``
-  and never reported as measurements.
+  and never reported as measurements; they are given up ``sweep_deadline_s`` after their last
+  arrival (a configuration that needs longer has lost already: it scores as not sustained).
 - The **measure phase** is a list of units (scenario, load factor, seed); a unit runs every
   variant on the same requests and arrivals, in an order rotated from unit to unit, each on a
   fresh instance. ``--job K/N`` runs every N-th unit from the K-th; ``merge`` joins the jobs'
@@ -224,7 +225,8 @@ def choose(wf: Any, setup: Setup, preset: dict, factory_for: Callable[[dict], Ca
     def point(make: Callable, sc: str, rate: float, s: int = seed) -> dict:
         specs = wf.make_specs(n, s, sc)
         offs = arrivals(wf, sc, n, rate, s)
-        return run_point(make, wf, specs, offs, rate, setup, ideals(wf, specs, setup), preset["deadline_s"])
+        return run_point(make, wf, specs, offs, rate, setup, ideals(wf, specs, setup),
+                         preset.get("sweep_deadline_s", preset["deadline_s"]))
 
     chosen: dict[str, Any] = {}
     factory = factory_for(chosen)

@@ -17,9 +17,11 @@ two hand-tuned baselines built on it.
   request waits FIFO in the driver for a free slot and holds it for its life (the static
   admission control a user writes by hand; ``cap`` swept per scenario).
 - ``dask-ttl``: ``session_sticky`` plus a Continuum-style static pin: after each LLM call the
-  engine pins the session's KV for ``ttl`` emulated seconds (renewed by its next call; within
-  the engine's pin budget; released when nothing can run, so pins never wedge the engine), so a
-  session paused on a tool finds its prefix when it returns (``ttl`` swept per scenario).
+  engine pins the calling agent's KV (Continuum pins per program: each agent invocation is one
+  to the engine, so a paused developer pins its own transcript, not its siblings' or the whole
+  request's) for ``ttl`` emulated seconds (renewed by its next call; within the engine's pin
+  budget; released when nothing can run, so pins never wedge the engine), so an agent paused on
+  a tool finds its prefix when it returns (``ttl`` swept per scenario).
 """
 
 from __future__ import annotations
@@ -69,17 +71,18 @@ def engine_stats(dask_worker: Any) -> dict | None:
     return None if p is None or p.host is None else {**p.host.stats(), "model": p.model}
 
 
-def llm_task(call: LLMCall, ttl_wall_s: float | None) -> tuple:
-    """One LLM call on this worker's engine (holds the thread while the engine works)."""
+def llm_task(call: LLMCall, ttl_wall_s: float | None, program: str | None = None) -> tuple:
+    """One LLM call on this worker's engine (holds the thread while the engine works);
+    ``program``: the calling agent invocation (what a TTL pin covers)."""
     host = _plugin().host
     if ttl_wall_s is None:
         return generate_on(host, call)
-    out = generate_on(host, call, session=call.session)  # the TTL pin needs the engine to know sessions
+    out = generate_on(host, call, session=program)  # the TTL pin needs the engine to know the program
     # Pinned between engine steps (on the stepping thread: the KV is not thread-safe), and not
     # waited for: an engine that pins at a request's end (Continuum) adds nothing to the call.
     # A pin beyond the engine's pin budget pins fewer blocks; it does not fail.
-    session, ttl = call.session, ttl_wall_s
-    host.kv_call(lambda kv: kv.retain(session, ttl_s=ttl))
+    ttl = ttl_wall_s
+    host.kv_call(lambda kv: kv.retain(program, ttl_s=ttl))
     return out
 
 
@@ -88,6 +91,7 @@ class _Ctx:
                  time_scale: float, model_workers: dict):
         self.session, self.clock, self.pins, self.model_workers = session, clock, pins, model_workers
         self.llm_slots, self.ttl, self.time_scale = llm_slots, ttl, time_scale
+        self.program = f"{session}/{uuid.uuid4().hex[:12]}"  # this agent invocation (a TTL pin's unit)
 
     def llm(self, call: LLMCall):
         kw: dict = {"key": f"llm-{call.role}-{uuid.uuid4().hex}", "pure": False}
@@ -98,7 +102,7 @@ class _Ctx:
             kw["resources"] = {"LLM": 1}
         issued = time.time()
         with worker_client() as c:
-            out, started, ended = c.submit(llm_task, call, self.ttl, **kw).result()
+            out, started, ended = c.submit(llm_task, call, self.ttl, self.program, **kw).result()
         self.clock.add(issued, started, ended, time.time())
         self.clock.llm.append(out)
         return out

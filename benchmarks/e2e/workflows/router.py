@@ -19,7 +19,7 @@ shipped in ``dask_agents/data/traces/azure-llm-2023``; Azure Public Dataset, CC-
 al., Splitwise, ISCA 2024) gives the labels, sizes and arrival times. Its 2023 contexts are short
 (medians ~1.5k code, ~1k conversation tokens; generated medians 13 and 129), so the sizes are
 scaled (x4, clipped) into the regime of today's long-context chats and coding assistants, keeping
-each service's relative spread. Scenario ``skew`` (the old ``benchmarks/legacy/e2e_router.py``'s):
+each service's relative spread. Scenario ``skew`` (the previous harness's):
 ``skewed(trace, n, phases=3, dominance=0.95, first="code", start_s=260)``: three equal phases,
 coding-dominant, chat-dominant, coding-dominant, each >= 95% its dominant label; each request
 takes the next unused trace row of its label (from trace second 260 on, where both services are
