@@ -9,6 +9,7 @@ from typing import Any
 import dask
 from distributed import Client, Future
 
+from dask_agents import config as agents_config
 from dask_agents import context
 from dask_agents.components import ComponentSpec
 from dask_agents.errors import NoClientError, where
@@ -22,19 +23,41 @@ def new_key(component: str) -> str:
 
 
 def find_client(spec: ComponentSpec, method: str | None) -> Client:
-    """The client of the active session, else Dask's current/default client."""
+    """The client of the active session, else Dask's current/default client (inside a component:
+    the worker's own client, batching with the window ``da.install`` set)."""
     s = context.current_session.get()
     if s is not None and s.client is not None:
         return s.client
     try:
         from distributed import get_client
 
-        return get_client()
+        return _with_install_window(get_client())
     except ValueError:
         raise NoClientError(
             f"{where(spec.name, method, context.session_id())} was called with no Dask client: "
             "create a distributed.Client first, or call it inside `with da.session(client):`"
         ) from None
+
+
+def _with_install_window(client: Client) -> Client:
+    """A worker's own client with the client -> scheduler batching window ``da.install`` set
+    (Dask builds it with its default 10 ms: every nested call's update-graph waited for it).
+    Once per client; the driver's client was tuned by ``da.install`` itself."""
+    if getattr(client, "_agents_keeps_interval", False):
+        return client
+    from distributed import get_worker
+
+    from dask_agents.scheduler_plugin import dask_compat
+
+    try:
+        plugin = get_worker().plugins.get("dask-agents")
+    except ValueError:  # not on a worker: a client the user made, left as it is
+        return client
+    if plugin is not None:
+        interval = getattr(plugin, "client_interval", None)
+        dask_compat.set_client_stream_interval(
+            client, interval if interval is not None else agents_config.seconds("client.batched-send-interval"))
+    return client
 
 
 def _dependencies(args: tuple, kwargs: dict) -> list[str]:

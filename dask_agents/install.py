@@ -40,7 +40,7 @@ def install(client: Client, *, models: list[str] | dict[str, list[str]] | None =
         async def go() -> dict:
             if not await client.run_on_scheduler(_has_plugin):
                 await client.register_plugin(AgentsSchedulerPlugin())
-            await client.register_plugin(AgentsWorkerPlugin(models=models))
+            await client.register_plugin(AgentsWorkerPlugin(models=models, client_interval=interval))
             sched_compat.set_client_stream_interval(client, interval)
             if not wait:
                 return {}
@@ -51,7 +51,7 @@ def install(client: Client, *, models: list[str] | dict[str, list[str]] | None =
         return go()
     if not client.run_on_scheduler(_has_plugin):
         client.register_plugin(AgentsSchedulerPlugin())
-    client.register_plugin(AgentsWorkerPlugin(models=models))
+    client.register_plugin(AgentsWorkerPlugin(models=models, client_interval=interval))
     sched_compat.set_client_stream_interval(client, interval)
     if not wait:
         return {}

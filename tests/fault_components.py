@@ -53,6 +53,20 @@ def relay_bump(marker_dir: str) -> tuple[int, int]:
     return da.stub(Counter).bump(marker_dir).value(timeout=60)
 
 
+@da.tool
+def echo(x: int) -> int:
+    return x
+
+
+@da.tool
+def nested_window() -> tuple[int, float]:
+    """A nested call from this worker's own client, then that client's client -> scheduler
+    batching window (seconds)."""
+    from distributed import get_client
+
+    return da.stub(echo)(7).value(timeout=60), get_client().scheduler_comm.interval
+
+
 # -- benchmarks/faults.py: an Open-SWE-shaped workflow whose answer depends on session state ------
 # Planner -> Developers (in parallel, each with a doc-search and a code-exec tool and an LLM call)
 # -> Tester, retrying the failing subtask. Every agent records its step in the session's stateful

@@ -75,6 +75,21 @@ def process_cluster():
         c.close(timeout=30)
 
 
+def test_a_workers_own_client_batches_with_the_window_da_install_set():
+    """Nested calls go through the worker's own client, which Dask builds with its 10 ms window:
+    the window the driver's da.install read applies there too (issue 26: it did not)."""
+    cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0",
+                           worker_dashboard_address=":0")
+    try:
+        with Client(cluster) as client:
+            with dask.config.set({"agents.client.batched-send-interval": "3ms"}):  # the driver's, not the worker's
+                da.install(client)
+            with da.session(client):
+                assert da.stub(fc.nested_window)().value(timeout=60) == (7, 0.003)
+    finally:
+        cluster.close(timeout=30)
+
+
 # -- (0) a worker that only made nested calls into a session is killed --------------------------
 def test_killing_a_worker_never_closes_other_workers_sessions(tmp_path):
     """Workers' own clients never own a session: before, the nested call's client going away

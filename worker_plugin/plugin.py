@@ -64,8 +64,11 @@ class AgentsWorkerPlugin(WorkerPlugin):
     name = NAME
     idempotent = True
 
-    def __init__(self, models: list[str] | dict[str, list[str]] | None = None):
+    def __init__(self, models: list[str] | dict[str, list[str]] | None = None, client_interval: float | None = None):
         self.models = models if isinstance(models, dict) else (list(models) if models is not None else None)
+        # The batching window of this worker's own client (nested calls' update-graph), as
+        # da.install read it on the driver; None: agents.client.batched-send-interval here.
+        self.client_interval = client_interval
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -82,10 +85,11 @@ class AgentsWorkerPlugin(WorkerPlugin):
         self._engines_sent = 0.0  # when engine stats last went to the scheduler
 
     def __getstate__(self) -> dict:
-        return {"models": self.models}
+        return {"models": self.models, "client_interval": self.client_interval}
 
     def __setstate__(self, state: dict) -> None:
         self.models = state["models"]
+        self.client_interval = state.get("client_interval")
         self._init_runtime()
 
     async def setup(self, worker: Worker) -> None:
