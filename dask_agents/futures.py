@@ -58,6 +58,16 @@ def closed_client_error(exc: BaseException, client: Any, component: str, method:
                              f"submitted ({exc})")
 
 
+def _running_on() -> Any:
+    """The worker whose task this thread runs, or None (the driver, or any other thread)."""
+    from distributed import get_worker
+
+    try:
+        return get_worker()
+    except ValueError:
+        return None
+
+
 def release_worker_slot() -> None:
     """If running in a worker task thread, secede once so waiting frees the slot."""
     from dask_agents.worker_plugin import dask_compat
@@ -101,8 +111,12 @@ class AgentFuture(Future):
             return self._async_result(timeout)
         if not self.done():
             release_worker_slot()
+        worker = _running_on()
         try:
-            return super().result(timeout=timeout)
+            if worker is None or getattr(worker, "loop", None) is not self.client.loop:  # not the worker's client
+                return super().result(timeout=timeout)
+            self._verify_initialized()
+            return self.client.sync(self._local_result, worker, callback_timeout=timeout)
         except TimeoutError as e:
             if isinstance(e, CallTimeoutError):
                 raise
@@ -116,6 +130,20 @@ class AgentFuture(Future):
             if err is None:
                 raise
         raise err  # outside the except block: Dask's TypeError holds a whole remote traceback
+
+    async def _local_result(self, worker: Any) -> Any:
+        """The result, read from ``worker``'s memory where the call finished on the caller's own
+        worker: no ``who_has``/``get_data`` round trip (what Dask's ``Client.gather`` does inside
+        a task; the caller gets the stored object, as a dependent task on that worker would).
+        Anywhere else, or on an error or cancellation, as Dask reads it. Runs on the client's
+        loop, where the worker's data is changed."""
+        await self._state.wait()
+        if self.status == "finished":
+            try:
+                return worker.data[self.key]
+            except KeyError:  # produced on another worker (or moved away): fetch it
+                pass
+        return await self._result()
 
     async def _async_result(self, timeout: float | None) -> Any:
         try:

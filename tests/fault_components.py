@@ -67,6 +67,20 @@ def nested_window() -> tuple[int, float]:
     return da.stub(echo)(7).value(timeout=60), get_client().scheduler_comm.interval
 
 
+@da.tool
+def nested_results(n: int) -> list:
+    """``n`` nested calls read back here, each result the object stored in this worker's memory
+    when the call ran here."""
+    from distributed import get_worker
+
+    out = []
+    for i in range(n):
+        f = da.stub(echo)(i)
+        value = f.value(timeout=60)
+        out.append((value, f.key in get_worker().data))
+    return out
+
+
 # -- benchmarks/faults.py: an Open-SWE-shaped workflow whose answer depends on session state ------
 # Planner -> Developers (in parallel, each with a doc-search and a code-exec tool and an LLM call)
 # -> Tester, retrying the failing subtask. Every agent records its step in the session's stateful

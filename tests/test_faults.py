@@ -90,6 +90,37 @@ def test_a_workers_own_client_batches_with_the_window_da_install_set():
         cluster.close(timeout=30)
 
 
+def _count_gathers(dask_scheduler: Any) -> None:
+    """Count the scheduler's ``who_has`` and ``gather`` requests (how a client finds results)."""
+    dask_scheduler.agents_test_gathers = 0
+    for name in ("who_has", "gather"):
+        handler = dask_scheduler.handlers[name]
+
+        def counted(*args: Any, _h: Any = handler, **kwargs: Any) -> Any:
+            dask_scheduler.agents_test_gathers += 1
+            return _h(*args, **kwargs)
+
+        dask_scheduler.handlers[name] = counted
+
+
+def test_a_result_produced_on_the_callers_worker_is_read_there():
+    """A nested call that ran on the caller's own worker is read from that worker's memory: no
+    ``who_has``/``gather`` through the scheduler (issue 26: 86-92% of LLM calls paid it)."""
+    cluster = LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0",
+                           worker_dashboard_address=":0")
+    try:
+        with Client(cluster) as client:
+            da.install(client)
+            client.run_on_scheduler(_count_gathers)
+            with da.session(client):
+                got = da.stub(fc.nested_results)(5).value(timeout=60)
+            assert got == [(i, True) for i in range(5)]
+            # the driver's own read of the outer result is the only request (the scheduler's gather)
+            assert client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.agents_test_gathers) <= 1
+    finally:
+        cluster.close(timeout=30)
+
+
 # -- (0) a worker that only made nested calls into a session is killed --------------------------
 def test_killing_a_worker_never_closes_other_workers_sessions(tmp_path):
     """Workers' own clients never own a session: before, the nested call's client going away
