@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             "variants": preset["variants"], "capacity_rps": chosen["capacity_rps"], "requests": preset["requests"],
             "deadline_s": preset["deadline_s"]}
     units = runner.measure(wf, setup, plan, cli.factory_for(setup, chosen), None, log)
-    summary = report.summarize(units)
+    summary = report.summarize(units, **cli.kv_context(units, preset["requests"], {wf.name: setup.describe()},
+                                                      {wf.name: wf}))
     print(report.table(summary))
     config: dict[str, Any] = {**cli.config(preset, "quick" if a.quick else "full"),
                               "engine": "REAL vLLM (CPU build), builtin:tiny-llama, dummy weights",

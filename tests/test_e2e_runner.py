@@ -308,3 +308,33 @@ def test_the_ideal_perfect_cache_sees_a_sibling_listed_later_that_started_first(
 
     _, floor = ideal(W(), None, {})
     assert floor < 4000 + 2 * 100 + 2 * 16  # the 4,000 shared tokens prefilled once
+
+
+def test_kv_footprint_is_the_prefix_tree_of_a_requests_prompts():
+    """Two developers over one head, each extending its own transcript: the request holds the
+    head once, each transcript's longest prompt past it, and not the system prompt every
+    session shares (held once per engine)."""
+    from benchmarks.e2e.ideal import kv_footprint
+    from benchmarks.e2e.program import LLMCall
+
+    system, head = "s" * 500, "h" * 3000
+
+    def dev(ctx, tag):
+        text = system + head + tag
+        for _ in range(3):
+            ctx.llm(LLMCall(ctx.session, "dev", text, 2))
+            text += tag * 200
+
+    class W:
+        shared_prefix = system
+
+        def program(self, rt, spec):
+            rt.gather([rt.agent("a", dev, "A"), rt.agent("b", dev, "B")])
+
+        def check(self, spec, value):
+            pass
+
+    assert kv_footprint(W(), None, {}) == 3000 + 2 * (1 + 400)
+    kv = report.kv_bound_proof({0.8: {"dask": {"0": {**fake_metrics(10.0), "throughput_rps": 0.5}}}},
+                               {"0": 4000.0}, 40_000)
+    assert kv["live_working_set_vs_device_kv"]["median"] == pytest.approx(0.5 * 10.0 * 4000 / 40_000)

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                     "requests": preset["requests"], "deadline_s": preset["deadline_s"]}
             out["units"] += runner.measure(wf, setup, plan, factory_for(setup, chosen), job, log)
     if a.phase == "all":
-        out["summary"] = report.summarize(out["units"])
+        out["summary"] = report.summarize(out["units"], **kv_context(out["units"], preset["requests"], out["setups"]))
         print(report.table(out["summary"]))
     if a.json:
         if out.get("summary"):
@@ -215,6 +215,25 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(jsonable(out), f, indent=1)
         log(f"wrote {a.json}")
     return 0
+
+
+def kv_context(units: list[dict], requests: int, setups: dict, workflows: dict | None = None) -> dict:
+    """``report.summarize``'s KV context of a run: per workflow, scenario and seed the requests'
+    mean KV footprint (the same requests, regenerated from their seeds) and per workflow the
+    device KV of all its engines (tokens)."""
+    from benchmarks.e2e.ideal import kv_footprint, run_shared
+
+    footprints: dict = {}
+    for wf_name, sc, seed in sorted({(u["workflow"], u["scenario"], u["seed"]) for u in units}):
+        wf = (workflows or {}).get(wf_name) or workflow(wf_name)
+        engine = setups[wf_name]["engine"]
+        specs = wf.make_specs(requests, seed, sc)
+        shared = run_shared(wf, specs)
+        fp = [kv_footprint(wf, spec, engine, shared) for spec in specs]
+        footprints.setdefault(wf_name, {}).setdefault(sc, {})[str(seed)] = sum(fp) / len(fp)
+    kv = {name: int(st["engine"].get("kv_blocks") or 0) * int(st["engine"].get("block_size") or 16) * st["replicas"]
+          for name, st in setups.items()}
+    return {"footprints": footprints, "kv_tokens": kv}
 
 
 def merge(files: list[str], path: str | None) -> int:
@@ -243,7 +262,8 @@ def merge(files: list[str], path: str | None) -> int:
     keys = [(u["workflow"], u["scenario"], u["factor"], u["seed"], u["variant"]) for u in out["units"]]
     if len(keys) != len(set(keys)):
         raise SystemExit("merge: a unit appears twice (overlapping jobs)")
-    out["summary"] = report.summarize(out["units"])
+    out["summary"] = report.summarize(out["units"], **kv_context(out["units"], out["config"]["preset"]["requests"],
+                                                                 out["setups"]))
     print(report.table(out["summary"]))
     if path:
         out["plots"] = report.plot(out["summary"], os.path.splitext(path)[0])

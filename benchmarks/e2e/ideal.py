@@ -140,3 +140,17 @@ def run_shared(workflow: Any, specs: list) -> str:
 
     base = getattr(workflow, "shared_prefix", "")
     return os.path.commonprefix([f"{base}\nSession {s.id}" for s in specs]) if specs else base
+
+
+def kv_footprint(workflow: Any, spec: Any, params: Any, shared: str | None = None) -> int:
+    """Tokens of KV the request holds at its peak when nothing of it is evicted: the prefix tree
+    of its prompts (each prompt's tokens past its longest common prefix with an earlier, shorter
+    one), less the prefix every session shares (held once per engine)."""
+    shared = getattr(workflow, "shared_prefix", "") if shared is None else shared
+    rt = IdealRuntime(getattr(spec, "id", "footprint"), params, shared)
+    workflow.check(spec, workflow.program(rt, spec))
+    seen, total = [shared], 0
+    for prompt in sorted((p for _, _, _, p in rt.sent), key=len):
+        total += len(prompt) - max(common_prefix(prompt, q) for q in seen)
+        seen.append(prompt)
+    return total

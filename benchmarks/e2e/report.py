@@ -69,23 +69,33 @@ def summarize_point(vs: dict, sustained_max: dict) -> dict:
     return out
 
 
-def kv_bound_proof(per_factor: dict) -> dict:
+def kv_bound_proof(per_factor: dict, footprints: dict | None = None, kv_tokens: int | None = None) -> dict:
     """At 0.8 of capacity: the best static configuration's hit rate against the perfect cache's
     (1 - floor / prompt tokens queried), and its prefill against the floor. The regime bites if
-    the hit rate is >= 20 points below, or prefill >= 1.3x the floor."""
+    the hit rate is >= 20 points below, or prefill >= 1.3x the floor. With ``footprints`` (seed ->
+    the requests' mean KV footprint in tokens) and ``kv_tokens`` (the engines' device KV, all
+    replicas), also why: the live working set by Little's law (throughput x mean latency x
+    footprint) against the device KV."""
     vs = per_factor.get(PROOF_FACTOR, {}).get("dask")
     if not vs:
         return {"holds": None, "why": f"no plain-Dask run at {PROOF_FACTOR} of capacity"}
-    gaps, ratios = {}, {}
+    gaps, ratios, live = {}, {}, {}
     for s, m in vs.items():
         q = m.get("queried_tokens") or 0
         perfect = 1 - m["floor_prefill_tokens"] / q if q else math.nan
         gaps[s] = perfect - m["hit_rate"] if math.isfinite(perfect) else None
         ratios[s] = m.get("prefill_vs_floor")
+        fp, thr, mean = (footprints or {}).get(s), stats.finite(m.get("throughput_rps")), stats.finite(m.get("mean_s"))
+        live[s] = thr * mean * fp / kv_tokens if fp and kv_tokens and thr and mean else None
     g, r = stats.spread(gaps), stats.spread(ratios)
     holds = (g["median"] is not None and g["median"] >= 0.20) or (r["median"] is not None and r["median"] >= 1.3)
-    return {"holds": bool(holds), "hit_rate_gap_to_perfect": g, "prefill_vs_floor": r,
-            "rule": "hit rate >= 20 points below a perfect cache's, or prefill >= 1.3x the floor"}
+    out = {"holds": bool(holds), "hit_rate_gap_to_perfect": g, "prefill_vs_floor": r,
+           "rule": "hit rate >= 20 points below a perfect cache's, or prefill >= 1.3x the floor"}
+    if footprints and kv_tokens:
+        out["live_working_set_vs_device_kv"] = stats.spread(live)
+        out["footprint_tokens"] = stats.spread(dict(footprints))
+        out["device_kv_tokens"] = kv_tokens
+    return out
 
 
 def check_same_resources(units: list[dict]) -> None:
@@ -100,7 +110,10 @@ def check_same_resources(units: list[dict]) -> None:
                              f"resources than the rest: {got} != {want}")
 
 
-def summarize(units: list[dict]) -> dict:
+def summarize(units: list[dict], footprints: dict | None = None, kv_tokens: dict | None = None) -> dict:
+    """The summary (module docstring). ``footprints``: workflow -> scenario -> seed -> mean KV
+    footprint of the requests (tokens); ``kv_tokens``: workflow -> device KV of all its engines
+    (tokens); with both, the KV-bound proof says how much of the device KV the live requests need."""
     check_same_resources(units)
     out: dict[str, Any] = {}
     for wf, scs in _index(units).items():
@@ -108,7 +121,8 @@ def summarize(units: list[dict]) -> dict:
             variants = {v for vs in per_factor.values() for v in vs}
             smax = {v: _max_sustained(per_factor, v) for v in variants}
             entry = {f"x{f:g}": summarize_point(vs, smax) for f, vs in sorted(per_factor.items())}
-            entry["kv_bound_proof"] = kv_bound_proof(per_factor)
+            entry["kv_bound_proof"] = kv_bound_proof(per_factor, ((footprints or {}).get(wf) or {}).get(sc),
+                                                     (kv_tokens or {}).get(wf))
             out.setdefault(wf, {})[sc] = entry
     return out
 
@@ -144,7 +158,9 @@ def table(summary: dict) -> str:
             p = loads.get("kv_bound_proof", {})
             lines.append(f"  KV-bound proof ({wf}/{sc}): holds={p.get('holds')} "
                          f"hit-rate gap {fmt((p.get('hit_rate_gap_to_perfect') or {}).get('median'), '.2f')}, "
-                         f"prefill/floor {fmt((p.get('prefill_vs_floor') or {}).get('median'), '.2f')}")
+                         f"prefill/floor {fmt((p.get('prefill_vs_floor') or {}).get('median'), '.2f')}, "
+                         f"live working set / device KV "
+                         f"{fmt((p.get('live_working_set_vs_device_kv') or {}).get('median'), '.2f')}")
     return "\n".join(lines)
 
 
