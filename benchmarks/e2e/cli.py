@@ -225,6 +225,8 @@ def kv_context(units: list[dict], requests: int, setups: dict, workflows: dict |
 
     footprints: dict = {}
     for wf_name, sc, seed in sorted({(u["workflow"], u["scenario"], u["seed"]) for u in units}):
+        if wf_name not in setups:  # (files without their setups: no KV context for them)
+            continue
         wf = (workflows or {}).get(wf_name) or workflow(wf_name)
         engine = setups[wf_name]["engine"]
         specs = wf.make_specs(requests, seed, sc)
