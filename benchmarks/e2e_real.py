@@ -38,6 +38,7 @@ from benchmarks.e2e.program import Setup  # noqa: E402
 from benchmarks.e2e.workflows.swe import SWE  # noqa: E402
 
 MAX_MODEL_LEN = 4096
+LABEL = "REAL vLLM CPU engines"
 TOKENS = 0.05  # the realistic draws' lengths, shrunk: the longest prompt of a session ~2-3.5k
 TOOLS = 0.05  # tool latencies: a 15 s test suite runs 0.75 s
 # The tiny model's cost shape on this machine's CPU engine (benchmarks/results/engine-shape.json,
@@ -49,11 +50,11 @@ FULL = {"time_scale": 1.0, "requests": 40, "scenarios": ["stationary"], "factors
         "variants": ["dask", "dask-capped", "dask-agents"], "probe_rps": 1.0,
         "static_sweep": [{"threads": t, "llm_slots": None, "routing": r} for t in (16, 32)
                          for r in ("none", "session_sticky")],
-        "capacity_ladder": [0.5, 1.0, 1.5, 2.0, 3.0, 4.0], "caps": [1, 2, 4], "ttls": [], "peer_routings": [],
+        "capacity_ladder": [0.125, 0.25, 0.5, 1.0, 1.5, 2.0], "caps": [1, 2, 4], "ttls": [], "peer_routings": [],
         "deadline_s": 300.0, "replicas": 2, "kv": "12 MiB", "host": "24 MiB"}
 QUICK = {**FULL, "requests": 16, "factors": [1.0], "seeds": [0], "variants": ["dask", "dask-agents"],
          "static_sweep": [{"threads": 16, "llm_slots": None, "routing": "session_sticky"}],
-         "capacity_ladder": [1.0, 2.0]}
+         "capacity_ladder": [0.25, 0.5]}
 
 
 def real_entry(kv: str, host: str) -> dict:
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     units = runner.measure(wf, setup, plan, cli.factory_for(setup, chosen), None, log)
     summary = report.summarize(units, **cli.kv_context(units, preset["requests"], {wf.name: setup.describe()},
                                                       {wf.name: wf}))
-    print(report.table(summary))
+    print(report.table(summary, LABEL))
     config: dict[str, Any] = {**cli.config(preset, "quick" if a.quick else "full"),
                               "engine": "REAL vLLM (CPU build), builtin:tiny-llama, dummy weights",
                               "workflow": f"{wf.name}: Open-SWE lengths x {TOKENS:g}, tool latencies x {TOOLS:g}",
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"config": config, "choices": {wf.name: chosen}, "sweeps": {wf.name: res["sweeps"]}, "units": units,
            "setups": {wf.name: setup.describe()}, "summary": summary, "wall_s": time.time() - t0}
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    out["plots"] = report.plot(summary, os.path.splitext(a.json)[0])
+    out["plots"] = report.plot(summary, os.path.splitext(a.json)[0], LABEL)
     with open(a.json, "w") as f:
         json.dump(cli.jsonable(out), f, indent=1)
     log(f"wrote {a.json} ({time.time() - t0:.0f} s)")

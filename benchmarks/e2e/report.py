@@ -131,7 +131,7 @@ def fmt(x: Any, spec: str = ".1f") -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
-def table(summary: dict) -> str:
+def table(summary: dict, label: str = "EMULATED") -> str:
     """A text table per workflow x scenario x load: medians over seeds, [min, max] of ratios."""
     lines = []
     for wf, scs in summary.items():
@@ -140,7 +140,7 @@ def table(summary: dict) -> str:
                 if not lk.startswith("x"):
                     continue
                 lines.append(f"\n{wf} / {sc} / load {lk} of capacity: ideal mean {fmt(e['ideal_mean_s']['median'])} s, "
-                             f"P99 {fmt(e['ideal_p99_s']['median'])} s; best baseline {e['best_baseline']} (EMULATED)")
+                             f"P99 {fmt(e['ideal_p99_s']['median'])} s; best baseline {e['best_baseline']} ({label})")
                 lines.append(f"  {'variant':28s} {'mean':>7s} {'P99':>7s} {'hit':>5s} {'pf/floor':>8s} {'ovh':>5s} "
                              f"{'sust':>4s} {'gap_mean':>8s} {'gap_p99':>8s}")
                 for v, m in e["variants"].items():
@@ -164,7 +164,7 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict, stem: str) -> list[str]:
+def plot(summary: dict, stem: str, label: str = "EMULATED") -> list[str]:
     """Mean and P99 latency against load per variant, one PNG per workflow x scenario."""
     import matplotlib
 
@@ -186,7 +186,7 @@ def plot(summary: dict, stem: str) -> list[str]:
                 ax.plot([f for f, _ in fs], [e[ideal]["median"] for _, e in fs], "k--", label="ideal bound")
                 ax.set_xlabel("offered load (x capacity)")
                 ax.set_ylabel(f"{key[:-2]} latency (emulated s)")
-                ax.set_title(f"{wf} / {sc}: {key[:-2]} (EMULATED)")
+                ax.set_title(f"{wf} / {sc}: {key[:-2]} ({label})")
             axes[0].legend(fontsize=7)
             fig.tight_layout()
             path = f"{stem}_{wf}_{sc}.png"
