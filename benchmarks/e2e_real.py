@@ -1,6 +1,6 @@
 """The yardstick's real-engine check: Open-SWE on two REAL vLLM CPU engines.
 
-    .venv/bin/python benchmarks/e2e_real.py --json benchmarks/results/e2e-real-swe.json [--quick]
+    .venv/bin/python benchmarks/e2e_real.py --json PATH [--quick]
 
 The yardstick (``benchmarks/e2e/``: its runner, variants, statistics and report) with every
 LLM call on a real in-process vLLM engine: the shipped tiny model (``builtin:tiny-llama``: 2
