@@ -4,7 +4,7 @@ What is measured
 ----------------
 *Sequential* calls of a no-op: each call waits for its result before the next one is made,
 so the numbers are per-call latency and per-call CPU cost, not throughput under concurrency.
-Six variants on three in-process clusters of the same shape
+Nine variants on three in-process clusters of the same shape
 (``LocalCluster(n_workers=1, threads_per_worker=4, processes=False)``):
 
 ``native``
@@ -35,6 +35,24 @@ Six variants on three in-process clusters of the same shape
 ``stub_class``
     ``da.stub(NoopAgent).run(i).result()`` on the installed cluster, in a session, where
     ``NoopAgent`` is an ``@da.agent`` class (one shared instance hosted by the worker).
+
+``nested_plain_dask``
+    Nested calls as an agent makes them, from *inside* a task: a plain Dask task on the second
+    cluster (dask-agents' windows, no plugins; the task's client gets the window ``da.install``
+    gives workers' clients) runs ``with worker_client() as c:`` and ``calls`` sequential
+    ``c.submit(noop, i, pure=False).result()``, each timed there.
+``nested_stub_tool``
+    The same inside a dask-agents component on the installed cluster:
+    ``da.stub(noop_tool)(i).value()``, which takes the worker-local fast path
+    (``worker_plugin/local.py``: the tool runs in the caller's thread, recorded through the
+    worker's reports, its value published to the scheduler after the caller has it).
+``nested_stub_tool_scheduler``
+    The same with the worker's fast path switched off between blocks: every nested call goes
+    through the scheduler (update-graph, compute-task, task-finished, key-in-memory).
+
+A Ray actor call (``ray.get(actor.run.remote(i))``, ``reference.ray_actor``) is timed after
+the Dask clusters are closed, for reference (latency only: the actor's own process is not on
+this process's CPU clock); ``--no-ray`` skips it.
 
 For each variant the benchmark reports the median over rounds of calls per second and of CPU
 seconds per call, and the p50/p95 latency of single calls (pooled over all rounds).
@@ -129,7 +147,42 @@ class NoopAgent:
         return i
 
 
-VARIANTS = ("native", "plain_dask", "plain_dask_tuned", "plain_submit", "stub_tool", "stub_class")
+@da.agent
+class NestedBench:
+    """Nested calls as an agent makes them: ``n`` sequential tool calls from inside a component."""
+
+    def run(self, start: int, n: int) -> dict:
+        tool = da.stub(noop_tool)
+        return timed_calls(lambda i: tool(i).value(), n, start)
+
+
+def nested_plain(start: int, n: int) -> dict:
+    """The same from inside a plain Dask task, as a careful Dask user writes it."""
+    from distributed import worker_client
+
+    import dask_agents.config as agents_config
+    from dask_agents.scheduler_plugin import dask_compat
+
+    with worker_client() as c:
+        # the window da.install gives workers' clients (Dask builds them with 10 ms), through the
+        # plugin's own helper: the same windows on both sides
+        dask_compat.set_client_stream_interval(c, agents_config.seconds("client.batched-send-interval"))
+        return timed_calls(lambda i: c.submit(noop, i, pure=False).result(), n, start)
+
+
+def _fast_path(dask_worker: Any = None, on: bool = True) -> bool:
+    """Switch the worker's fast path (``worker_plugin/local.py``) on or off between blocks."""
+    plugin = dask_worker.plugins["dask-agents"]
+    if not on and plugin.local is not None:
+        plugin._bench_local, plugin.local = plugin.local, None
+    elif on and plugin.local is None:
+        plugin.local = getattr(plugin, "_bench_local", None)
+    return plugin.local is not None
+
+
+VARIANTS = ("native", "plain_dask", "plain_dask_tuned", "plain_submit", "stub_tool", "stub_class",
+            "nested_plain_dask", "nested_stub_tool", "nested_stub_tool_scheduler")
+NESTED = ("nested_plain_dask", "nested_stub_tool", "nested_stub_tool_scheduler")
 DESCRIPTIONS = {
     "native": "noop(i) called directly in Python",
     "plain_dask": "client.submit(noop, i, pure=False).result(), cluster WITHOUT dask-agents, Dask's default "
@@ -140,6 +193,12 @@ DESCRIPTIONS = {
                     "(plain Dask work: not a recorded call)",
     "stub_tool": "da.stub(noop_tool)(i).result(), dask-agents installed, in da.session",
     "stub_class": "da.stub(NoopAgent).run(i).result(), dask-agents installed, in da.session",
+    "nested_plain_dask": "inside a plain Dask task: `with worker_client() as c: c.submit(noop, i, pure=False)"
+                         ".result()`, cluster WITHOUT dask-agents, batching windows as da.install sets them "
+                         "(the task's client too)",
+    "nested_stub_tool": "inside a dask-agents component: da.stub(noop_tool)(i).value() (the worker-local fast "
+                        "path: runs in the caller's thread)",
+    "nested_stub_tool_scheduler": "the same with the worker's fast path switched off (the scheduler path)",
 }
 
 QUICK = {"calls": 200, "rounds": 7, "warmup": 60, "native_calls": 50_000}
@@ -266,6 +325,14 @@ class Bench:
         if variant in ("plain_dask", "plain_dask_tuned"):
             c = self.plain if variant == "plain_dask" else self.tuned
             return timed_calls(lambda i: c.submit(noop, i, pure=False).result(), n, start)
+        if variant == "nested_plain_dask":
+            return self.tuned.submit(nested_plain, start, n, pure=False).result()
+        if variant in ("nested_stub_tool", "nested_stub_tool_scheduler"):
+            on = variant == "nested_stub_tool"
+            if self.agents.run(_fast_path, on=on) != {w: on for w in self.agents.scheduler_info()["workers"]}:
+                raise RuntimeError(f"could not switch the fast path {'on' if on else 'off'}")
+            with da.session(self.agents, name="bench"):
+                return da.stub(NestedBench).run(start, n).value()
         with da.session(self.agents, name="bench"):
             if variant == "plain_submit":
                 c = self.agents
@@ -325,17 +392,45 @@ def summarize(rounds: dict[str, list[dict]], idle: float) -> dict[str, dict]:
             "cpu_s_per_call_by_round": cpu,
         }
     # Paired (same-round) CPU ratios: less sensitive to slow drifts in machine load.
-    for base in ("plain_submit", "plain_dask", "plain_dask_tuned"):
+    pairs = [(base, v) for base in ("plain_submit", "plain_dask", "plain_dask_tuned")
+             for v in ("plain_dask_tuned", "plain_submit", "stub_tool", "stub_class")]
+    pairs += [("nested_plain_dask", v) for v in ("nested_stub_tool", "nested_stub_tool_scheduler")]
+    for base, v in pairs:
+        if v == base:
+            continue
         b = results[base]["cpu_s_per_call_by_round"]
-        for v in ("plain_dask_tuned", "plain_submit", "stub_tool", "stub_class"):
-            if v == base:
-                continue
-            x = results[v]["cpu_s_per_call_by_round"]
-            ratios = [xi / bi for xi, bi in zip(x, b)]
-            results[v][f"cpu_ratio_vs_{base}_paired_median"] = statistics.median(ratios)
-            results[v][f"cpu_ratio_vs_{base}_paired_min"] = min(ratios)
-            results[v][f"cpu_ratio_vs_{base}_paired_max"] = max(ratios)
+        x = results[v]["cpu_s_per_call_by_round"]
+        ratios = [xi / bi for xi, bi in zip(x, b)]
+        results[v][f"cpu_ratio_vs_{base}_paired_median"] = statistics.median(ratios)
+        results[v][f"cpu_ratio_vs_{base}_paired_min"] = min(ratios)
+        results[v][f"cpu_ratio_vs_{base}_paired_max"] = max(ratios)
     return results
+
+
+def ray_actor_latency(calls: int, rounds: int) -> dict:
+    """For reference: a Ray actor call (``ray.get(actor.run.remote(i))``) on this machine, timed
+    the same way, after the Dask clusters are closed (Ray's processes would load them). Only
+    latency: the actor runs in a process of its own, so this process's CPU clock misses it."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             logging_level="ERROR", configure_logging=True)
+    try:
+        actor = ray.remote(num_cpus=0)(_RayNoop).remote()
+        call = lambda i: ray.get(actor.run.remote(i))  # noqa: E731
+        timed_calls(call, max(calls // 2, 20), 0)  # warm-up
+        lat = [x for r in range(rounds) for x in timed_calls(call, calls, r * calls)["lat"]]
+        return {"description": "ray.get(actor.run.remote(i)) on a Ray actor (ray.init(num_cpus=2)), after the "
+                               "Dask clusters closed; latency only", "ray": ray.__version__,
+                "latency_p50_s": percentile(lat, 50), "latency_p95_s": percentile(lat, 95),
+                "latency_samples": len(lat)}
+    finally:
+        ray.shutdown()
+
+
+class _RayNoop:
+    def run(self, i: int) -> int:
+        return i
 
 
 def measure_idle_cpu(seconds: float = 2.0) -> float:
@@ -356,7 +451,7 @@ def print_table(config: dict, results: dict, summary: dict) -> None:
     for name, iv in config["batched_send_intervals_s"].items():
         print(f"  {'batching windows ' + name:32s} {iv}")
     print()
-    hdr = (f"  {'variant':17s} {'calls/s':>8s} {'CPU us/call':>12s} {'(idle-adj)':>11s} {'p50 ms':>8s} "
+    hdr = (f"  {'variant':27s} {'calls/s':>8s} {'CPU us/call':>12s} {'(idle-adj)':>11s} {'p50 ms':>8s} "
            f"{'p95 ms':>8s} {'CPU/tuned':>10s} {'CPU/dask':>9s} {'CPU/submit':>11s}")
     print(hdr)
     print("  " + "-" * (len(hdr) - 2))
@@ -369,7 +464,7 @@ def print_table(config: dict, results: dict, summary: dict) -> None:
         rt, rb, rs = ((f"{cpu / x:{w}.3f}" if v != "native" else f"{'-':>{w}s}") for x, w in
                       ((tuned, 10), (base, 9), (sub, 11)))
         print(
-            f"  {v:17s} {r['calls_per_s']:8.1f} {cpu * 1e6:12.2f} "
+            f"  {v:27s} {r['calls_per_s']:8.1f} {cpu * 1e6:12.2f} "
             f"{r['cpu_s_per_call_idle_adjusted'] * 1e6:11.2f} "
             f"{r['latency_p50_s'] * 1e3:8.3f} {r['latency_p95_s'] * 1e3:8.3f} {rt} {rb} {rs}"
         )
@@ -399,6 +494,13 @@ def make_summary(results: dict) -> dict:
         out[f"{name}_cpu_ratio_vs_plain_dask_default_intervals"] = cpu[v] / cpu["plain_dask"]
     out["stub_latency_p50_ratio_vs_plain_dask_default_intervals"] = p50["stub_tool"] / p50["plain_dask"]
     out["stub_cpu_ratio_vs_plain_dask"] = out["stub_cpu_ratio_vs_plain_dask_default_intervals"]  # the former name
+    # nested calls (issue 26): the fast path and the scheduler path against a plain Dask task
+    # made the same way, inside a task, at the same windows
+    for v, name in (("nested_stub_tool", "nested_fast_path"), ("nested_stub_tool_scheduler", "nested_scheduler_path")):
+        out[f"{name}_latency_p50_s"] = p50[v]
+        out[f"{name}_cpu_ratio_vs_nested_plain_dask"] = cpu[v] / cpu["nested_plain_dask"]
+        out[f"{name}_cpu_ratio_vs_nested_plain_dask_paired"] = r[v]["cpu_ratio_vs_nested_plain_dask_paired_median"]
+    out["nested_plain_dask_latency_p50_s"] = p50["nested_plain_dask"]
     return out
 
 
@@ -408,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer calls and rounds (about a minute)")
     p.add_argument("--calls", type=int, help="calls per variant per round (overrides the preset)")
     p.add_argument("--rounds", type=int, help="number of rounds (overrides the preset)")
+    p.add_argument("--no-ray", action="store_true", help="skip the Ray actor reference")
     args = p.parse_args(argv)
 
     preset = dict(QUICK if args.quick else FULL)
@@ -445,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
             c.close()
         for c in reversed(clusters):
             c.close()
+    reference = {}
+    if not args.no_ray:
+        reference["ray_actor"] = ray_actor_latency(preset["calls"], min(preset["rounds"], 5))
 
     config = {
         "mode": "quick" if args.quick else "full",
@@ -467,12 +573,17 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - t_start, 2),
     }
     summary = make_summary(results)
+    if "ray_actor" in reference:
+        summary["ray_actor_latency_p50_s"] = reference["ray_actor"]["latency_p50_s"]
+        summary["nested_fast_path_latency_p50_ratio_vs_ray_actor"] = (
+            summary["nested_fast_path_latency_p50_s"] / reference["ray_actor"]["latency_p50_s"])
     print_table(config, results, summary)
     if args.json:
         path = os.path.abspath(args.json)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
-            json.dump({"config": config, "results": results, "summary": summary}, f, indent=2)
+            json.dump({"config": config, "results": results, "reference": reference, "summary": summary}, f,
+                      indent=2)
         print(f"wrote {path}")
     return 0
 

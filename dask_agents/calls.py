@@ -13,9 +13,9 @@ from dask_agents import config as agents_config
 from dask_agents import context
 from dask_agents.components import ComponentSpec
 from dask_agents.errors import NoClientError, where
-from dask_agents.futures import AgentFuture, check_client_open, closed_client_error
+from dask_agents.futures import AgentFuture, check_client_open, closed_client_error, waiting_elsewhere
 from dask_agents.annotation import ANNOTATION, MAX_LABEL, sanitize_annotation  # noqa: F401  (also this module's)
-from dask_agents.models import CallMeta
+from dask_agents.models import DRIVER, CallMeta
 
 def new_key(component: str) -> str:
     """A unique Dask key that starts with the component name (per-component Dask statistics)."""
@@ -40,36 +40,49 @@ def find_client(spec: ComponentSpec, method: str | None) -> Client:
 
 
 def _with_install_window(client: Client) -> Client:
-    """A worker's own client with the client -> scheduler batching window ``da.install`` set
-    (Dask builds it with its default 10 ms: every nested call's update-graph waited for it).
-    Once per client; the driver's client was tuned by ``da.install`` itself."""
-    if getattr(client, "_agents_keeps_interval", False):
+    """A client used inside a component, made ready for nested calls, once per client: the
+    client -> scheduler batching window ``da.install`` set (Dask builds a worker's own client
+    with its default 10 ms: every nested call's update-graph waited for it; the driver's client
+    was tuned by ``da.install`` itself), and the fast path's hooks (``worker_plugin/local.py``:
+    a graph or ``fire_and_forget`` from a component sends the calls it deferred first)."""
+    if getattr(client, "_agents_on_worker", False):
         return client
     from distributed import get_worker
 
     from dask_agents.scheduler_plugin import dask_compat
+    from dask_agents.worker_plugin import dask_compat as worker_compat
 
     try:
         plugin = get_worker().plugins.get("dask-agents")
     except ValueError:  # not on a worker: a client the user made, left as it is
         return client
     if plugin is not None:
-        interval = getattr(plugin, "client_interval", None)
-        dask_compat.set_client_stream_interval(
-            client, interval if interval is not None else agents_config.seconds("client.batched-send-interval"))
+        if not getattr(client, "_agents_keeps_interval", False):
+            interval = getattr(plugin, "client_interval", None)
+            dask_compat.set_client_stream_interval(
+                client, interval if interval is not None else agents_config.seconds("client.batched-send-interval"))
+
+        def escape_keys(keys: list, plugin: Any = plugin) -> None:
+            if getattr(plugin, "local", None) is not None:
+                plugin.local.escape_keys(keys)
+
+        worker_compat.before_graph_submission(client, waiting_elsewhere, escape_keys)
+        client._agents_on_worker = True
     return client
 
 
-def _dependencies(args: tuple, kwargs: dict) -> list[str]:
-    deps: list[str] = []
+def _future_args(args: tuple, kwargs: dict) -> list[Future]:
+    """The futures among the arguments, in the containers Dask looks into for them
+    (``dask._task_spec.parse_input``: dicts' values, lists, sets and tuples)."""
+    deps: list[Future] = []
 
     def scan(x: Any) -> None:
         if isinstance(x, Future):
-            deps.append(x.key)
-        elif type(x) in (list, tuple, set, frozenset):
+            deps.append(x)
+        elif isinstance(x, (list, set, tuple)):
             for y in x:
                 scan(y)
-        elif type(x) is dict:
+        elif isinstance(x, dict):
             for y in x.values():
                 scan(y)
 
@@ -100,7 +113,8 @@ def submit_call(
     check_client_open(client, spec.name, method, sid)
     key = new_key(spec.name)
     creator = context.creator()
-    deps = _dependencies(args, kwargs)
+    futures = _future_args(args, kwargs)
+    deps = [f.key for f in futures]
     # Trusted values built right here: skip pydantic validation on the hot path (~10 us a call).
     meta = CallMeta.model_construct(
         call_id=key, component=spec.name, method=method, kind=spec.kind, session=sid,
@@ -119,24 +133,92 @@ def submit_call(
     if hints.batching is not None:
         ann["batching"] = {"max_batch": hints.batching.max_batch, "max_wait": hints.batching.max_wait}
     header = (spec.name, method, sid, key, hints.stateful, ann.get("batching"))
+    resources = dict(hints.resources) or None
+    local = _local_calls(client, spec) if creator != DRIVER else None
+    if local is not None:
+        deps_here = [c for f in futures if (c := f.__dict__.get("_agents_local")) is not None]
+        if len(deps_here) == len(deps) and all(d.state == "finished" for d in deps_here):
+            return _defer(local, client, runner, header, target, args, kwargs, ann, meta)
+        for d in deps_here:  # the scheduler must know them before this call depends on them
+            local.escape(d)
+    fut = _submit(client, runner, header, target, args, kwargs, ann, resources)
+    return AgentFuture.adopt(fut, meta)
+
+
+def _submit(client: Client, runner: Any, header: tuple, target: Any, args: tuple, kwargs: dict, ann: dict,
+            resources: dict | None, deferred: bool = False) -> Future:
+    """The scheduler path: ``client.submit`` under the call's annotation (``deferred``: a
+    fast-path call's, whose future exists already)."""
+    component, method, sid, key = header[:4]
     with dask.annotate(**{ANNOTATION: ann}):
         try:
-            fut = client.submit(
-                runner, header, target, args, kwargs, key=key, pure=False,
-                resources=dict(hints.resources) or None,
-            )
+            if deferred:
+                from dask_agents.worker_plugin import dask_compat as worker_compat
+
+                return worker_compat.submit_key(client, runner, header, target, args, kwargs, key=key)
+            return client.submit(runner, header, target, args, kwargs, key=key, pure=False, resources=resources)
         except Exception as e:
-            closed = closed_client_error(e, client, spec.name, method, sid)
+            closed = closed_client_error(e, client, component, method, sid)
             if closed is not None:
                 raise closed from None
             bad = _unserializable(args, kwargs)
             if bad is None:
                 raise
             raise TypeError(
-                f"{where(spec.name, method, sid)}: argument {bad} cannot be sent to the cluster "
+                f"{where(component, method, sid)}: argument {bad} cannot be sent to the cluster "
                 f"(it does not pickle: {e})"
             ) from e
-    return AgentFuture.adopt(fut, meta)
+
+
+def _local_calls(client: Client, spec: ComponentSpec) -> Any:
+    """This worker's fast path (``worker_plugin/local.py``) if a call of ``spec`` made here,
+    through ``client``, may take it; else None (the scheduler path)."""
+    hints = spec.hints
+    if (spec.kind == "llm" or hints.stateful or hints.batching is not None or hints.resources
+            or client.asynchronous):
+        return None
+    from distributed import get_worker
+
+    try:
+        worker = get_worker()
+    except ValueError:
+        return None
+    plugin = worker.plugins.get("dask-agents")
+    local = getattr(plugin, "local", None)
+    if (local is None or not plugin.scheduler_ok or client.loop is not worker.loop
+            or local.routed_away(spec.name)):
+        return None  # (a client of its own, in another loop: its futures are not this worker's)
+    if hints.model is not None and (plugin.engines is None or hints.model not in plugin.engines.hosted):
+        return None  # an agent placed beside its engine: elsewhere
+    return local
+
+
+def _defer(local: Any, client: Client, runner: Any, header: tuple, target: Any, args: tuple, kwargs: dict,
+           ann: dict, meta: CallMeta) -> AgentFuture:
+    """A future for a call that runs in its caller's thread when the caller waits for it
+    (``worker_plugin/local.py``); creating it sends nothing."""
+    from dask_agents.runtime import reraise
+    from dask_agents.worker_plugin.local import LocalCall, substitute
+
+    key = header[3]
+
+    def run() -> Any:
+        return runner(header, target, substitute(args), substitute(kwargs))
+
+    def submit() -> Future:
+        return _submit(client, runner, header, target, args, kwargs, ann, None, deferred=True)
+
+    def submit_error() -> Future:
+        from dask_agents.worker_plugin import dask_compat as worker_compat
+
+        return worker_compat.submit_key(client, reraise, call.error, key=key)
+
+    call = LocalCall(key=key, creator=meta.creator, ann=ann, run=run, submit=submit, submit_error=submit_error,
+                     client=client, controller=local)
+    fut = AgentFuture.adopt(Future(key, client), meta)
+    fut._agents_local = call
+    local.defer(call)
+    return fut
 
 
 def _unserializable(args: tuple, kwargs: dict) -> str | None:

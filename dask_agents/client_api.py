@@ -113,7 +113,7 @@ COLUMNS = [
     "key", "session", "component", "method", "kind", "creator", "state", "worker", "created",
     "ready", "started", "finished", "n_dependencies", "prompt_tokens", "cached_tokens", "output_tokens", "kv_bytes",
     "emulated", "migrations", "priority_changes", "tenant", "model", "retry", "queue_s", "service_s",
-    "ttft_s", "tpot_s", "engine_load_s", "error",
+    "ttft_s", "tpot_s", "engine_load_s", "error", "fast_path",
 ]
 SESSION_COLUMNS = [
     "session", "tenant", "state", "created", "completed", "age_s", "calls", "progress", "open", "failed",

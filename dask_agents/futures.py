@@ -22,6 +22,7 @@ from distributed import Future
 
 from dask_agents.errors import CallTimeoutError, ClientClosedError, ResultNotSerializableError, where
 from dask_agents.models import CallMeta
+from dask_agents.worker_plugin.local import SCHEDULER as _SCHEDULER
 
 _NOT_SERIALIZABLE = "Could not serialize object of type "
 """How Dask reports a result its worker could not serialize: the worker sends an error
@@ -68,6 +69,24 @@ def _running_on() -> Any:
         return None
 
 
+_LOCAL_STATUS = {"deferred": "pending", "running": "pending", "finished": "finished", "erred": "error",
+                 "cancelled": "cancelled"}
+
+
+def waiting_elsewhere() -> None:
+    """Inside a component about to wait: its calls still deferred on this worker's fast path go
+    to the scheduler first (they run meanwhile instead of after)."""
+    from dask_agents import context
+
+    creator = context.call_id()
+    if creator is None:
+        return
+    worker = _running_on()
+    local = getattr(worker.plugins.get("dask-agents"), "local", None) if worker is not None else None
+    if local is not None:
+        local.waiting_elsewhere(creator)
+
+
 def release_worker_slot() -> None:
     """If running in a worker task thread, secede once so waiting frees the slot."""
     from dask_agents.worker_plugin import dask_compat
@@ -88,7 +107,35 @@ class AgentFuture(Future):
         return fut  # type: ignore[return-value]
 
     def __reduce__(self):
+        call = self.__dict__.get("_agents_local")
+        if call is not None:  # a fast-path call leaving its caller: its key must exist first
+            call.controller.escape(call)
         return Future, (self.key,)
+
+    # -- a call on the worker-local fast path (worker_plugin/local.py) ----------------------
+    def done(self) -> bool:
+        call = self.__dict__.get("_agents_local")
+        if call is not None and call.state != "submitted":
+            return call.state in ("finished", "erred", "cancelled")
+        return super().done()
+
+    @property
+    def status(self) -> str:
+        call = self.__dict__.get("_agents_local")
+        if call is not None and call.state != "submitted":
+            return _LOCAL_STATUS[call.state]
+        return super().status
+
+    def cancel(self, reason: Any = None, msg: Any = None, **kwargs: Any) -> Any:
+        """Cancel the call (Dask's ``Future.cancel``); one still waiting for its caller here
+        never runs."""
+        call = self.__dict__.get("_agents_local")
+        if call is not None and call.controller.cancel(call):
+            from dask_agents.worker_plugin import dask_compat
+
+            self.client.loop.add_callback(dask_compat.cancel_future, self.client, self.key, msg or "cancelled")
+            return None
+        return super().cancel(reason=reason, msg=msg, **kwargs)
 
     def __repr__(self) -> str:
         m = self.meta
@@ -109,7 +156,13 @@ class AgentFuture(Future):
         (:class:`ResultNotSerializableError`). A coroutine with an asynchronous client."""
         if self.client.asynchronous:
             return self._async_result(timeout)
+        call = self.__dict__.get("_agents_local")
+        if call is not None:  # made on this worker's fast path: runs here now, unless it left
+            value = call.controller.result(call, timeout)
+            if value is not _SCHEDULER:
+                return value
         if not self.done():
+            waiting_elsewhere()
             release_worker_slot()
         worker = _running_on()
         try:

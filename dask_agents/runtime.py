@@ -108,6 +108,12 @@ def _raise(err: CallFailedError) -> NoReturn:
     raise err
 
 
+def reraise(err: BaseException) -> NoReturn:
+    """The task of a fast-path call that erred and then escaped (``worker_plugin/local.py``):
+    what depends on it fails with its error, as on the scheduler path."""
+    raise err
+
+
 def _plugin():
     from dask_agents.worker_plugin.plugin import get_plugin
 

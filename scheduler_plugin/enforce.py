@@ -176,6 +176,7 @@ class Enforcer:
                 self.routes[a.component] = tuple(a.workers)
             else:
                 self.routes.pop(a.component, None)
+            self.plugin.push_routes()  # the workers' fast paths honour them too
             return None
         if isinstance(a, Reassign):
             return self.drainer.begin(a)

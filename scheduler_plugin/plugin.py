@@ -17,13 +17,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from typing import Any
 
 from distributed import Scheduler, SchedulerPlugin
 
 import dask_agents.config as agents_config
 from dask_agents.annotation import ANNOTATION, MAX_LABEL, sanitize_annotation
+from dask_agents.models import DRIVER
 from dask_agents.scheduler_plugin import dask_compat, engine_health, metrics, validate
 from dask_agents.scheduler_plugin.actions import Kill, Provision
 from dask_agents.scheduler_plugin.admission import HELD, Admission
@@ -31,7 +32,7 @@ from dask_agents.scheduler_plugin.control import ControlLoop
 from dask_agents.scheduler_plugin.kv_hints import KVHints
 from dask_agents.scheduler_plugin.policies import prioritize
 from dask_agents.scheduler_plugin.recovery import Recovery
-from dask_agents.scheduler_plugin.state import WorkflowState
+from dask_agents.scheduler_plugin.state import TERMINAL, WorkflowState
 from dask_agents.scheduler_plugin.timeseries import TimeSeries
 from dask_agents.scheduler_plugin.view_index import BindingMap, PlacedMap, Tally, ViewIndex
 
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 NAME = "dask-agents"
 REPORT_OP = "agents-report"
+ROUTES_OP = "agents-routes"  # dask_agents.worker_plugin.plugin.ROUTES_OP
+MAX_UNLINKED = 10_000  # calls parked until the record of their fast-path creator arrives
 SESSION_END_OP = "agents-session-end"  # client -> scheduler, on the client's stream (ordered with its submits)
 SESSION_OPEN_OP = "agents-session-open"  # client -> scheduler, on entering a da.session block
 LOST = "inproc://dask-agents-lost-instance"
@@ -69,6 +72,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.session_bindings: dict[str, list[tuple[str, str]]] = defaultdict(list)  # index by session
         self.session_workers: dict[str, set[str]] = defaultdict(set)  # stateful hosts, LLM KV holders
         self.migrating: dict[str, tuple[str, str, str]] = {}  # LLM call -> (binding, source, target)
+        # creator key -> calls it made that arrived before its own (fast-path) record
+        self.unlinked: "OrderedDict[str, list[str]]" = OrderedDict()
         self.kv_hints = KVHints(self._send_kv_hint)  # what engines holding a session's KV should know
         self.bound: dict[str, int] = defaultdict(int)  # worker -> live sessions bound to it (KV/instances held)
         self.assigned: dict[str, int] = defaultdict(int)  # worker -> sessions ever bound (round-robin tie-break)
@@ -286,6 +291,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 parent.children.append(key)
                 if parent.state in ("erred", "cancelled"):  # it ended before its call arrived
                     self._cancel_soon([key], client)
+            elif rec.creator != DRIVER:  # made inside a fast-path call whose record comes later
+                self._park(rec)
             # Priority at creation: session progress first (when prioritizing), then arrival.
             # Arrival gives FIFO among equals: Dask gives graphs submitted within its
             # fifo_timeout (100 ms) the same priority, and workers run equal priorities LIFO.
@@ -308,14 +315,19 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             elif ann.get("model") and rec.session is not None:
                 self._near_engine(ts, rec.session, ann["model"])
 
-    def _session_call(self, rec: Any, client: str) -> None:
+    def _park(self, rec: Any) -> None:
+        self.unlinked.setdefault(rec.creator, []).append(rec.key)
+        while len(self.unlinked) > MAX_UNLINKED:
+            self.unlinked.popitem(last=False)
+
+    def _session_call(self, rec: Any, client: str | None) -> None:
         """A call of ``rec.session`` arrived from ``client``. The first call made from outside
         the session (by its driver, not by one of its own calls) makes that client the owner.
         A call into a completed session whose instances are still kept (``instance-linger``)
         keeps them."""
         sid = rec.session
         s = self.state.sessions[sid]
-        if s.owner is None and rec.creator not in s.calls:
+        if s.owner is None and rec.creator not in s.calls and client is not None:
             self._own(s, client)
         timer = self._lingering.pop(sid, None)
         if timer is not None:
@@ -477,20 +489,15 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             if finish != "processing":  # left a worker or the queue: nothing of it may stay behind
                 self._forget_unrecorded(key, finish)
             return
+        if rec.local:  # ran on a worker's fast path: its record says how it went; Dask's task of
+            return  # its key only holds the published value (released when its futures are)
         worker = None
         ts = None
         if finish == "processing":
             ts = dask_compat.task(self.scheduler, key)
             worker = dask_compat.processing_on(ts) if ts is not None else None
-            if worker is not None and rec.kind == "llm" and rec.session is not None:
-                self.session_workers[rec.session].add(worker)  # its KV is there: dropped at session end
-        self.kv_hints.on_transition(rec, finish, worker)
-        self.view_index.on_transition(rec, finish, worker, ts)
-        if rec.kind == "llm":
-            self.admission.on_transition(key, finish)
-            if finish == "no-worker" and self.admission.is_held(key):  # waiting here: policies see it
-                self.view_index.on_held(rec)
         if finish == "released" and dask_compat.is_wanted(self.scheduler, key):
+            self._call_event(rec, finish, worker, ts, None, rerun=True)
             return  # released to run again (its worker was lost), not cancelled: the call goes on
         error = None
         if finish == "erred":
@@ -498,7 +505,24 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             if not error:
                 ts = ts if ts is not None else dask_compat.task(self.scheduler, key)
                 error = dask_compat.task_error(ts) if ts is not None else None
-        if not self.state.on_transition(key, finish, time.time(), worker, error):
+        self._call_event(rec, finish, worker, ts, error)
+
+    def _call_event(self, rec: Any, finish: str, worker: str | None, ts: Any, error: str | None,
+                    rerun: bool = False, now: float | None = None) -> None:
+        """A call changed state (``finish``: Dask's task state) on the scheduler path or, from a
+        worker's report, on its fast path (``ts`` None): every observer hears it in one order."""
+        key = rec.key
+        if finish == "processing" and worker is not None and rec.kind == "llm" and rec.session is not None:
+            self.session_workers[rec.session].add(worker)  # its KV is there: dropped at session end
+        self.kv_hints.on_transition(rec, finish, worker)
+        self.view_index.on_transition(rec, finish, worker, ts)
+        if rec.kind == "llm":
+            self.admission.on_transition(key, finish)
+            if finish == "no-worker" and self.admission.is_held(key):  # waiting here: policies see it
+                self.view_index.on_held(rec)
+        if rerun:
+            return
+        if not self.state.on_transition(key, finish, now if now is not None else time.time(), worker, error):
             return
         self._unplace(key)
         if rec.children and rec.state in ("erred", "cancelled"):
@@ -508,10 +532,17 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             if s is not None and s.state == "completed":
                 self._on_session_completed(rec.session)
 
-    def _on_reports(self, worker: str, reports: Any = None, engines: Any = None, **kw: Any) -> None:
-        """A worker's timing reports and engine stats, on its own stream (``worker`` is the
-        stream's, never the message's); each record is checked before it is stored."""
+    def _on_reports(self, worker: str, reports: Any = None, engines: Any = None, calls: Any = None,
+                    **kw: Any) -> None:
+        """A worker's timing reports, its fast-path calls' records and engine stats, on its own
+        stream (``worker`` is the stream's, never the message's); each record is checked before
+        it is stored."""
         rejected = self.aggregates.rejected
+        for r in validate.local_calls(self, worker, calls, rejected):
+            try:
+                self._local_call(worker, r)
+            except Exception:  # one bad record is dropped; raising here would close the worker's stream
+                logger.exception("dask-agents: a fast-path record from %s was dropped", worker)
         for r in validate.reports(self, worker, reports, rejected):
             try:
                 self.state.on_report(r["key"], r["started"], r["finished"], worker, r["metrics"])
@@ -527,6 +558,38 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             if stats is not None:
                 self.aggregates.on_engine_stats(worker, stats, time.time())
                 self.admission.on_engine_stats(worker, stats)
+
+    def _local_call(self, worker: str, r: dict) -> None:
+        """A call that ran on ``worker``'s fast path (``worker_plugin/local.py``; checked by
+        ``validate.local_call``): recorded, and its events replayed through every observer as
+        if the scheduler had run it there (processing, then its end)."""
+        key, now = r["key"], time.time()
+        rec = self.state.calls.get(key)
+        if rec is None:
+            ann = r["ann"]
+            rec = self.state.add_call(key, ann, (), ann.get("created") or now)
+            if rec is None:
+                return
+            rec.local = True
+            parent = self.state.calls.get(rec.creator)
+            if parent is not None:
+                parent.children.append(key)
+            for k in self.unlinked.pop(key, ()):
+                child = self.state.calls.get(k)
+                if child is not None:
+                    self.state.link(rec, child)
+            if rec.session is not None:
+                self._session_call(rec, None)
+            if r["started"] is not None:
+                self._call_event(rec, "processing", worker, None, None, now=r["started"])
+        state = r["state"]
+        if state == "processing":
+            return
+        if r["started"] is not None and rec.state not in TERMINAL:
+            self.state.on_report(key, r["started"], r["finished"], worker, None)
+            self.aggregates.on_report(rec)
+        self._call_event(rec, "released" if state == "cancelled" else state, worker, None, r["error"],
+                         now=r["finished"] if r["finished"] is not None else now)
 
     def _llm_ran(self, rec: Any, worker: str) -> None:
         """An LLM call of a session finished on ``worker``: its KV is there (dropped at session
@@ -823,8 +886,19 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if new:  # its first hello: what it hosts from the start (a later one announces lazy engines)
             self.admission.on_hello(models)
         self.set_worker_models(worker, models)
+        if new and self.control is not None and self.control.enforcer.routes:
+            self.push_routes([worker])
         if new and self.provision_for:  # a worker we asked for: give it its model
             self.scheduler.loop.add_callback(self._assign_model, worker, self.provision_for.popleft())
+
+    def push_routes(self, workers: list[str] | None = None) -> None:
+        """Send the control plane's routes to ``workers`` (default: every ready one): calls
+        made on a worker's fast path go only where their component is routed."""
+        routes = self.control.enforcer.routes if self.control is not None else {}
+        msg = {"op": ROUTES_OP, "routes": {c: list(w) for c, w in routes.items()}}
+        for w in workers if workers is not None else list(self.ready_workers):
+            if dask_compat.has_worker(self.scheduler, w):
+                dask_compat.send_to_worker(self.scheduler, w, msg)
 
     def set_worker_models(self, worker: str, models: list[str]) -> None:
         """The models ``worker`` hosts now (from its hello or after a swap)."""

@@ -55,6 +55,7 @@ class CallRecord:
     children: list[str] = field(default_factory=list)  # calls it created (cancelled if it fails)
     client: str | None = None  # the Dask client that submitted it
     error: str | None = None  # why it erred (the exception's text, as Dask's task page shows it)
+    local: bool = False  # ran on its caller's worker's fast path (recorded from the worker's report)
 
     def meta(self) -> CallMeta:
         """As the shared pydantic model."""
@@ -82,7 +83,7 @@ class CallRecord:
             "queue_s": self.started - self.ready if self.started is not None and self.ready is not None else None,
             "service_s": self.finished - self.started if self.finished is not None and self.started is not None else None,
             "ttft_s": m.get("ttft_s"), "tpot_s": m.get("tpot_s"), "engine_load_s": m.get("engine_load_s"),
-            "error": self.error,
+            "error": self.error, "fast_path": self.local,
         }
 
 
@@ -264,6 +265,13 @@ class WorkflowState:
                 self.completed.pop(sid, None)
             self.active(s, now)
         return rec
+
+    def link(self, parent: CallRecord, child: CallRecord) -> None:
+        """``parent`` created ``child``, learnt after both were recorded (a fast-path call's
+        record came after a call it made on the scheduler path)."""
+        parent.children.append(child.key)
+        self.edges[(parent.component, child.component)] += 1
+        self._touch(child)
 
     def on_transition(self, key: str, finish: str, now: float, worker: str | None = None,
                       error: str | None = None) -> bool:

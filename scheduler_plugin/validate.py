@@ -22,7 +22,7 @@ import math
 import re
 import time
 from collections import Counter, deque
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from dask_agents.scheduler_plugin import dask_compat
 
@@ -344,6 +344,78 @@ def reports(plugin: Any, worker: str, value: Any, rejections: Rejections | None 
             if rejections is not None and e.reason != UNKNOWN_CALL:
                 rejections.add("agents-report", e.reason, worker)
     return out
+
+
+LOCAL_STATES = ("processing", "memory", "erred", "cancelled")
+"""The states a fast-path record may report (Dask's task states)."""
+
+
+def local_call(plugin: Any, worker: str, value: Any) -> dict:
+    """One record of a call that ran on ``worker``'s fast path (``worker_plugin/local.py``),
+    checked: ``{"key", "ann", "state", "started", "finished", "error"}``. The annotation is
+    sanitized; only a tool or stateless agent call may run there; its creator is a call the
+    plugin records that runs on ``worker`` (where else could it have made a local call?) and
+    the call is in the creator's session. A key already recorded must be ``worker``'s."""
+    from dask_agents.annotation import sanitize_annotation
+
+    if not isinstance(value, dict):
+        raise Invalid(f"a local call record must be a mapping, got {_text(value)}", "record is not a mapping")
+    key = value.get("key")
+    if not isinstance(key, str) or len(key) > MAX_KEY:
+        raise Invalid(f"local call key must be a string, got {_text(key)}", "bad report key")
+    ann = sanitize_annotation(value.get("ann"))
+    if ann is None or ann.get("call") != key:
+        raise Invalid(f"local call {_text(key)}: its annotation does not name it", "bad local annotation")
+    component = ann.get("component")
+    if not component or not key.startswith(component + "-"):
+        raise Invalid(f"local call {_text(key)}: not a call of {_text(component)}", "bad local annotation")
+    if ann.get("kind") not in ("agent", "tool") or ann.get("stateful") or ann.get("llm_model") or ann.get("batching"):
+        raise Invalid(f"local call {_text(key)}: only tool and stateless agent calls run locally", "not local")
+    calls = plugin.state.calls
+    if key in calls:
+        if not ran_on(plugin, key, worker):
+            raise Invalid(f"local call {_text(key)}: recorded on another worker", "call not on this worker")
+    else:
+        creator = calls.get(ann.get("creator"))
+        if creator is None or not ran_on(plugin, creator.key, worker):
+            raise Invalid(f"local call {_text(key)}: its creator {_text(ann.get('creator'))} does not run on {worker}",
+                          "creator not on this worker")
+        if ann.get("session") != creator.session:
+            raise Invalid(f"local call {_text(key)}: not in its creator's session", "session is not the creator's")
+        ann["tenant"] = creator.tenant
+    state = value.get("state")
+    if state not in LOCAL_STATES:
+        raise Invalid(f"local call {_text(key)}: state must be one of {LOCAL_STATES}, got {_text(state)}",
+                      "bad report state")
+    started, finished = value.get("started"), value.get("finished")
+    started = None if started is None else finite(started, "record 'started'")
+    finished = None if finished is None else finite(finished, "record 'finished'")
+    if state in ("memory", "erred") and (started is None or finished is None or not 0 <= started <= finished):
+        raise Invalid(f"local call {_text(key)}: needs 0 <= started <= finished, got {started}, {finished}",
+                      "bad report times")
+    error = value.get("error")
+    error = error[:2000] if isinstance(error, str) else None
+    return {"key": key, "ann": ann, "state": state, "started": started, "finished": finished, "error": error}
+
+
+def local_calls(plugin: Any, worker: str, value: Any, rejections: Rejections | None = None) -> Iterator[dict]:
+    """The valid records of one ``agents-report`` message's ``calls`` (see :func:`local_call`),
+    checked one at a time as the caller applies them: a record may name a creator that an
+    earlier record of the same message recorded. The others are dropped and counted."""
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_REPORTS:
+        if rejections is not None:
+            rejections.add("agents-report", f"calls is not a list of at most {MAX_REPORTS}", worker)
+        return
+    for r in value:
+        try:
+            checked = local_call(plugin, worker, r)
+        except Invalid as e:
+            if rejections is not None:
+                rejections.add("agents-report", e.reason, worker)
+            continue
+        yield checked
 
 
 # -- engine stats ------------------------------------------------------------------------------------

@@ -165,7 +165,7 @@ POSITIVE = ["client.batched-send-interval", "scheduler.batched-send-interval", "
             "worker.report-interval", "worker.batched-send-interval", "dashboard.update-interval",
             "dashboard.window", "dashboard.engine-stats-interval", "dashboard.timeseries-interval",
             "dashboard.timeseries-window", "kv.tick", "kv.ttl-max", "llm.load-timeout",
-            "scheduler.session-idle-timeout", "scheduler.admission.interval"]
+            "scheduler.session-idle-timeout", "scheduler.admission.interval", "worker.fast-path.max-wait"]
 NON_NEGATIVE = ["scheduler.session-retention", "kv.prefetch-margin", "scheduler.session-grace",
                 "scheduler.instance-linger", "scheduler.admission.max-wait"]
 

@@ -628,3 +628,62 @@ async def test_groups_page_answers_for_a_cyclic_workflow_once_installed(c: Clien
     assert resp.code == 200, resp.body[-500:]
     assert b"bokeh" in resp.body.lower()  # Dask's Bokeh page itself
     del held
+
+
+# -- the fast path's compat (worker_plugin/local.py) ----------------------------------------------
+
+def _inc(x: int) -> int:
+    return x + 1
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_publish_local_makes_an_ordinary_key_that_is_freed_when_released(c: Client, s: Scheduler, a: Worker):
+    """A value put in a worker's memory and announced with update-data: the scheduler knows it
+    on that worker, a later graph depends on it, and releasing the futures frees it."""
+    from distributed import Future
+
+    fut = Future("local-k1", c)  # a fast-path call's future: created before anything is sent
+    wc.publish_local(a, c, "local-k1", 41)
+    wc.finish_future(c, "local-k1", int)
+    assert fut.done() and a.data["local-k1"] == 41
+    await async_wait_for(lambda: "local-k1" in s.tasks and s.tasks["local-k1"].state == "memory")
+    assert [ws.address for ws in s.tasks["local-k1"].who_has] == [a.address]
+    dependent = c.submit(_inc, fut)
+    assert await dependent == 42
+    del fut, dependent
+    await async_wait_for(lambda: "local-k1" not in a.data and "local-k1" not in s.tasks)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_submit_key_sends_a_key_the_client_already_holds(c: Client, s: Scheduler, a: Worker):
+    """Client.submit returns the existing future for a key it holds and sends nothing: the
+    compat submit sends it."""
+    from distributed import Future
+
+    fut = Future("local-k2", c)
+    assert c.submit(_inc, 1, key="local-k2", pure=False).key == "local-k2" and "local-k2" not in s.tasks
+    wc.submit_key(c, _inc, 1, key="local-k2")
+    assert await fut == 2
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_fail_and_cancel_future_resolve_the_shared_state(c: Client, s: Scheduler, a: Worker):
+    from distributed import Future
+
+    failed, cancelled = Future("local-k3", c), Future("local-k4", c)
+    wc.fail_future(c, "local-k3", ValueError("boom"))
+    wc.cancel_future(c, "local-k4", "cancelled before it ran")
+    assert failed.status == "error" and isinstance(await failed.exception(), ValueError)
+    assert cancelled.status == "cancelled"
+    wc.finish_future(c, "local-k3", int)  # a state already resolved is left as it is
+    assert failed.status == "error"
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_before_graph_submission_runs_ahead_of_every_graph(c: Client, s: Scheduler, a: Worker):
+    seen: list[str] = []
+    wc.before_graph_submission(c, lambda: seen.append("first"))
+    wc.before_graph_submission(c, lambda: seen.append("second"))  # once per client: the first hook stays
+    assert await c.submit(_inc, 1) == 2
+    assert await c.compute(dask.delayed(_inc)(2)) == 3
+    assert seen == ["first", "first"]

@@ -338,3 +338,21 @@ def test_kv_footprint_is_the_prefix_tree_of_a_requests_prompts():
     kv = report.kv_bound_proof({0.8: {"dask": {"0": {**fake_metrics(10.0), "throughput_rps": 0.5}}}},
                                {"0": 4000.0}, 40_000)
     assert kv["live_working_set_vs_device_kv"]["median"] == pytest.approx(0.5 * 10.0 * 4000 / 40_000)
+
+
+def test_a_run_records_its_checkout_and_refuses_code_from_two():
+    """A second worktree on PYTHONPATH with an editable install of another: dask_agents came from
+    one tree, its scheduler/worker/kv subpackages from the other (the snapshot the swe measure
+    units ran from did this: its workers ran the main tree's plugins while they were edited)."""
+    import os
+
+    from benchmarks.e2e.cli import code_provenance
+
+    here = code_provenance()
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__import__("dask_agents").__file__)))
+    assert here["root"] == root and len(here["commit"] or "") == 40 and isinstance(here["dirty"], bool)
+    mixed = {"dask_agents": "/snap/dask_agents/__init__.py", "dask_agents.scheduler_plugin":
+             "/snap/scheduler_plugin/__init__.py", "dask_agents.worker_plugin": "/main/worker_plugin/__init__.py",
+             "dask_agents.kv": "/snap/kv/__init__.py"}
+    with pytest.raises(SystemExit, match=r"dask_agents.worker_plugin import from outside /snap"):
+        code_provenance(mixed)

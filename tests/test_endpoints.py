@@ -263,3 +263,75 @@ async def test_a_swap_asked_of_the_worker_directly_reaches_the_scheduler(c: Clie
     assert list(hosted) == ["emu2"]
     await async_wait_for(lambda: a.address not in plugin.model_workers.get("emu", ())
                          and a.address in plugin.model_workers.get("emu2", ()))
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)], timeout=60, config=CONFIG)
+async def test_fast_path_records_only_for_calls_made_on_that_worker(c: Client, s: Scheduler, a: Worker, b: Worker):
+    """A worker reports calls that ran on its fast path: only tool or stateless agent calls,
+    made by a call running on that worker, in that call's session; any other record is dropped
+    and counted, and the good one is recorded as a fast-path call of its creator."""
+    import time as _time
+
+    await da.install(c)
+    plugin = s.plugins[NAME]
+    await async_wait_for(lambda: {a.address, b.address} <= set(plugin.ready_workers))
+    sess, creator = await _ran(c, plugin, "fast")
+    runner, other = (a, b) if creator.worker == a.address else (b, a)
+    now = _time.time()
+
+    def record(key: str, **ann_over) -> dict:
+        ann = {"call": key, "component": key.split("-")[0], "method": None, "kind": "tool", "session": sess.id,
+               "creator": creator.key, "deps": [], "created": now, "stateful": False, **ann_over}
+        return {"key": key, "ann": ann, "state": "memory", "started": now, "finished": now + 0.001}
+
+    good = record("echo-" + "1" * 32)
+    bad = [record("echo-" + "2" * 32, kind="llm", llm_model="emu"),  # LLM calls never run there
+           record("echo-" + "3" * 32, component="other"),  # not a key of that component
+           record("echo-" + "4" * 32, session="someone-else"),  # another session than its creator's
+           record("echo-" + "5" * 32, stateful=True),
+           {**record("echo-" + "6" * 32), "started": now + 5},  # started after it finished
+           "junk"]
+    counts = plugin.aggregates.rejected.counts
+    wc.send_to_scheduler(other, {"op": "agents-report", "reports": [], "calls": [good]})  # its creator ran elsewhere
+    await async_wait_for(lambda: counts[("agents-report", "creator not on this worker")] == 1, timeout=15)
+    assert good["key"] not in plugin.state.calls
+    wc.send_to_scheduler(runner, {"op": "agents-report", "reports": [], "calls": bad + [good]})
+    await async_wait_for(lambda: good["key"] in plugin.state.calls, timeout=15)
+    assert counts[("agents-report", "not local")] == 2
+    assert counts[("agents-report", "bad local annotation")] == 1
+    assert counts[("agents-report", "session is not the creator's")] == 1
+    assert counts[("agents-report", "bad report times")] == 1
+    assert counts[("agents-report", "record is not a mapping")] == 1
+    rec = plugin.state.calls[good["key"]]
+    assert rec.local and rec.worker == runner.address and rec.state == "finished" and rec.session == sess.id
+    assert good["key"] in creator.children and all(r["key"] not in plugin.state.calls for r in bad[:-1])
+    assert {a.address, b.address} <= set(s.workers)  # nobody lost its stream
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60, config=CONFIG)
+async def test_a_fast_path_calls_outcome_comes_from_its_record_not_its_published_key(c: Client, s: Scheduler,
+                                                                                      a: Worker):
+    """The value of a call that ran on a worker's fast path is published as an ordinary key,
+    released when its futures are: that release (on the client's stream) may reach the
+    scheduler before the worker's record that the call finished. The call must still end
+    finished, with the worker's times (it ended cancelled, without times)."""
+    import time as _time
+
+    await da.install(c)
+    plugin = s.plugins[NAME]
+    await async_wait_for(lambda: a.address in plugin.ready_workers)
+    sess, creator = await _ran(c, plugin, "race")
+    now = _time.time()
+    key = "echo-" + "7" * 32
+    ann = {"call": key, "component": "echo", "method": None, "kind": "tool", "session": sess.id,
+           "creator": creator.key, "deps": [], "created": now, "stateful": False}
+    wc.send_to_scheduler(a, {"op": "agents-report", "calls": [
+        {"key": key, "ann": ann, "state": "processing", "started": now, "finished": None}]})
+    await async_wait_for(lambda: key in plugin.state.calls, timeout=15)
+    for start, finish in (("memory", "released"), ("released", "forgotten")):  # the published key let go
+        plugin.transition(key, start, finish)
+    wc.send_to_scheduler(a, {"op": "agents-report", "calls": [
+        {"key": key, "ann": ann, "state": "memory", "started": now, "finished": now + 0.002}]})
+    rec = plugin.state.calls[key]
+    await async_wait_for(lambda: rec.finished is not None, timeout=15)
+    assert rec.state == "finished" and rec.started == now and rec.finished == now + 0.002 and rec.local

@@ -49,7 +49,7 @@ def empty_view() -> Any:
 def make_loop(policies: dict[str, Callable], build: Callable[[], Any] = empty_view, **control: Any) -> ControlLoop:
     """A control loop over a fake plugin; ``control`` sets ``agents.control.*`` (dashes as _)."""
     plugin = SimpleNamespace(scheduler=FakeScheduler(), ready_workers={"tcp://w:1": None}, model_workers={},
-                             set_worker_models=lambda address, models: None)
+                             set_worker_models=lambda address, models: None, push_routes=lambda workers=None: None)
     config = {f"agents.control.{k.replace('_', '-')}": v for k, v in control.items()}
     with dask.config.set(config):
         ctl = ControlLoop(plugin, policies)

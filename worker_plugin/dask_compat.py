@@ -153,3 +153,89 @@ def registered(worker: Worker) -> bool:
     from distributed.core import Status
 
     return worker.status == Status.running
+
+
+# -- the fast path (worker_plugin/local.py) ---------------------------------------------------
+
+def publish_local(worker: Worker, client: Any, key: Any, value: Any) -> None:
+    """On the worker's loop: ``value`` into this worker's memory as ``key`` (the worker half of
+    ``scatter``: a released -> memory transition that sends nothing), then the scheduler told
+    on ``client``'s stream (``update-data``, the other half), so the key is an ordinary one."""
+    from time import time
+
+    from dask.sizeof import sizeof
+
+    worker.update_data({key: value}, stimulus_id=f"agents-local-{time()}")
+    # sent now, not queued behind callbacks already on the loop: a graph depending on the key,
+    # submitted after the call ended, is queued there (Client._send_to_scheduler)
+    client._send_to_scheduler_safe({"op": "update-data", "who_has": {key: [worker.address]},
+                               "nbytes": {key: sizeof(value)}, "client": client.id})
+
+
+def _future_state(client: Any, key: Any) -> Any:
+    st = client.futures.get(key)
+    return st if st is not None and st.status == "pending" else None
+
+
+def finish_future(client: Any, key: Any, typ: type | None) -> None:
+    """On the client's loop: the pending state every Future of ``key`` shares becomes finished
+    (what Dask's key-in-memory does)."""
+    st = _future_state(client, key)
+    if st is not None:
+        st.finish(typ)
+
+
+def fail_future(client: Any, key: Any, exc: BaseException) -> None:
+    """On the client's loop: the pending shared state of ``key`` becomes an error (task-erred)."""
+    st = _future_state(client, key)
+    if st is not None:
+        st.set_error(exc, exc.__traceback__)
+
+
+def cancel_future(client: Any, key: Any, msg: str) -> None:
+    """On the client's loop: the pending shared state of ``key`` becomes cancelled."""
+    st = _future_state(client, key)
+    if st is not None:
+        st.cancel(reason="cancelled", msg=msg)
+
+
+def before_graph_submission(client: Any, before: Any, before_desired: Any = None) -> None:
+    """Call ``before()`` ahead of every graph this client sends (``submit``, ``map``,
+    ``compute``, ``delayed``: all go through ``Client._graph_to_futures``) and, if given,
+    ``before_desired(keys)`` ahead of every ``client-desires-keys`` it sends
+    (``fire_and_forget``). Once per client; instance attributes, so other clients are untouched."""
+    if getattr(client._graph_to_futures, "_agents_before", None) is not None:
+        return
+    original = client._graph_to_futures
+
+    def _graph_to_futures(*args: Any, **kwargs: Any) -> Any:
+        before()
+        return original(*args, **kwargs)
+
+    _graph_to_futures._agents_before = before  # type: ignore[attr-defined]
+    client._graph_to_futures = _graph_to_futures
+    if before_desired is not None:
+        send = client._send_to_scheduler
+
+        def _send_to_scheduler(msg: dict) -> Any:
+            if msg.get("op") == "client-desires-keys":
+                before_desired(list(msg.get("keys") or ()))
+            return send(msg)
+
+        client._send_to_scheduler = _send_to_scheduler
+
+
+def submit_key(client: Any, func: Any, *args: Any, key: str, resources: dict | None = None,
+               workers: list[str] | None = None) -> Any:
+    """``client.submit(func, *args, key=key, pure=False, resources=resources)`` for a key the
+    client already holds a future of (a fast-path call's, created before it was sent):
+    ``Client.submit`` returns the existing future for such a key and sends nothing."""
+    import uuid
+
+    from dask._expr import LLGExpr
+    from dask._task_spec import Task, parse_input
+    from distributed.spans import SpanMetadata
+
+    expr = LLGExpr({key: Task(key, func, *(parse_input(a) for a in args))}, _determ_token=uuid.uuid4().hex)
+    return client._graph_to_futures(expr, [key], workers=workers, internal_priority={key: 0}, resources=resources,
+                                    span_metadata=SpanMetadata(collections=[{"type": "Future"}]))[key]

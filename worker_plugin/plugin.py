@@ -24,6 +24,7 @@ from dask_agents.worker_plugin import dask_compat
 from dask_agents.worker_plugin.batching import Batcher
 from dask_agents.worker_plugin.engines import Engines
 from dask_agents.worker_plugin.instances import Instances
+from dask_agents.worker_plugin.local import LocalCalls
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ NAME = "dask-agents"
 REPORT_OP = "agents-report"
 REPRIORITIZE_OP = "agents-reprioritize"  # dask_agents.scheduler_plugin.enforce.REPRIORITIZE_OP
 KV_HINT_OP = "agents-kv-hint"  # dask_agents.scheduler_plugin.kv_hints.HINT_OP
+ROUTES_OP = "agents-routes"  # dask_agents.scheduler_plugin.plugin.ROUTES_OP
 _END = ("memory", "error", "released", "cancelled", "forgotten", "rescheduled")
 _ARRIVED = ("waiting", "ready", "constrained", "executing")
 
@@ -77,6 +79,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         self.instances = Instances()
         self.batcher = Batcher()
         self.engines: Engines | None = None
+        self.local: LocalCalls | None = None  # the fast path, once the scheduler plugin answered
         self.scheduler_ok = False
         self._lock = threading.Lock()
         self._started: dict[Any, float] = {}
@@ -111,6 +114,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         # Registered before the hello: the scheduler only streams this op to workers that said hello.
         dask_compat.add_stream_handler(worker, REPRIORITIZE_OP, self._reprioritize)
         dask_compat.add_stream_handler(worker, KV_HINT_OP, self._kv_hint)
+        dask_compat.add_stream_handler(worker, ROUTES_OP, self._routes)
         self.ready.set()
         if dask_compat.registered(worker):
             await self._hello(models)
@@ -149,6 +153,9 @@ class AgentsWorkerPlugin(WorkerPlugin):
                 return
             if models is None:
                 models = self.engines.announced() if self.engines is not None else []
+            if self.local is None and agents_config.get("worker.fast-path.enabled"):
+                # only with a scheduler plugin to record what runs here (used once scheduler_ok)
+                self.local = LocalCalls(self.worker, agents_config.seconds("worker.fast-path.max-wait"))
             await self.worker.scheduler.agents_worker_hello(worker=self.worker.address, models=models, pid=os.getpid())
             self.scheduler_ok = True
         except Exception as e:
@@ -178,6 +185,16 @@ class AgentsWorkerPlugin(WorkerPlugin):
             if finish == "executing":
                 self._started[key] = time.time()
         elif finish in _END:
+            local = self.local
+            if local is not None and start in ("executing", "long-running"):
+                # what it deferred and never waited for goes on (the scheduler path); what ran
+                # here is reported now, on this stream ahead of its end: its session cannot
+                # complete before they are recorded
+                if local.has_deferred(key):
+                    self.worker.loop.add_callback(local.caller_ended, key)
+                if local.has_records():
+                    self._send({"op": REPORT_OP, "worker": self.worker.address, "reports": [],
+                                "calls": local.pending_records()})
             ann = self._agents_annotation(key) or {}
             if ann.get("stateful"):  # idempotent: also for calls released before they started
                 self.instances.done(ann["component"], ann.get("session"), key)
@@ -223,9 +240,15 @@ class AgentsWorkerPlugin(WorkerPlugin):
             engines = self.engine_stats()
             if engines:
                 msg["engines"] = engines
-        if not self._reports and "engines" not in msg:
+        calls = self.local.pending_records() if self.local is not None else []
+        if calls:
+            msg["calls"] = calls
+        if not self._reports and "engines" not in msg and not calls:
             return
         msg["reports"], self._reports = self._reports, []
+        self._send(msg)
+
+    def _send(self, msg: dict) -> None:
         try:
             dask_compat.send_to_scheduler(self.worker, msg)
         except Exception as e:  # disconnected: these reports are lost, the calls are not
@@ -277,6 +300,13 @@ class AgentsWorkerPlugin(WorkerPlugin):
             self.engines.kv_hint(session, state, node, wait_key, at)
         except Exception as e:  # a hint only informs a policy: never break the stream
             logger.debug("dask-agents: KV hint for %s ignored: %s", session, e)
+
+    def _routes(self, routes: dict | None = None, **kw: Any) -> None:
+        """The control plane's routes (component -> workers): a routed component's calls made
+        here take the fast path only if this worker is one of its workers."""
+        if self.local is None or not isinstance(routes, dict):
+            return
+        self.local.routes = {c: tuple(w) for c, w in routes.items() if isinstance(c, str) and isinstance(w, (list, tuple))}
 
     def _reprioritize(self, priorities: dict | None = None, **kw: Any) -> None:
         try:

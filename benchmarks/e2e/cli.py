@@ -138,7 +138,39 @@ def jsonable(x: Any) -> Any:
 def config(preset: dict, mode: str) -> dict:
     return {"mode": mode, "preset": preset, "python": platform.python_version(), "cpus": os.cpu_count(),
             "emulated": "EMULATED: engines are worker_plugin/emulated.py's cost model; tools sleep",
-            "time_scale": preset["time_scale"], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "time_scale": preset["time_scale"], "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "code": code_provenance()}
+
+
+SUBPACKAGES = ("dask_agents.scheduler_plugin", "dask_agents.worker_plugin", "dask_agents.kv")
+
+
+def code_provenance(modules: dict[str, str] | None = None) -> dict:
+    """Which checkout the measured code comes from: the root of ``dask_agents`` and the git
+    commit there (``dirty`` if it has changes). Refuses (SystemExit) a run whose subpackages
+    import from another checkout: an editable install maps them to the checkout it was made
+    from, so a second worktree on ``PYTHONPATH`` would otherwise run a mix of two trees (its
+    workers start later and import whatever that other tree holds then)."""
+    import importlib
+    import subprocess
+
+    if modules is None:
+        modules = {m: importlib.import_module(m).__file__ for m in ("dask_agents",) + SUBPACKAGES}
+    root = os.path.dirname(os.path.dirname(os.path.realpath(modules["dask_agents"])))
+    stray = {m: f for m, f in modules.items() if not os.path.realpath(f).startswith(root + os.sep)}
+    if stray:
+        raise SystemExit(f"e2e: {', '.join(stray)} import from outside {root} ({stray}): link them into "
+                         f"{root}/dask_agents/ (ln -s ../scheduler_plugin ...) or install that checkout")
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        except Exception:
+            return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"root": root, "commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
 def main(argv: list[str] | None = None) -> int:

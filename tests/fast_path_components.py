@@ -1,0 +1,125 @@
+"""Components for tests/test_fast_path.py (importable by worker processes)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from distributed import get_client, get_worker
+
+import dask_agents as da
+
+
+@da.tool(kind="file_io")
+def where(x: int) -> tuple[int, int, str]:
+    """``x`` back, with the thread and the worker it ran in."""
+    return x, threading.get_ident(), get_worker().address
+
+
+@da.tool
+def boom(x: int) -> int:
+    raise ValueError(f"boom {x}")
+
+
+@da.tool
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@da.tool
+def total(xs: list) -> int:
+    return sum(xs)
+
+
+@da.tool
+def mark(path: str) -> str:
+    with open(path, "w") as f:
+        f.write("ran")
+    return path
+
+
+@da.tool
+def slow(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def plain_double(x: int) -> int:
+    """Plain Dask work (not a component)."""
+    return 2 * x
+
+
+@da.agent
+class Caller:
+    """Calls made inside a component, each the way a user would write it."""
+
+    def inline(self, x: int) -> dict:
+        value, thread, worker = da.stub(where)(x).value()
+        return {"value": value, "same_thread": thread == threading.get_ident(),
+                "same_worker": worker == get_worker().address}
+
+    def fail(self, x: int) -> str:
+        try:
+            da.stub(boom)(x).value()
+        except da.CallFailedError as e:
+            return f"{type(e.original).__name__}|{e}"
+        return "no error"
+
+    def chain(self, x: int) -> int:
+        a = da.stub(add)(x, 1)
+        b = da.stub(add)(a, 10)  # a dependency on a call still deferred
+        return b.value()
+
+    def chain_after(self, x: int) -> int:
+        a = da.stub(add)(x, 1)
+        a.value()
+        return da.stub(total)([a, a, 3]).value()  # a finished local future inside a list
+
+    def fan_out(self, n: int) -> dict:
+        futs = [da.stub(where)(i) for i in range(n)]
+        values = [f.value() for f in futs]
+        return {"values": [v[0] for v in values],
+                "same_thread": [v[1] == threading.get_ident() for v in values]}
+
+    def plain_submit(self, x: int, deferred: bool) -> int:
+        f = da.stub(add)(x, 1)
+        if not deferred:
+            f.value()
+        return get_client().submit(plain_double, f).result()
+
+    def with_timeout(self, seconds: float) -> str:
+        try:
+            da.stub(slow)(seconds).value(timeout=0.05)
+        except da.CallTimeoutError as e:
+            return f"timeout|{e}"
+        return "no timeout"
+
+    def cancelled(self, path: str) -> dict:
+        f = da.stub(mark)(path)
+        f.cancel()
+        try:
+            f.value()
+        except Exception as e:  # Dask's FutureCancelledError, as on the scheduler path
+            error = type(e).__name__
+        else:
+            error = None
+        return {"status": f.status, "done": f.available(), "error": error, "ran": os.path.exists(path)}
+
+    def forgotten_but_kept(self, path: str) -> str:
+        """A call it never waits for, whose future it keeps: it runs anyway."""
+        self._kept = da.stub(mark)(path)
+        return "left"
+
+    def fire_and_forgotten(self, path: str) -> str:
+        """A call handed to fire_and_forget and dropped: it runs anyway, as on the scheduler path."""
+        from distributed import fire_and_forget
+
+        fire_and_forget(da.stub(mark)(path))
+        return "left"
+
+    def status(self, x: int) -> list:
+        f = da.stub(add)(x, 1)
+        before = (f.status, f.available())
+        f.value()
+        return [before, (f.status, f.available())]

@@ -1,0 +1,173 @@
+"""The worker-local fast path (worker_plugin/local.py): calls made inside a component that run
+in their caller's thread, on real worker processes, behave as on the scheduler path and are
+recorded the same way."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_agents as da
+from tests import fast_path_components as fp
+from tests.conftest import wait_for
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster = LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0",
+                           worker_dashboard_address=":0")
+    try:
+        with Client(cluster) as c:
+            da.install(c)
+            yield c
+    finally:
+        cluster.close(timeout=30)
+
+
+def _count_graph_keys(dask_scheduler: Any) -> None:
+    """Record every key the scheduler receives in an update-graph (the scheduler path)."""
+    dask_scheduler.agents_test_graph_keys = set()
+    handler = dask_scheduler.stream_handlers["update-graph"]
+
+    async def counted(*args: Any, _h: Any = handler, **kwargs: Any) -> Any:  # Dask awaits coroutine handlers
+        dask_scheduler.agents_test_graph_keys.update(kwargs.get("keys") or ())
+        out = _h(*args, **kwargs)
+        return await out if inspect.isawaitable(out) else out
+
+    dask_scheduler.stream_handlers["update-graph"] = counted
+
+
+def _graph_keys(client: Client) -> set:
+    return client.run_on_scheduler(lambda dask_scheduler: set(dask_scheduler.agents_test_graph_keys))
+
+
+def _calls(client: Client, session: Any, wait_for_n: int) -> Any:
+    """The session's telemetry rows once ``wait_for_n`` calls are recorded and terminal."""
+    def ready():
+        t = da.telemetry(client, session=session)
+        ended = t["state"].isin(["finished", "erred", "cancelled"])
+        reported = t["started"].notna() | (t["state"] == "cancelled")  # the workers' exact times are in
+        return t if len(t) >= wait_for_n and ended.all() and reported.all() else None
+
+    return wait_for(lambda: (t := ready()) is not None and [t])[0]
+
+
+def _local_counts(client: Client) -> dict:
+    def counts(dask_worker=None):
+        return dict(dask_worker.plugins["dask-agents"].local.snapshot())
+
+    return next(iter(client.run(counts).values()))
+
+
+def test_a_nested_tool_call_runs_in_its_callers_thread_and_is_recorded(client):
+    client.run_on_scheduler(_count_graph_keys)
+    with da.session(client) as s:
+        out = da.stub(fp.Caller).inline(5).value()
+    assert out == {"value": 5, "same_thread": True, "same_worker": True}
+    t = _calls(client, s, 2)
+    by = {r.component: r for r in t.itertuples()}
+    tool, caller = by["where"], by["Caller"]
+    assert tool.fast_path and not caller.fast_path
+    assert tool.state == "finished" and tool.creator == caller.key and tool.worker == caller.worker
+    assert tool.started <= tool.finished and caller.started <= tool.started and tool.finished <= caller.finished
+    keys = _graph_keys(client)
+    assert caller.key in keys and tool.key not in keys  # no update-graph for the nested call
+    g = da.session_graph(client, s)
+    assert g.state == "completed" and {n.component for n in g.nodes} == {"Caller", "where"}
+    assert [(e.src, e.dst, e.kind) for e in g.edges if e.src == caller.key] == [(caller.key, tool.key, "created")]
+
+
+def test_an_error_names_the_call_as_on_the_scheduler_path(client):
+    with da.session(client) as s:
+        text = da.stub(fp.Caller).fail(3).value()
+    kind, message = text.split("|", 1)
+    assert kind == "ValueError" and "boom 3" in message and "boom" in message and "(call boom-" in message
+    t = _calls(client, s, 2)
+    row = t[t.component == "boom"].iloc[0]
+    assert row.state == "erred" and "boom 3" in row.error and row.fast_path
+
+
+@pytest.mark.parametrize("method,arg,expected", [("chain", 1, 12), ("chain_after", 4, 13)])
+def test_local_futures_as_arguments_of_other_calls(client, method, arg, expected):
+    with da.session(client) as s:
+        assert getattr(da.stub(fp.Caller), method)(arg).value() == expected
+    t = _calls(client, s, 3)
+    assert set(t.component) == {"Caller", "add", "total"} if method == "chain_after" else {"Caller", "add"}
+    assert (t.state == "finished").all()
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_a_local_future_passed_to_plain_dask_work(client, deferred):
+    """Plain ``client.submit`` inside a component, given a fast-path future (still deferred, or
+    already run here): the plain task gets its value."""
+    with da.session(client):
+        assert da.stub(fp.Caller).plain_submit(20, deferred).value() == 42
+
+
+def test_fan_out_runs_the_waited_call_here_and_the_rest_meanwhile(client):
+    before = _local_counts(client)
+    with da.session(client) as s:
+        out = da.stub(fp.Caller).fan_out(4).value()
+    assert out["values"] == [0, 1, 2, 3]
+    assert out["same_thread"][0] and not any(out["same_thread"][1:])  # the others ran in parallel
+    after = _local_counts(client)
+    assert after.get("submitted:sibling", 0) - before.get("submitted:sibling", 0) == 3
+    t = _calls(client, s, 5)
+    assert sorted(t[t.component == "where"].fast_path) == [False, False, False, True]
+
+
+def test_a_timeout_is_honoured_on_the_scheduler_path(client):
+    with da.session(client):
+        text = da.stub(fp.Caller).with_timeout(5.0).value()
+    kind, message = text.split("|", 1)
+    assert kind == "timeout" and "slow" in message and "did not finish within 0.05s" in message
+
+
+def test_a_cancelled_deferred_call_never_runs(client, tmp_path):
+    path = str(tmp_path / "cancelled")
+    with da.session(client) as s:
+        out = da.stub(fp.Caller).cancelled(path).value()
+    assert out == {"status": "cancelled", "done": True, "error": "FutureCancelledError", "ran": False}
+    t = _calls(client, s, 2)
+    assert t[t.component == "mark"].iloc[0].state == "cancelled"
+
+
+def test_a_call_its_caller_never_waited_for_still_runs(client, tmp_path):
+    path = tmp_path / "kept"
+    with da.session(client):
+        assert da.stub(fp.Caller).forgotten_but_kept(str(path)).value() == "left"
+    wait_for(path.exists)
+
+
+def test_a_call_handed_to_fire_and_forget_runs(client, tmp_path):
+    path = tmp_path / "fired"
+    with da.session(client):
+        assert da.stub(fp.Caller).fire_and_forgotten(str(path)).value() == "left"
+    wait_for(path.exists)
+
+
+def test_status_and_available_before_and_after(client):
+    with da.session(client):
+        before, after = da.stub(fp.Caller).status(1).value()
+    assert tuple(before) == ("pending", False) and tuple(after) == ("finished", True)
+
+
+def test_disabled_fast_path_takes_the_scheduler_path():
+    with dask.config.set({"agents.worker.fast-path.enabled": False}):
+        cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0",
+                               worker_dashboard_address=":0")
+    try:
+        with Client(cluster) as c:
+            with dask.config.set({"agents.worker.fast-path.enabled": False}):
+                da.install(c)
+            with da.session(c) as s:
+                out = da.stub(fp.Caller).inline(2).value()
+            assert out["value"] == 2 and not out["same_thread"]
+            t = _calls(c, s, 2)
+            assert not t.fast_path.any()
+    finally:
+        cluster.close(timeout=30)
