@@ -479,6 +479,7 @@ def check_invariants(sched: EmulatedScheduler) -> None:
     assert len(sched.host) <= sched.host_capacity
     for s in sched.waiting_sequences():
         assert not s.blocks and s.status == "waiting"
+    sched.check_residency()  # the per-session device/host counts equal a recount
 
 
 @pytest.mark.parametrize("host_policy", ["lru", "directed"])

@@ -234,6 +234,11 @@ class EmulatedEngineKV:
         """Sessions that own ``block_hash``."""
         return self.sched.owners(block_hash)
 
+    def block_tokens(self, block_hash: int) -> int:
+        """Tokens up to the end of the block (its position in the chain), from an owner; the
+        block size when no session owns it."""
+        return self.sched.block_tokens(block_hash)
+
     def pinned(self, session: str) -> int:
         """Blocks the session has pinned."""
         return self.sched.pinned(session)

@@ -301,6 +301,10 @@ class EmulatedScheduler:
         # session -> its block hashes (first use first) -> tokens up to that block's end
         self.sessions: dict[str, OrderedDict[int, int]] = {}
         self._owners: dict[int, set[str]] = {}
+        # session -> its blocks on the device / how many are on the host, kept as blocks move
+        # (``residency`` is O(1), ``movable`` O(its device blocks); ``check_residency`` recounts)
+        self._on_device: dict[str, set[int]] = {}
+        self._on_host: dict[str, int] = {}
         self._pins: dict[str, list[Block]] = {}
         self.now = 0.0
         self._link_free_at = 0.0  # host -> device transfers run one after another
@@ -416,21 +420,36 @@ class EmulatedScheduler:
         n -= k
         if n <= 0:
             return
-        lru, cached = self._lru, self._cached
+        lru, cached, owners, on_device = self._lru, self._cached, self._owners, self._on_device
         to_host = self.p.host_policy == "lru" and self.host_capacity > 0
         host_put = self._host_put
         self.counters["evictions"] += n
         for _ in range(n):  # (_uncache inlined)
             h, b = lru.popitem(last=False)
             del cached[h]
+            who = owners.get(h)
+            if who:
+                for o in who:
+                    on_device[o].discard(h)
             if to_host:
                 host_put(h)
             b.block_hash, b.ready_at, b.from_host = None, 0.0, False
             b.ref_cnt = 1
             out.append(b)
 
+    def _count(self, counts: dict[str, int], h: int, delta: int) -> None:
+        """Block ``h`` came onto (``delta`` 1) or left (-1) a tier: its owners' counts follow."""
+        who = self._owners.get(h)
+        if who:
+            for o in who:
+                counts[o] = counts.get(o, 0) + delta
+
     def _cache(self, h: int, b: Block) -> None:
         self._cached[h] = b
+        who = self._owners.get(h)
+        if who:
+            for o in who:
+                self._on_device[o].add(h)
         if self._stored is not None:
             self._stored[h] = None
 
@@ -447,7 +466,12 @@ class EmulatedScheduler:
 
     def _uncache(self, b: Block, to_host: bool) -> None:
         """Take an unreferenced block (already out of ``_lru``) out of the prefix cache."""
-        del self._cached[b.block_hash]
+        h = b.block_hash
+        del self._cached[h]
+        who = self._owners.get(h)
+        if who:
+            for o in who:
+                self._on_device[o].discard(h)
         if to_host:
             self._host_put(b.block_hash)
         b.block_hash, b.ready_at, b.from_host = None, 0.0, False
@@ -524,9 +548,11 @@ class EmulatedScheduler:
             self.host.move_to_end(h)
             return True
         while len(self.host) >= self.host_capacity:
-            self.host.popitem(last=False)
+            old, _ = self.host.popitem(last=False)
+            self._count(self._on_host, old, -1)
             self.counters["host_evictions"] += 1
         self.host[h] = None
+        self._count(self._on_host, h, 1)
         return True
 
     def _host_put(self, h: int) -> bool:
@@ -539,12 +565,19 @@ class EmulatedScheduler:
         if self.host_capacity < 1:
             return False
         while len(host) >= self.host_capacity:
-            host.popitem(last=False)
+            old, _ = host.popitem(last=False)
+            self._count(self._on_host, old, -1)
             self.counters["host_evictions"] += 1
         host[h] = None
+        self._count(self._on_host, h, 1)
         self.counters["offloaded_blocks"] += 1
         self.counters["offload_s"] += self.p.host_offload_s_per_block
         return True
+
+    def _host_take(self, h: int) -> None:
+        """Take ``h`` off the host (KeyError if it is not there)."""
+        self.host.pop(h)
+        self._count(self._on_host, h, -1)
 
     def _transfer(self) -> float:
         """Book one block on the host -> device link; returns when it arrives."""
@@ -559,10 +592,11 @@ class EmulatedScheduler:
         out of ``_lru``; None if no block can be had. Under ``directed`` it leaves the host.
         ``held``: the caller took ``h`` off the host already."""
         if not held:
-            self.host.pop(h)  # held aside: the allocation below may push blocks to the host
+            self._host_take(h)  # held aside: the allocation below may push blocks to the host
         b = self._allocate()
         if b is None:
             self.host[h] = None
+            self._count(self._on_host, h, 1)
             return None
         if self.p.host_policy == "lru":
             self._host_keep(h)
@@ -634,7 +668,7 @@ class EmulatedScheduler:
         else:
             for h, b in zip(seq.hashes, plan):  # held aside too: evictions push blocks to the host
                 if b is None:
-                    self.host.pop(h)
+                    self._host_take(h)
             blocks = []
             for h, b in zip(seq.hashes, plan):
                 if b is None:
@@ -777,8 +811,13 @@ class EmulatedScheduler:
         if seq.session is None or not seq.tracked:
             return
         session, hashes, owners = seq.session, seq.hashes, self._owners
-        blocks = self.sessions.setdefault(session, OrderedDict())
+        blocks = self.sessions.get(session)
+        if blocks is None:
+            blocks = self.sessions[session] = OrderedDict()
+            self._on_device[session], self._on_host[session] = set(), 0
         bs = self.p.block_size
+        cached, host, device = self._cached, self.host, self._on_device[session]
+        on_host = 0
         for i in range(start, len(hashes)):
             h = hashes[i]
             if h not in blocks:
@@ -788,6 +827,11 @@ class EmulatedScheduler:
                     owners[h] = {session}
                 else:
                     who.add(session)
+                if h in cached:
+                    device.add(h)
+                if h in host:
+                    on_host += 1
+        self._on_host[session] += on_host
 
     def knows(self, session: str) -> bool:
         """Whether the engine tracks blocks for ``session``."""
@@ -801,11 +845,36 @@ class EmulatedScheduler:
         """Sessions whose requests used the block (and were not invalidated)."""
         return frozenset(self._owners.get(block_hash, ()))
 
+    def block_tokens(self, block_hash: int) -> int:
+        """Tokens up to the end of the block (its position in the chain: the hash covers the
+        whole prefix), from any session that owns it; the block size when none does."""
+        for session in self._owners.get(block_hash, ()):
+            return self.sessions[session][block_hash]
+        return self.p.block_size
+
     def residency(self, session: str) -> dict[str, int]:
-        """Where the session's blocks are: ``blocks`` (all), ``device``, ``host``, ``pinned``."""
-        hs = self.sessions.get(session, {})
-        return {"blocks": len(hs), "device": sum(1 for h in hs if h in self._cached),
-                "host": sum(1 for h in hs if h in self.host), "pinned": len(self._pins.get(session, ()))}
+        """Where the session's blocks are: ``blocks`` (all), ``device``, ``host``, ``pinned``.
+        O(1): the counts are kept as blocks move (:meth:`check_residency` recounts them)."""
+        hs = self.sessions.get(session)
+        if hs is None:
+            return {"blocks": 0, "device": 0, "host": 0, "pinned": 0}
+        return {"blocks": len(hs), "device": len(self._on_device[session]), "host": self._on_host[session],
+                "pinned": len(self._pins.get(session, ()))}
+
+    def check_residency(self) -> None:
+        """Recount every session's device and host blocks by a scan of its blocks and compare
+        with the counts :meth:`residency` keeps (AssertionError naming the first mismatch).
+        O(every block of every session): for tests and debugging, never on the stepping thread."""
+        if set(self._on_device) != set(self.sessions) or set(self._on_host) != set(self.sessions):
+            raise AssertionError(f"residency counts kept for {sorted(self._on_device)} / {sorted(self._on_host)}, "
+                                 f"sessions are {sorted(self.sessions)}")
+        for session, hs in self.sessions.items():
+            device = {h for h in hs if h in self._cached}
+            host = sum(1 for h in hs if h in self.host)
+            if (device, host) != (self._on_device[session], self._on_host[session]):
+                raise AssertionError(f"session {session!r}: {len(device)} blocks on the device and {host} on the "
+                                     f"host, kept {len(self._on_device[session])} ({len(device ^ self._on_device[session])} "
+                                     f"differ) and {self._on_host[session]}")
 
     def pinned(self, session: str) -> int:
         """Blocks ``session`` has retained."""
@@ -839,11 +908,16 @@ class EmulatedScheduler:
         """The session's device blocks that may leave, tail first: unreferenced and owned by no
         other session; at most ``limit``."""
         out: list[int] = []
-        for h in reversed(self.sessions.get(session, ())):
+        hs = self.sessions.get(session)
+        if not hs:
+            return out
+        # its device blocks only (not its whole history), tail first: by position in the chain
+        # (what first use order gives for a chain that grows), ties by hash for a fixed order
+        for h in sorted(self._on_device[session], key=lambda h: (hs[h], h), reverse=True):
             if limit is not None and len(out) >= limit:
                 break
-            b = self._cached.get(h)
-            if b is None or b.ref_cnt > 0 or self._owners.get(h, set()) - {session}:
+            b = self._cached[h]
+            if b.ref_cnt > 0 or self._owners.get(h, set()) - {session}:
                 continue
             out.append(h)
         return out
@@ -885,6 +959,7 @@ class EmulatedScheduler:
         self.release(session)
         if hs is None:
             return 0
+        del self._on_device[session], self._on_host[session]
         for seq in self.requests.values():  # its requests still in flight stop recording blocks for it
             if seq.session == session:
                 seq.tracked = False
@@ -893,7 +968,7 @@ class EmulatedScheduler:
             b = self._cached.get(h)
             if b is not None and b.ref_cnt == 0:
                 self._drop(b, to_host=False)
-            self.host.pop(h, None)
+            self.host.pop(h, None)  # (nobody owns it now: no count to change)
         self.counters["dropped_blocks"] += len(dropped)
         return len(dropped)
 

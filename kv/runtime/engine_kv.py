@@ -359,6 +359,11 @@ class EngineKV:
             self.stats.offload_seconds += time.perf_counter() - t0
         return n
 
+    def block_tokens(self, block_hash: bytes) -> int:
+        """Tokens up to the end of the block (its position in any chain that holds it: the
+        hash covers the whole prefix)."""
+        return self._ntokens(block_hash)
+
     def _ntokens(self, h: bytes) -> int:
         """Tokens up to the end of block ``h`` (its position in the chain), from any owner."""
         for sid in self._owners.get(h, ()):

@@ -37,20 +37,26 @@ Enforcement (everything runs on the engine thread between steps, as ``dask_agent
   session resumes or the TTL ends, and ``EngineKV.maintain`` releases them if they would ever
   keep the engine from admitting anything.
 
-When it looks: after admissions, request finishes and hints (coalesced into one look per engine
-loop iteration: the policies are specified to be asked at arrivals and step ends, and a session
-end should free its blocks at once), and every ``agents.kv.tick`` seconds otherwise (an idle
-engine loop wakes that often while a manager runs, so prefetches start on time).
+When it looks: at most once per ``agents.kv.tick`` seconds (an idle engine loop wakes that
+often while a manager runs, so prefetches start on time), except that a session end (its
+blocks are freed at once) and, under WA-LRU, a session's pause (its TTL pin) look at the next
+loop iteration. Admissions and request finishes happen nearly every step of a busy engine; a
+look after each of them cost more than the steps it served (the state changes they make are
+seen by the next look, and demand is met by ``prepare`` before every step regardless).
 
-Cost on the engine thread: a look is O(sessions x their blocks + running requests): device use
-and stale blocks come from vLLM's KV events (``dask_agents.kv.runtime.device_index``), not from walking the
-block pool; only the LRU order (the ``lru`` policy, and room-making when the policy's own order
-runs out) walks vLLM's free queue, and only as far as it is read. ``prepare`` is O(running +
-waiting requests) unless room must be made. ``report()`` counts the time.
+Cost on the engine thread: a look is O(sessions + running requests): a session's residency is
+kept by its KV backend as blocks move (the emulated engine; ``EngineKV`` counts by a walk of
+the session's blocks), device use and stale blocks come from vLLM's KV events
+(``dask_agents.kv.runtime.device_index``), not from walking the block pool. ``prepare`` is
+O(running + waiting requests) unless room must be made; room-making ranks only the blocks that
+can be freed (vLLM's free queue: cached, unreferenced) and frees a batch, down to
+``theta-high`` of the device when the free queue allows, so it runs rarely. ``report()``
+counts the time.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
@@ -116,6 +122,7 @@ class ManagerStats:
     tick_seconds: float = 0.0  # time spent in ticks (view + policy + enforcement)
     room_seconds: float = 0.0  # time spent in prepare() (room for the next step, restores)
     room_blocks: int = 0  # blocks freed in the policy's order for the next step
+    room_looks: int = 0  # times room was made (each ranks the free queue once)
     pauses_observed: int = 0
     pins: int = 0  # pins taken for TTL-protected sessions
     errors: int = 0  # directives the engine refused (logged)
@@ -173,7 +180,8 @@ class KVManager:
         # kept until the request holds its blocks itself (a waiting request references none,
         # so releasing at add_request would let the next step's allocations evict its prefix)
         self._unpin_when_running: dict[str, str] = {}
-        self._events = False
+        self._events = False  # something happened since the last look
+        self._urgent = False  # ... that the next loop iteration must look at (see poll)
         self._last_tick = -math.inf
         # cached blocks that may be stale (stored since last looked at, or of a finished session),
         # checked when a policy asks for stale blocks: never a walk of the whole cache
@@ -263,8 +271,16 @@ class KVManager:
         else:
             st.state, st.paused_since, st.finished_at = PAUSED, now, now
             st.wait_key = key or AgentGraph.key(st.node, None)
+            self._paused()
+
+    def _paused(self) -> None:
+        """A session paused: WA-LRU pins it for its TTL at the next look, not a tick later
+        (what it protects is evictable meanwhile)."""
+        if isinstance(self.policy, WALRU):
+            self._urgent = True
 
     def _finish(self, session: str, st: _Session, now: float) -> None:
+        self._urgent = True  # a session end frees its blocks at the next look
         if st.state != FINISHED:
             self.graph.observe_end(st.node)
         st.state, st.paused_since, st.finished_at, st.resume_by = FINISHED, None, None, None
@@ -312,6 +328,7 @@ class KVManager:
                 st.state, st.paused_since, st.resume_by = PAUSED, at, None
                 if st.finished_at is None:
                     st.finished_at = at
+            self._paused()
             return
         if st.live:  # finished: applies when its request is done
             st.pending = (FINISHED, None)
@@ -323,13 +340,15 @@ class KVManager:
     # -- the periodic look ------------------------------------------------------------------------------
 
     def poll(self, now: float | None = None) -> bool:
-        """Called by the engine loop between steps: look (:meth:`tick`) if something happened
-        since the last look or ``tick_s`` passed, else only keep pins in order; then get the
-        next step ready (:meth:`prepare`). Returns whether it looked."""
+        """Called by the engine loop between steps: look (:meth:`tick`) if ``tick_s`` passed
+        since the last look or something that must not wait happened (a session end; under
+        WA-LRU a pause), else only keep pins in order; then get the next step ready
+        (:meth:`prepare`). Returns whether it looked. At most one look per ``tick_s`` otherwise:
+        admissions and finishes come nearly every step of a busy engine."""
         now = self.clock() if now is None else now
         looked = False
         self._unpin_running()
-        if self._events or now - self._last_tick >= self.tick_s:
+        if self._urgent or now - self._last_tick >= self.tick_s:
             self.tick(now)
             looked = True
         else:
@@ -352,7 +371,7 @@ class KVManager:
         Returns the actions the policy suggested."""
         now = self.clock() if now is None else now
         t0 = time.perf_counter()
-        self._events = False
+        self._events = self._urgent = False
         self._last_tick = now
         self.kv.maintain(now)
         self._housekeep(now)
@@ -493,7 +512,8 @@ class KVManager:
         """Restore the session's lower-tier blocks into empty device room only."""
         if not self.kv.knows(session):
             return 0
-        want = sum(1 for h in self.kv.blocks_of(session) if self.kv.in_lower_tier(h))
+        r = self.kv.inspect(session)
+        want = r.host_blocks + r.disk_blocks
         if not want:
             return 0
         room = self.vc.empty_free_blocks(self.kv.parts, at_least=want)
@@ -590,50 +610,81 @@ class KVManager:
         return freed
 
     def _free(self, short: int, keep: set[bytes], now: float) -> int:
-        """Free ``short`` device blocks in the policy's order, never ``keep`` nor blocks of
-        running sessions."""
-        parts, kv = self.kv.parts, self.kv
+        """Free at least ``short`` device blocks (a batch, see :meth:`_batch`) in the policy's
+        order, never ``keep`` nor referenced blocks (running requests', pinned).
+
+        Only blocks vLLM could hand out are candidates: cached and unreferenced (its free
+        queue). The policy's order is read as far as it lists blocks (stale ones: taken in
+        that order); then each candidate is ranked where the order's walk would take it: at
+        the turn of the last of its live owners (a block several sessions own goes once every
+        live owner came up; a block no live session owns, at its first owner's turn), tail
+        first within the turn (by position in the chain); candidates the order does not reach
+        follow in LRU order, as vLLM would take them, except blocks of running sessions (e.g.
+        just prefetched for a session that resumed). O(free queue + sessions), whatever the
+        sessions' histories; nothing to do (no candidate) returns at once."""
+        parts, kv, vc = self.kv.parts, self.kv, self.vc
+        queue = vc.cached_free_blocks(parts)  # least recently used first
+        if not queue:
+            return 0
         view = self.view(now)
         tier = view.offload_tier.name if view.offload_tier is not None else None
+        goal = self._batch(short, len(queue))
         down: list[bytes] = []  # owned by live sessions: a tier down
         drop: list[bytes] = []  # stale: freed
         taken: set[bytes] = set()
-        processed: set[str] = set()
 
         def take(h: bytes | None, b: Any) -> None:
-            if h is None or h in keep or h in taken or self.vc.ref_count(b) > 0:
+            if h is None or h in keep or h in taken or vc.ref_count(b) > 0:
                 return
             taken.add(h)
             (drop if self._is_stale(h) else down).append(h)
 
-        for item in self.policy.order(view, ACCELERATOR):
-            if len(taken) >= short:
-                break
+        rank: dict[str, int] = {}  # session -> its turn in the order
+        order = iter(self.policy.order(view, ACCELERATOR))
+        for item in order:
             if isinstance(item, str):
-                if not kv.knows(item):
+                rank[item] = 0
+                rank.update((sid, i) for i, sid in enumerate((x for x in order if isinstance(x, str)), 1))
+                break
+            if len(taken) >= goal:
+                break
+            b = parts.block_pool.blocks[item]
+            take(vc.block_hash(b), b)
+        if len(taken) < goal:
+            last = len(rank)  # after every turn: the LRU fallback
+            running = {sid for sid, st in self._sessions.items() if st.state == RUNNING}
+            ranked = []
+            for i, b in enumerate(queue):
+                h = vc.block_hash(b)
+                if h is None or h in keep or h in taken or vc.ref_count(b) > 0:
                     continue
-                processed.add(item)  # (a running request's blocks are referenced: never taken)
-                for h in reversed(kv.blocks_of(item)):
-                    if len(taken) >= short:
-                        break
-                    b = self.vc.lookup(parts, h)
-                    # a block several sessions own goes once every live owner came up in the order
-                    if b is not None and all(o in processed or not self._live(o) for o in kv.owners(h)):
-                        take(h, b)
-            else:
-                b = parts.block_pool.blocks[item]
-                take(self.vc.block_hash(b), b)
-        if len(taken) < short:  # the order ran out: least recently used next, as vLLM would,
-            # except blocks of running sessions (e.g. just prefetched for a session that resumed)
-            running = {sid for sid, st in self._sessions.items() if st is not None and st.state == RUNNING}
-            for b in self.vc.cached_free_blocks(parts):
-                if len(taken) >= short:
-                    break
-                h = self.vc.block_hash(b)
-                if h is not None and running and not running.isdisjoint(kv.owners(h)):
-                    continue
+                owners = kv.owners(h)
+                turn, pos = last, 0
+                live = [o for o in owners if self._live(o)]
+                if live:
+                    turns = [rank.get(o, -1) for o in live]
+                    if min(turns) >= 0:
+                        turn, pos = max(turns), -kv.block_tokens(h)
+                    elif running and not running.isdisjoint(owners):
+                        continue
+                else:
+                    turns = [rank[o] for o in owners if o in rank]
+                    if turns:
+                        turn, pos = min(turns), -kv.block_tokens(h)
+                ranked.append((turn, pos, i, h, b))
+            for _, _, _, h, b in heapq.nsmallest(goal - len(taken), ranked):
                 take(h, b)
+        self.stats.room_looks += 1
         return kv.offload_blocks(drop, None) + kv.offload_blocks(down, tier)
+
+    def _batch(self, short: int, candidates: int) -> int:
+        """How many blocks :meth:`_free` frees when ``short`` are missing: down to the
+        ``theta-high`` mark of the device (what the next steps take is then ready, so the
+        ranking runs once per batch, not every step), at most half the free queue
+        (``candidates``: a small queue is not emptied for one request), at least ``short``."""
+        high = math.floor(self.policy.params.theta_high * self._capacity)
+        over = self.vc.used_blocks(self.kv.parts) + short - high
+        return max(short, min(over, candidates // 2))
 
     def _pin_protected(self, view: KVView) -> None:
         """WA-LRU: pin paused sessions within their tool-aware TTL (most valuable first, within
