@@ -286,13 +286,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             if rec is None:
                 continue
             rec.client = client
-            parent = self.state.calls.get(rec.creator)
-            if parent is not None:
-                parent.children.append(key)
-                if parent.state in ("erred", "cancelled"):  # it ended before its call arrived
-                    self._cancel_soon([key], client)
-            elif rec.creator != DRIVER:  # made inside a fast-path call whose record comes later
-                self._park(rec)
+            parent = self._link_to_creator(rec)
+            if parent is not None and parent.state in ("erred", "cancelled"):  # it ended before its call arrived
+                self._cancel_soon([key], client)
             # Priority at creation: session progress first (when prioritizing), then arrival.
             # Arrival gives FIFO among equals: Dask gives graphs submitted within its
             # fifo_timeout (100 ms) the same priority, and workers run equal priorities LIFO.
@@ -315,10 +311,17 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             elif ann.get("model") and rec.session is not None:
                 self._near_engine(ts, rec.session, ann["model"])
 
-    def _park(self, rec: Any) -> None:
-        self.unlinked.setdefault(rec.creator, []).append(rec.key)
-        while len(self.unlinked) > MAX_UNLINKED:
-            self.unlinked.popitem(last=False)
+    def _link_to_creator(self, rec: Any) -> Any:
+        """Add ``rec`` to its creator's children and return the creator's record; a creator not
+        recorded yet (a fast-path call, whose record comes later) finds it parked then."""
+        parent = self.state.calls.get(rec.creator)
+        if parent is not None:
+            parent.children.append(rec.key)
+        elif rec.creator != DRIVER:
+            self.unlinked.setdefault(rec.creator, []).append(rec.key)
+            while len(self.unlinked) > MAX_UNLINKED:
+                self.unlinked.popitem(last=False)
+        return parent
 
     def _session_call(self, rec: Any, client: str | None) -> None:
         """A call of ``rec.session`` arrived from ``client``. The first call made from outside
@@ -571,9 +574,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             if rec is None:
                 return
             rec.local = True
-            parent = self.state.calls.get(rec.creator)
-            if parent is not None:
-                parent.children.append(key)
+            self._link_to_creator(rec)
             for k in self.unlinked.pop(key, ()):
                 child = self.state.calls.get(k)
                 if child is not None:

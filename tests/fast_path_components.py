@@ -45,6 +45,24 @@ def slow(seconds: float) -> float:
     return seconds
 
 
+@da.agent(stateful=True)
+class Tally:
+    """Stateful: its calls always take the scheduler path."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def add(self, k: int) -> int:
+        self.n += k
+        return self.n
+
+
+@da.tool
+def via_tally(k: int) -> int:
+    """A tool that makes a scheduler-path call (running on the fast path itself)."""
+    return da.stub(Tally).add(k).value()
+
+
 def plain_double(x: int) -> int:
     """Plain Dask work (not a component)."""
     return 2 * x
@@ -58,6 +76,9 @@ class Caller:
         value, thread, worker = da.stub(where)(x).value()
         return {"value": value, "same_thread": thread == threading.get_ident(),
                 "same_worker": worker == get_worker().address}
+
+    def tally_twice(self, k: int) -> list:
+        return [da.stub(via_tally)(k).value(), da.stub(via_tally)(k).value()]
 
     def fail(self, x: int) -> str:
         try:

@@ -81,6 +81,22 @@ def test_a_nested_tool_call_runs_in_its_callers_thread_and_is_recorded(client):
     assert [(e.src, e.dst, e.kind) for e in g.edges if e.src == caller.key] == [(caller.key, tool.key, "created")]
 
 
+def test_a_scheduler_path_call_made_by_a_fast_path_call_is_its_child(client):
+    """A fast-path tool makes a stateful call (scheduler path): that call's update-graph can
+    reach the scheduler before the tool's record; the graph still has the tool as its creator,
+    and the stateful order holds across both paths."""
+    with da.session(client) as s:
+        assert da.stub(fp.Caller).tally_twice(3).value() == [3, 6]
+    t = _calls(client, s, 5)
+    tools = t[t.component == "via_tally"]
+    tallies = t[t.component == "Tally"]
+    assert tools.fast_path.all() and not tallies.fast_path.any() and len(tallies) == 2
+    assert set(tallies.creator) == set(tools.key)
+    g = da.session_graph(client, s)
+    created = {(e.src, e.dst) for e in g.edges if e.kind == "created"}
+    assert all((r.creator, r.key) in created for r in tallies.itertuples())
+
+
 def test_an_error_names_the_call_as_on_the_scheduler_path(client):
     with da.session(client) as s:
         text = da.stub(fp.Caller).fail(3).value()

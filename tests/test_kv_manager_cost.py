@@ -28,8 +28,8 @@ class Counts:
     n = 0
 
 
-class CountingDict(dict):
-    """The scheduler's device tier (hash -> block): counts lookups."""
+class _CountingLookups:
+    """Counts lookups (``get``, ``in``) on the dict it is mixed into."""
 
     def get(self, k, default=None):
         Counts.n += 1
@@ -38,22 +38,18 @@ class CountingDict(dict):
     def __contains__(self, k):
         Counts.n += 1
         return super().__contains__(k)
+
+
+class CountingDict(_CountingLookups, dict):
+    """The scheduler's device tier (hash -> block): counts lookups (``[]`` too)."""
 
     def __getitem__(self, k):
         Counts.n += 1
         return super().__getitem__(k)
 
 
-class CountingOrderedDict(OrderedDict):
+class CountingOrderedDict(_CountingLookups, OrderedDict):
     """The host tier, and a session's blocks: counts lookups and blocks walked."""
-
-    def get(self, k, default=None):
-        Counts.n += 1
-        return super().get(k, default)
-
-    def __contains__(self, k):
-        Counts.n += 1
-        return super().__contains__(k)
 
     def __iter__(self):
         for k in super().__iter__():
