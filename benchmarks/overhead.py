@@ -4,7 +4,7 @@ What is measured
 ----------------
 *Sequential* calls of a no-op: each call waits for its result before the next one is made,
 so the numbers are per-call latency and per-call CPU cost, not throughput under concurrency.
-Nine variants on three in-process clusters of the same shape
+Eleven variants on three in-process clusters of the same shape
 (``LocalCluster(n_workers=1, threads_per_worker=4, processes=False)``):
 
 ``native``
@@ -49,6 +49,16 @@ Nine variants on three in-process clusters of the same shape
 ``nested_stub_tool_scheduler``
     The same with the worker's fast path switched off between blocks: every nested call goes
     through the scheduler (update-graph, compute-task, task-finished, key-in-memory).
+
+``nested_llm``
+    LLM calls made inside a component, ``da.llm(m).generate(prompt, max_tokens=1).value()``,
+    on the EMULATED engine the installed cluster's worker hosts, once the session's first call
+    admitted it there: under the admission lease they go straight to the engine in the
+    caller's thread. Latency here is the call's overhead, created -> received by the engine
+    (the engine's ``arrival_time``), not the generation.
+``nested_llm_scheduler``
+    The same with the worker's fast path switched off: every call goes through the scheduler
+    (admission binds it to the engine).
 
 A Ray actor call (``ray.get(actor.run.remote(i))``, ``reference.ray_actor``) is timed after
 the Dask clusters are closed, for reference (latency only: the actor's own process is not on
@@ -156,6 +166,38 @@ class NestedBench:
         return timed_calls(lambda i: tool(i).value(), n, start)
 
 
+BENCH_MODEL = "overhead-emu"
+"""The EMULATED engine the installed cluster hosts for the LLM variants (one-token answers)."""
+BENCH_ENGINE = {"engine": "emulated", "model": "emulated", "tokenizer": "byte",
+                "emulation": {"time_scale": 0.001, "kv_blocks": 4096, "block_size": 16, "max_batch": 8}}
+
+
+@da.agent
+class LLMBench:
+    """Nested LLM calls as an agent makes them: the session's first call admits it to the
+    engine on this worker; the ``n`` timed calls follow (under the admission lease when the
+    fast path is on). Each call's latency here is its overhead: created -> received by the
+    engine (the engine's ``arrival_time``, same process clock)."""
+
+    def run(self, start: int, n: int) -> dict:
+        from distributed import get_worker
+
+        llm = da.llm(BENCH_MODEL)
+        local = get_worker().plugins["dask-agents"].local
+        llm.generate([3, 4, 5], max_tokens=1).value()
+        deadline = time.time() + 10
+        while local is not None and not local.leased(BENCH_MODEL, da.current_session()) and time.time() < deadline:
+            time.sleep(0.001)
+        lat = [0.0] * n
+        c0, w0 = time.process_time(), time.perf_counter()
+        for k in range(n):
+            t = time.time()
+            r = llm.generate([3, 4, 5, 6 + (start + k) % 200], max_tokens=1).value()
+            lat[k] = r.arrival_time - t
+        return {"wall": time.perf_counter() - w0, "cpu": time.process_time() - c0, "lat": lat,
+                "leased": local is not None and local.leased(BENCH_MODEL, da.current_session())}
+
+
 def nested_plain(start: int, n: int) -> dict:
     """The same from inside a plain Dask task, as a careful Dask user writes it."""
     from distributed import worker_client
@@ -181,7 +223,8 @@ def _fast_path(dask_worker: Any = None, on: bool = True) -> bool:
 
 
 VARIANTS = ("native", "plain_dask", "plain_dask_tuned", "plain_submit", "stub_tool", "stub_class",
-            "nested_plain_dask", "nested_stub_tool", "nested_stub_tool_scheduler")
+            "nested_plain_dask", "nested_stub_tool", "nested_stub_tool_scheduler", "nested_llm",
+            "nested_llm_scheduler")
 NESTED = ("nested_plain_dask", "nested_stub_tool", "nested_stub_tool_scheduler")
 DESCRIPTIONS = {
     "native": "noop(i) called directly in Python",
@@ -199,6 +242,11 @@ DESCRIPTIONS = {
     "nested_stub_tool": "inside a dask-agents component: da.stub(noop_tool)(i).value() (the worker-local fast "
                         "path: runs in the caller's thread)",
     "nested_stub_tool_scheduler": "the same with the worker's fast path switched off (the scheduler path)",
+    "nested_llm": "inside a dask-agents component: da.llm(m).generate(prompt, max_tokens=1).value() on the "
+                  "EMULATED engine of that worker, under the admission lease (the fast path); latency: created "
+                  "-> received by the engine",
+    "nested_llm_scheduler": "the same with the worker's fast path switched off (the scheduler path: "
+                            "admission binds it)",
 }
 
 QUICK = {"calls": 200, "rounds": 7, "warmup": 60, "native_calls": 50_000}
@@ -327,11 +375,16 @@ class Bench:
             return timed_calls(lambda i: c.submit(noop, i, pure=False).result(), n, start)
         if variant == "nested_plain_dask":
             return self.tuned.submit(nested_plain, start, n, pure=False).result()
-        if variant in ("nested_stub_tool", "nested_stub_tool_scheduler"):
-            on = variant == "nested_stub_tool"
+        if variant in ("nested_stub_tool", "nested_stub_tool_scheduler", "nested_llm", "nested_llm_scheduler"):
+            on = variant in ("nested_stub_tool", "nested_llm")
             if self.agents.run(_fast_path, on=on) != {w: on for w in self.agents.scheduler_info()["workers"]}:
                 raise RuntimeError(f"could not switch the fast path {'on' if on else 'off'}")
             with da.session(self.agents, name="bench"):
+                if variant.startswith("nested_llm"):
+                    out = da.stub(LLMBench).run(start, n).value()
+                    if out.pop("leased") != on:
+                        raise RuntimeError(f"{variant}: the admission lease was {'not ' if on else ''}held")
+                    return out
                 return da.stub(NestedBench).run(start, n).value()
         with da.session(self.agents, name="bench"):
             if variant == "plain_submit":
@@ -395,6 +448,7 @@ def summarize(rounds: dict[str, list[dict]], idle: float) -> dict[str, dict]:
     pairs = [(base, v) for base in ("plain_submit", "plain_dask", "plain_dask_tuned")
              for v in ("plain_dask_tuned", "plain_submit", "stub_tool", "stub_class")]
     pairs += [("nested_plain_dask", v) for v in ("nested_stub_tool", "nested_stub_tool_scheduler")]
+    pairs += [("nested_llm_scheduler", "nested_llm")]
     for base, v in pairs:
         if v == base:
             continue
@@ -501,6 +555,11 @@ def make_summary(results: dict) -> dict:
         out[f"{name}_cpu_ratio_vs_nested_plain_dask"] = cpu[v] / cpu["nested_plain_dask"]
         out[f"{name}_cpu_ratio_vs_nested_plain_dask_paired"] = r[v]["cpu_ratio_vs_nested_plain_dask_paired_median"]
     out["nested_plain_dask_latency_p50_s"] = p50["nested_plain_dask"]
+    # LLM calls (issue 26): created -> received by the engine, under the lease and through the scheduler
+    out["nested_llm_fast_path_overhead_p50_s"] = p50["nested_llm"]
+    out["nested_llm_scheduler_path_overhead_p50_s"] = p50["nested_llm_scheduler"]
+    out["nested_llm_fast_path_cpu_ratio_vs_scheduler_path_paired"] = (
+        r["nested_llm"]["cpu_ratio_vs_nested_llm_scheduler_paired_median"])
     return out
 
 
@@ -519,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds:
         preset["rounds"] = args.rounds
 
+    dask.config.set({"agents.llm.models": {BENCH_MODEL: BENCH_ENGINE}})  # in-process clusters read it
     t_start = time.perf_counter()
     clusters: list[LocalCluster] = []
     clients: list[Client] = []
@@ -529,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
             clusters.append(cluster)
             clients.append(client)
         plain, tuned, agents = clients
-        da.install(agents)
+        da.install(agents, models=[BENCH_MODEL])  # (its entry: set at the top of main)
         tune_like_install(tuned)
         if da.installed(plain) or da.installed(tuned):
             raise RuntimeError("a baseline cluster unexpectedly has the dask-agents plugin")

@@ -134,11 +134,14 @@ def submit_call(
         ann["batching"] = {"max_batch": hints.batching.max_batch, "max_wait": hints.batching.max_wait}
     header = (spec.name, method, sid, key, hints.stateful, ann.get("batching"))
     resources = dict(hints.resources) or None
-    local = _local_calls(client, spec) if creator != DRIVER else None
+    local = _local_calls(client, spec, creator, ann) if creator != DRIVER else None
     if local is not None:
         deps_here = [c for f in futures if (c := f.__dict__.get("_agents_local")) is not None]
         if len(deps_here) == len(deps) and all(d.state == "finished" for d in deps_here):
-            return _defer(local, client, runner, header, target, args, kwargs, ann, meta)
+            from dask_agents.runtime import run_llm_here
+
+            here = run_llm_here if spec.kind == "llm" else runner  # (the engine, in this thread)
+            return _defer(local, client, runner, header, target, args, kwargs, ann, meta, here)
         for d in deps_here:  # the scheduler must know them before this call depends on them
             local.escape(d)
     fut = _submit(client, runner, header, target, args, kwargs, ann, resources)
@@ -170,12 +173,12 @@ def _submit(client: Client, runner: Any, header: tuple, target: Any, args: tuple
             ) from e
 
 
-def _local_calls(client: Client, spec: ComponentSpec) -> Any:
-    """This worker's fast path (``worker_plugin/local.py``) if a call of ``spec`` made here,
-    through ``client``, may take it; else None (the scheduler path)."""
+def _local_calls(client: Client, spec: ComponentSpec, creator: str, ann: dict) -> Any:
+    """This worker's fast path (``worker_plugin/local.py``) if a call of ``spec`` made here by
+    call ``creator``, through ``client``, may take it; else None (the scheduler path). An LLM
+    call needs the scheduler's lease on its session for an engine of its model here."""
     hints = spec.hints
-    if (spec.kind == "llm" or hints.stateful or hints.batching is not None or hints.resources
-            or client.asynchronous):
+    if hints.stateful or hints.batching is not None or hints.resources or client.asynchronous:
         return None
     from distributed import get_worker
 
@@ -190,20 +193,32 @@ def _local_calls(client: Client, spec: ComponentSpec) -> Any:
         return None  # (a client of its own, in another loop: its futures are not this worker's)
     if hints.model is not None and (plugin.engines is None or hints.model not in plugin.engines.hosted):
         return None  # an agent placed beside its engine: elsewhere
+    if spec.kind == "llm":
+        model = ann.get("llm_model")
+        if (not local.leased(model, ann.get("session")) or plugin.engines is None
+                or not plugin.engines.is_loaded(model)):
+            return None
+    from dask_agents.worker_plugin import dask_compat as worker_compat
+
+    if not worker_compat.task_running(worker, creator):
+        # its caller was cancelled (its session ended with cancel=True) or released, and its
+        # thread runs on: the scheduler path, which knows why, decides (here it would run unseen)
+        return None
     return local
 
 
 def _defer(local: Any, client: Client, runner: Any, header: tuple, target: Any, args: tuple, kwargs: dict,
-           ann: dict, meta: CallMeta) -> AgentFuture:
+           ann: dict, meta: CallMeta, here: Any) -> AgentFuture:
     """A future for a call that runs in its caller's thread when the caller waits for it
-    (``worker_plugin/local.py``); creating it sends nothing."""
+    (``worker_plugin/local.py``; ``here`` runs it there, ``runner`` on the scheduler path);
+    creating it sends nothing."""
     from dask_agents.runtime import reraise
     from dask_agents.worker_plugin.local import LocalCall, substitute
 
     key = header[3]
 
     def run() -> Any:
-        return runner(header, target, substitute(args), substitute(kwargs))
+        return here(header, target, substitute(args), substitute(kwargs))
 
     def submit() -> Future:
         return _submit(client, runner, header, target, args, kwargs, ann, None, deferred=True)

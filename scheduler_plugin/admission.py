@@ -19,6 +19,16 @@ workflow policy is blind. So the scheduler keeps LLM calls until an engine has r
   learned from the cache hits of sessions' first calls) counts once per engine, not per
   session. An admitted session keeps its engine; its later calls bind there whenever a slot
   is free. One session alone on an engine is always admitted (it must run somewhere).
+- **Stepping aside.** Holding costs a call a pump and a round trip, and a new session its
+  wait. While nothing of a model is short (no call of it held, every engine under 0.9 of its
+  slots and of its KV limit: :meth:`Admission.short`), a call binds at once with session
+  affinity, its dependencies done or not, and a new session is admitted if its pending call
+  fits (not its predicted peak). The bookkeeping (slots in flight, admitted sessions, working
+  sets) is kept either way, so admission takes over the moment something runs short. A new
+  session then goes to the engine beside the component making its call when that engine is
+  within one live session of the least loaded, and each worker holds a **lease** on the
+  sessions admitted to its engine: their LLM calls made there skip the scheduler (the worker's
+  fast path, ``worker_plugin/local.py``); it is withdrawn as soon as the model is short.
 - **Waiting.** A call that cannot bind is a ``no-worker`` task pinned to :data:`HELD` (an
   address no worker has). Calls bind in priority order (the prioritize policy's progress
   order, then arrival), so sessions that advanced go first; new sessions are admitted oldest
@@ -64,6 +74,7 @@ from dask_agents.scheduler_plugin import dask_compat
 
 HELD = "inproc://dask-agents-held-llm-call"
 TOPIC = "agents-admission"
+LEASE_OP = "agents-lease"  # scheduler -> worker: dask_agents.worker_plugin.plugin.LEASE_OP
 DEFAULT_SLOTS = 256  # vLLM's max_num_seqs default, until the engine reports its own
 ENDED = ("memory", "erred", "released", "forgotten")
 
@@ -110,6 +121,7 @@ class HeldCall:
     tokens: int  # its prompt and output budget (0: unknown)
     target: str | None = None  # a policy's choice of engine
     note: str = ""  # why it was admitted without room (max-wait)
+    near: str | None = None  # the worker its creator runs on (an engine there keeps it local)
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,8 @@ class Admitted:
 class Admission:
     """Holds LLM calls of sessions in the scheduler and binds them to engines with room."""
 
+    SHORT = 0.9  # an engine this full (slots, or KV limit) makes its model short: see short()
+
     def __init__(self, plugin: Any):
         self.plugin = plugin
         self.enabled = bool(agents_config.get("scheduler.admission.enabled", True))
@@ -135,6 +149,11 @@ class Admission:
         self.prefill_rate = float(agents_config.get("scheduler.admission.prefill-rate", 8000))
         self.slot_factor = float(agents_config.get("scheduler.admission.slot-factor", 1.25))
         self.adaptive = bool(agents_config.get("scheduler.admission.adaptive", True))
+        self.step_aside = bool(agents_config.get("scheduler.admission.step-aside", True))
+        self.leasing = self.step_aside and bool(agents_config.get("scheduler.admission.lease", True))
+        self.open: dict[str, bool] = {}  # model -> its lease is out (nothing of it short), as last sent
+        self._lease_dirty: set[str] = set()  # workers whose lease changed since it was last sent
+        self._lease_soon = False
         self.held: dict[str, HeldCall] = {}
         self.engines: dict[tuple[str, str], EngineRoom] = {}
         self.bound_to: dict[str, tuple[str, str]] = {}  # key -> (worker, model) while in flight
@@ -201,10 +220,34 @@ class Admission:
             return 0
         return self.shared_blocks(room.model) + sum(self.working_set(sid, room.model) for sid in room.sessions)
 
+    def short(self, model: str, rooms: dict) -> bool:
+        """Whether ``model``'s engines are short of room, so admission must hold and order calls
+        (DESIGN: "admission steps aside when nothing is short"): a call of the model is held, or
+        one of its engines has ``SHORT`` of its slots taken or its admitted working sets past
+        ``SHORT`` of its KV limit. When nothing is short, a call binds at once with session
+        affinity (its session's engine, else the roomiest) and a new session is admitted if its
+        pending call fits, not its predicted peak: holding pays only when there is something
+        to order or protect, and otherwise costs a call a pump and a round trip. Its LLM calls
+        made beside their engine then run there under the lease (:meth:`push_leases`).
+        O(engines of the model x their admitted sessions)."""
+        if any(h.model == model for h in self.held.values()):
+            return True
+        for w in self.plugin.model_workers.get(model, ()):
+            r = self.engines.get((w, model))
+            if r is None:
+                continue
+            if len(r.inflight) >= self.SHORT * r.slots:
+                return True
+            limit = r.kv_limit(self.kv_target)
+            if limit != math.inf and self._resident(r, rooms) > self.SHORT * limit:
+                return True
+        return False
+
     # -- hooks from the plugin (O(1) each) ------------------------------------------------
     def on_call(self, ts: Any, rec: Any, ann: dict) -> bool:
         """A new LLM call of a session (``update_graph``): bind it now if an engine has room
-        and nothing of its model waits ahead of it, else hold it. True if handled here."""
+        and nothing of its model waits ahead of it (when nothing is short, also before its
+        dependencies are done), else hold it. True if handled here."""
         if not self.enabled or rec.session is None:
             return False
         model = ann.get("llm_model")
@@ -216,16 +259,21 @@ class Admission:
         if budget > self.tokens.get(sk, 0):
             self.tokens[sk] = budget
         h = HeldCall(rec.key, rec.session, model, rec.component, time.time(), budget)
-        if dask_compat.dependencies_in_memory(ts):
-            rooms = {}
-            worker = self._choose(h, h.since, rooms, model in self._blocked)
+        creator = self.plugin.state.calls.get(rec.creator)
+        h.near = creator.worker if creator is not None and creator.state in ("processing", "running") else None
+        rooms: dict = {}
+        loose = self.step_aside and not self.short(model, rooms)
+        if loose or dask_compat.dependencies_in_memory(ts):
+            worker = self._choose(h, h.since, rooms, model in self._blocked, loose=loose)
             if worker is not None:
+                self.counts["bound_loose" if loose else "bound_at_once"] += 1
                 self._bind(h, ts, worker, rooms)
                 return True
         self.held[h.key] = h
         self.counts["held"] += 1
         self.waits_by_model[model] += 1
         dask_compat.restrict_to_worker(ts, HELD)
+        self._set_open(model, False)  # something waits: the model's calls come here again
         return True
 
     def on_transition(self, key: str, finish: str) -> None:
@@ -246,6 +294,13 @@ class Admission:
             if r is not None:
                 r.inflight.discard(key)
             self._soon()
+
+    def on_local_llm(self, key: str, worker: str, model: str) -> None:
+        """A leased LLM call started on ``worker``'s fast path: it holds a slot of the engine
+        there until it ends (:meth:`on_transition`), so :meth:`short` counts it."""
+        self.bound_to[key] = (worker, model)
+        self.room(worker, model).inflight.add(key)
+        self.counts["leased_calls"] += 1
 
     def on_llm_report(self, rec: Any) -> None:
         """An LLM call of a session finished with its token counts: its context so far."""
@@ -317,6 +372,7 @@ class Admission:
             r = self.engines.get((worker, model))
             if r is not None:
                 r.sessions.discard(sid)
+                self._lease_changed(worker, model)
         peak = self.peak.pop((sid, model), 0)
         self.tokens.pop((sid, model), None)
         models = self.models_of.get(sid)
@@ -348,17 +404,24 @@ class Admission:
             rooms[k] = self.resident(r)
         return rooms[k]
 
-    def _fits(self, r: EngineRoom, sid: str, rooms: dict) -> bool:
+    def _fits(self, r: EngineRoom, sid: str, rooms: dict, loose: bool = False) -> bool:
+        """Whether session ``sid`` may be admitted to ``r``: with its predicted peak, or when
+        nothing is short (``loose``) with what its pending call needs now."""
         if sid in r.sessions:
             return True
         resident = self._resident(r, rooms)
-        return resident == 0 or resident + self.working_set(sid, r.model, new=True) <= r.kv_limit(self.kv_target)
+        return resident == 0 or (resident + self.working_set(sid, r.model, new=not loose)
+                                 <= r.kv_limit(self.kv_target))
 
     def _choose(self, h: HeldCall, now: float, rooms: dict, new_blocked: bool,
-                waiting_on: Counter | None = None) -> str | None:
+                waiting_on: Counter | None = None, loose: bool = False) -> str | None:
         """The worker to bind ``h`` to now, or None (it waits). ``waiting_on``: held calls per
         engine still waiting for it after the pump's first pass; given, a call of a session
-        whose engine is busy may move to an engine nobody waits for (the second pass)."""
+        whose engine is busy may move to an engine nobody waits for (the second pass).
+        ``loose``: nothing of its model is short (:meth:`short`): no queue to wait behind, and
+        a new session fits with its pending call's needs."""
+        if loose:
+            new_blocked = False
         p = self.plugin
         sk = (h.session, h.model)
         admitted = self.admitted_on.get(sk)
@@ -376,7 +439,7 @@ class Admission:
         if h.target is not None:
             if h.target in candidates:
                 r = self.room(h.target, h.model)
-                if r.has_slot() and self._fits(r, h.session, rooms):
+                if r.has_slot() and self._fits(r, h.session, rooms, loose):
                     return h.target
                 return None  # the policy's engine is full: wait for it
             h.target = None
@@ -384,8 +447,11 @@ class Admission:
             return self._on_admitted(h, admitted, now, rooms, waiting_on, candidates)
         if new_blocked and waited < self.max_wait:
             return None
+        if loose and h.near in candidates and self._near_ok(h, candidates, rooms):
+            self.counts["admitted_near"] += 1
+            return h.near
         spare = self._spare(h.model, candidates)
-        w = self._roomiest(h, candidates + spare, rooms)
+        w = self._roomiest(h, candidates + spare, rooms, loose)
         if w in spare:
             self.starting.add((w, h.model))
             self.counts["engines_started"] += 1
@@ -417,6 +483,17 @@ class Admission:
             self.counts["rebound"] += 1
         return alt
 
+    def _near_ok(self, h: HeldCall, candidates: list[str], rooms: dict) -> bool:
+        """Whether a new session may go to the engine beside its creator (``h.near``) rather
+        than the roomiest: it has a slot, the session fits, and it has at most one live
+        session more than the least loaded engine (locality, not a pile-up: its LLM calls then
+        run there under the lease, with no hop)."""
+        r = self.room(h.near, h.model)
+        if not r.has_slot() or not self._fits(r, h.session, rooms, True):
+            return False
+        fewest = min(len(self.room(w, h.model).sessions) for w in candidates)
+        return len(r.sessions) <= fewest + 1
+
     def _spare(self, model: str, candidates: list[str]) -> list[str]:
         """Ready workers without an engine of lazily loaded ``model`` where a new session may
         start one (none sent there yet), while the model has fewer than ``max-replicas``."""
@@ -434,7 +511,7 @@ class Admission:
                 and (w, model) not in self.starting and not getattr(self.engines.get((w, model)), "sessions", None)
                 and dask_compat.has_worker(p.scheduler, w)]
 
-    def _roomiest(self, h: HeldCall, workers: list[str], rooms: dict) -> str | None:
+    def _roomiest(self, h: HeldCall, workers: list[str], rooms: dict, loose: bool = False) -> str | None:
         """Of ``workers``, the engine with a free slot where the session fits with the most KV
         room left (the fraction of its limit); ties: the fewest live sessions, then calls in
         flight, then sessions ever sent there (round robin among idle engines). An engine that
@@ -445,7 +522,7 @@ class Admission:
         best, best_key = None, None
         for w in workers:
             r = self.room(w, h.model)
-            if not r.has_slot() or not self._fits(r, h.session, rooms):
+            if not r.has_slot() or not self._fits(r, h.session, rooms, loose):
                 continue
             cap = r.capacity or default
             free = 1.0 - self._resident(r, rooms) / (self.kv_target * r.factor * cap) if cap else 1.0
@@ -466,8 +543,10 @@ class Admission:
         if old != worker:
             if old is not None and (old, h.model) in self.engines:
                 self.engines[(old, h.model)].sessions.discard(h.session)
+                self._lease_changed(old, h.model)
             self.admitted_on[sk] = worker
             r.sessions.add(h.session)
+            self._lease_changed(worker, h.model)
             rooms.pop((worker, h.model), None)
             waited = time.time() - h.since
             self.waits.append(waited)
@@ -539,10 +618,53 @@ class Admission:
 
     def tick(self) -> None:
         """Periodic: waits past ``max-wait`` and rebinds happen with no event to trigger them;
-        the working-set limits adapt (:meth:`adapt`)."""
+        the working-set limits adapt (:meth:`adapt`); leases open or close with :meth:`short`."""
         self.adapt(time.time())
         if self.held:
             self.pump()
+        if self.leasing:
+            rooms: dict = {}
+            for model in {m for _w, m in self.engines}:
+                self._set_open(model, not self.short(model, rooms))
+
+    # -- the lease: LLM calls of admitted sessions on the workers' fast path ----------------------
+    # Nalar's two-level control: while nothing of a model is short, the scheduler has nothing to
+    # order, so a worker runs the LLM calls its components make for sessions admitted to its own
+    # engine without asking (worker_plugin/local.py). The scheduler keeps deciding which sessions
+    # an engine holds (admission) and withdraws the lease the moment something runs short (a held
+    # call, an engine near its slots or KV limit): then every call waits here again. A call that
+    # ran under a lease reports its tokens like any other, so the working sets stay exact.
+    def _set_open(self, model: str, open_: bool) -> None:
+        open_ = open_ and self.leasing
+        if self.open.get(model, False) == open_:
+            return
+        self.open[model] = open_
+        self.counts["lease_opened" if open_ else "lease_closed"] += 1
+        for w, m in self.engines:
+            if m == model:
+                self._lease_changed(w, model, force=True)
+
+    def _lease_changed(self, worker: str, model: str, force: bool = False) -> None:
+        if not (force or self.open.get(model)):
+            return  # nothing of it is out: nothing to withdraw or add
+        self._lease_dirty.add(worker)
+        if not self._lease_soon and self.plugin.scheduler is not None:
+            self._lease_soon = True
+            self.plugin.scheduler.loop.add_callback(self.push_leases)
+
+    def leases_of(self, worker: str) -> dict[str, list[str]]:
+        """``worker``'s lease: model -> the sessions admitted to its engine of it, for each
+        model whose lease is out."""
+        return {m: sorted(r.sessions) for (w, m), r in self.engines.items() if w == worker and self.open.get(m)}
+
+    def push_leases(self) -> None:
+        """Send the changed leases (each worker's whole lease: it replaces the last one)."""
+        self._lease_soon = False
+        dirty, self._lease_dirty = self._lease_dirty, set()
+        s = self.plugin.scheduler
+        for w in dirty:
+            if dask_compat.has_worker(s, w):
+                dask_compat.send_to_worker(s, w, {"op": LEASE_OP, "leases": self.leases_of(w)})
 
     # -- the estimates, corrected by what the engines show ------------------------------------
     # Working sets are estimates: too large, and sessions wait that would fit (measured on two
@@ -594,6 +716,7 @@ class Admission:
         held_by_model = Counter(h.model for h in self.held.values())
         return {
             "enabled": self.enabled, "held": len(self.held), "held_by_model": dict(held_by_model),
+            "leased": sorted(m for m, o in self.open.items() if o),
             "counts": dict(self.counts),
             "wait_p50_s": percentile(waits, 50) if waits.size else None,
             "wait_p99_s": percentile(waits, 99) if waits.size else None,

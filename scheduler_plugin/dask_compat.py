@@ -73,6 +73,16 @@ def restrict_to_worker(ts: Any, address: str) -> None:
     ts.loose_restrictions = False
 
 
+def restrictions(ts: Any) -> tuple:
+    """A task's worker restrictions as :func:`set_restrictions` takes them back."""
+    return (set(ts.worker_restrictions) if ts.worker_restrictions else None, ts.loose_restrictions)
+
+
+def set_restrictions(ts: Any, saved: tuple) -> None:
+    """Put back restrictions read by :func:`restrictions`."""
+    ts.worker_restrictions, ts.loose_restrictions = saved
+
+
 def add_stream_handler(scheduler: Scheduler, op: str, handler: Callable) -> None:
     """Register a worker -> scheduler stream op (must precede any worker sending it)."""
     scheduler.stream_handlers[op] = handler

@@ -50,6 +50,9 @@ call cannot run anywhere (never on a fresh instance); recovery fails it with Ins
 AWAITING = "inproc://dask-agents-awaiting-worker"
 """Where a stateful call waits while the cluster has no worker to bind its instance to: placed
 for real when one joins (so every call of the instance goes to the same one)."""
+ORPHANED = "inproc://dask-agents-orphaned-call"
+"""Where a call whose creator ended before it arrived waits until its cancel lands (it must not
+start meanwhile); one another client also wants is placed again then."""
 
 
 class AgentsSchedulerPlugin(SchedulerPlugin):
@@ -89,6 +92,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.orphans: dict[str, float] = {}  # session -> when its grace ends (its owner disconnected)
         self._lingering: dict[str, Any] = {}  # completed session -> timer releasing its instances
         self._cancelling: dict[str, str | None] = {}  # call -> client to cancel it for (its creator ended)
+        self._orphaned: dict[str, tuple] = {}  # such a call -> its restrictions, while pinned to ORPHANED
+        self.local_running: dict[str, set[str]] = defaultdict(set)  # worker -> fast-path calls running there
         self.awaiting: set[str] = set()  # stateful calls pinned to AWAITING (no worker yet)
         self.arrivals = itertools.count()
         self.control: ControlLoop | None = None
@@ -232,6 +237,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 if s is not None:
                     s.lost[k[1]] = cause
         self.bound.pop(worker, None)
+        self._lost_local_calls(worker, cause)
         # the open-call counters of the worker: one per kind of call placed there (the calls
         # themselves stay in ``placed`` until recovery re-places them or they end)
         for what in set(self.placed_by_worker.get(worker, {}).values()):
@@ -242,6 +248,21 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.view_index.on_worker_removed(worker, dropped_llm)  # drops those sessions' KV token entries
         # after the bindings are gone, so re-placed calls and their sessions go elsewhere
         self.recovery.on_worker_removed(worker, kwargs.get("stimulus_id"))
+
+    def _lost_local_calls(self, worker: str, cause: Any) -> None:
+        """The fast-path calls that were running on ``worker`` when it left end erred, naming
+        why: they ran in their caller's thread, so they died with it; Dask runs the caller
+        again (it is a task), which makes its calls anew. Open, they would keep their session
+        from ever completing."""
+        from dask_agents.errors import where
+
+        for key in self.local_running.pop(worker, ()):
+            rec = self.state.calls.get(key)
+            if rec is None or rec.state in TERMINAL:
+                continue
+            error = (f"{where(rec.component, rec.method, rec.session)}: {cause} while it ran there in its caller's "
+                     f"thread; the caller runs again elsewhere (call {key})")
+            self._call_event(rec, "erred", worker, None, error)
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         """The owner of some sessions disconnected: they wait ``session-grace`` for it to come
@@ -287,7 +308,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 continue
             rec.client = client
             parent = self._link_to_creator(rec)
-            if parent is not None and parent.state in ("erred", "cancelled"):  # it ended before its call arrived
+            orphaned = parent is not None and parent.state in ("erred", "cancelled")
+            if orphaned:  # it ended before its call arrived (its thread ran on)
                 self._cancel_soon([key], client)
             # Priority at creation: session progress first (when prioritizing), then arrival.
             # Arrival gives FIFO among equals: Dask gives graphs submitted within its
@@ -310,6 +332,13 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 self._place(ts, None, rec.component, self._candidates(None, rec.component))
             elif ann.get("model") and rec.session is not None:
                 self._near_engine(ts, rec.session, ann["model"])
+            elif rec.kind == "agent" and rec.session is not None:
+                model = self._session_model(rec.session)
+                if model is not None:  # its LLM calls then run beside their engine (under its lease)
+                    self._near_engine(ts, rec.session, model)
+            if orphaned:  # and must not start before its cancel lands (measured: it did)
+                self._orphaned[key] = dask_compat.restrictions(ts)
+                dask_compat.restrict_to_worker(ts, ORPHANED)
 
     def _link_to_creator(self, rec: Any) -> Any:
         """Add ``rec`` to its creator's children and return the creator's record; a creator not
@@ -387,6 +416,12 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         bound = self.bindings.get((sid, f"llm:{model}"))
         if bound is not None and dask_compat.free_threads(self.scheduler, bound) > 0:
             dask_compat.prefer_worker(ts, bound)
+
+    def _session_model(self, sid: str) -> str | None:
+        """The one model whose engine session ``sid`` is bound to (None: none yet, or several:
+        an agent without a ``model=`` hint then goes where Dask puts it). O(its bindings)."""
+        models = [w[4:] for _s, w in self.session_bindings.get(sid, ()) if w.startswith("llm:")]
+        return models[0] if len(models) == 1 else None
 
     def _strand_lost(self, ts: Any) -> None:
         """``ts`` is a call of a stateful instance that is gone: pin it where it cannot run and
@@ -583,12 +618,21 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 self._session_call(rec, None)
             if r["started"] is not None:
                 self._call_event(rec, "processing", worker, None, None, now=r["started"])
+                if rec.kind == "llm":
+                    self.admission.on_local_llm(key, worker, r["ann"].get("llm_model"))
         state = r["state"]
         if state == "processing":
+            self.local_running[worker].add(key)
             return
+        running = self.local_running.get(worker)
+        if running is not None:
+            running.discard(key)
         if r["started"] is not None and rec.state not in TERMINAL:
-            self.state.on_report(key, r["started"], r["finished"], worker, None)
+            self.state.on_report(key, r["started"], r["finished"], worker, r.get("metrics"))
             self.aggregates.on_report(rec)
+            if rec.kind == "llm" and rec.session is not None and r.get("metrics"):
+                self.admission.on_llm_report(rec)  # its tokens: working sets, as a scheduler-path call's
+                self._llm_ran(rec, worker)
         self._call_event(rec, "released" if state == "cancelled" else state, worker, None, r["error"],
                          now=r["finished"] if r["finished"] is not None else now)
 
@@ -641,6 +685,16 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                                                                "cancelled", client=client)
             except Exception:  # a Dask internal that changed: the calls run on to their end
                 logger.exception("dask-agents: cancelling %d orphaned nested calls failed", len(keys))
+        # one another client also wants (fire_and_forget, a second client) goes on where it was placed
+        orphaned, self._orphaned = self._orphaned, {}
+        placed = []
+        for k, saved in orphaned.items():
+            ts = dask_compat.task(self.scheduler, k)
+            if ts is not None and dask_compat.worker_restrictions(ts) == {ORPHANED}:
+                dask_compat.set_restrictions(ts, saved)
+                placed.append(k)
+        if placed:
+            dask_compat.reschedule(self.scheduler, placed, f"dask-agents-orphans-kept-{time.time()}")
 
     # -- called by the enforcement layer ---------------------------------------------------
     def on_migrated(self, key: str, source: str, target: str) -> None:

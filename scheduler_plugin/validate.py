@@ -352,8 +352,9 @@ LOCAL_STATES = ("processing", "memory", "erred", "cancelled")
 
 def local_call(plugin: Any, worker: str, value: Any) -> dict:
     """One record of a call that ran on ``worker``'s fast path (``worker_plugin/local.py``),
-    checked: ``{"key", "ann", "state", "started", "finished", "error"}``. The annotation is
-    sanitized; only a tool or stateless agent call may run there; its creator is a call the
+    checked: ``{"key", "ann", "state", "started", "finished", "error", "metrics"}``. The
+    annotation is sanitized; only a tool or stateless agent call, or an LLM call on an engine
+    ``worker`` hosts (under admission's lease), may run there; its creator is a call the
     plugin records that runs on ``worker`` (where else could it have made a local call?) and
     the call is in the creator's session. A key already recorded must be ``worker``'s."""
     from dask_agents.annotation import sanitize_annotation
@@ -369,8 +370,16 @@ def local_call(plugin: Any, worker: str, value: Any) -> dict:
     component = ann.get("component")
     if not component or not key.startswith(component + "-"):
         raise Invalid(f"local call {_text(key)}: not a call of {_text(component)}", "bad local annotation")
-    if ann.get("kind") not in ("agent", "tool") or ann.get("stateful") or ann.get("llm_model") or ann.get("batching"):
-        raise Invalid(f"local call {_text(key)}: only tool and stateless agent calls run locally", "not local")
+    kind = ann.get("kind")
+    if kind == "llm":  # under an admission lease: the worker hosts an engine of its model
+        if worker not in plugin.model_workers.get(ann.get("llm_model"), ()):
+            raise Invalid(f"local call {_text(key)}: {worker} hosts no engine of model {_text(ann.get('llm_model'))}",
+                          "not local")
+    elif kind not in ("agent", "tool") or ann.get("llm_model"):
+        raise Invalid(f"local call {_text(key)}: only tool, stateless agent and leased LLM calls run locally",
+                      "not local")
+    if ann.get("stateful") or ann.get("batching"):
+        raise Invalid(f"local call {_text(key)}: stateful and batched calls never run locally", "not local")
     calls = plugin.state.calls
     if key in calls:
         if not ran_on(plugin, key, worker):
@@ -395,7 +404,8 @@ def local_call(plugin: Any, worker: str, value: Any) -> dict:
                       "bad report times")
     error = value.get("error")
     error = error[:2000] if isinstance(error, str) else None
-    return {"key": key, "ann": ann, "state": state, "started": started, "finished": finished, "error": error}
+    return {"key": key, "ann": ann, "state": state, "started": started, "finished": finished, "error": error,
+            "metrics": metrics(value.get("metrics")) if value.get("metrics") is not None else None}
 
 
 def local_calls(plugin: Any, worker: str, value: Any, rejections: Rejections | None = None) -> Iterator[dict]:

@@ -144,3 +144,60 @@ class Caller:
         before = (f.status, f.available())
         f.value()
         return [before, (f.status, f.available())]
+
+    def after_cancel(self, started: str, out: str, path: str) -> str:
+        """Runs on after its session was ended with cancel=True (a thread cannot be stopped),
+        then makes a call: it must not run here as if nothing happened."""
+        worker = get_worker()
+        key = worker.get_current_task()
+        with open(started, "w") as f:
+            f.write(key)
+        deadline = time.time() + 60
+        while worker.state.tasks.get(key) is not None and worker.state.tasks[key].state == "executing":
+            if time.time() > deadline:
+                break
+            time.sleep(0.01)
+        try:
+            da.stub(mark)(path).value()
+            outcome = "ran"
+        except Exception as e:
+            outcome = f"{type(e).__name__}|{e}"
+        with open(out, "w") as f:
+            f.write(outcome)
+        return outcome
+
+
+@da.tool
+def logged_wait(log: str, release: str) -> str:
+    """Appends its key and worker to ``log``, then waits for ``release`` to exist."""
+    key = get_worker().get_current_task() or ""
+    from dask_agents import context
+
+    with open(log, "a") as f:
+        f.write(f"{context.call_id()} {get_worker().address}\n")
+    while not os.path.exists(release):
+        time.sleep(0.01)
+    return key
+
+
+@da.agent
+def calls_logged_wait(log: str, release: str) -> str:
+    """A component whose one tool call runs on the fast path, in its thread."""
+    da.stub(logged_wait)(log, release).value()
+    return get_worker().address
+
+
+@da.agent
+def llm_under_lease(model: str, prompt: list) -> dict:
+    """Two LLM calls of its session: the first on the scheduler path (it admits the session to
+    this worker's engine), the second once this worker holds the lease on the session."""
+    local = get_worker().plugins["dask-agents"].local
+    sid = da.current_session()
+    first = da.llm(model).generate(prompt, max_tokens=8).value()
+    deadline = time.time() + 30
+    while not local.leased(model, sid) and time.time() < deadline:
+        time.sleep(0.01)
+    leased = local.leased(model, sid)
+    second = da.llm(model).generate(prompt + list(first.token_ids) + [7] * 8, max_tokens=8).value()
+    return {"leased": leased, "workers": [first.worker, second.worker], "here": get_worker().address,
+            "cached": second.cached_tokens, "output": [first.output_tokens, second.output_tokens]}

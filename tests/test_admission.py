@@ -121,6 +121,57 @@ async def test_no_session_waits_past_the_bound(c: Client, s: Scheduler, a: Worke
     assert control["admission"]["recent"][-1]["note"] == note.note
 
 
+@pytest.mark.parametrize("step_aside", [True, False])
+def test_admission_steps_aside_while_nothing_is_short(step_aside: bool) -> None:
+    """A new session whose predicted peak (the typical one learned from ended sessions) does not
+    fit next to a live session, but whose pending call does: while nothing is short it is
+    admitted at once, never held; with ``step-aside`` off it waits (here until ``max-wait``)."""
+    cfg = {**CONFIG, "agents.scheduler.admission.max-wait": "300ms",
+           "agents.scheduler.admission.step-aside": step_aside}
+
+    @gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], timeout=60, config=cfg)
+    async def run(c: Client, s: Scheduler, a: Worker) -> None:
+        plugin = await _engines(c, s, 1)
+        adm = plugin.admission
+        async with da.session(c) as sa:
+            await da.llm("emu").generate([3] * 100, max_tokens=28)  # holds 8 blocks, stays live
+            adm.typical["emu"] = 50 * 16.0  # sessions of this model grew to 50 blocks: 8 + 50 > 57
+            async with da.session(c) as sb:
+                out = await da.llm("emu").generate([4] * 100, max_tokens=28)  # needs 8 blocks now
+            assert not _ended(plugin, sa.id)
+        assert out.output_tokens == 28
+        admitted = [x for x in adm.recent if x.session == sb.id]
+        if step_aside:
+            assert adm.counts["held"] == 0 and adm.counts["bound_loose"] == 2
+            assert admitted[0].note == "" and adm.counts["waited_out"] == 0
+        else:
+            assert adm.counts["held"] == 1 and adm.counts["waited_out"] == 1
+            assert "max-wait" in admitted[0].note
+
+    run()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], timeout=60, config=CONFIG)
+async def test_a_short_engine_ends_stepping_aside(c: Client, s: Scheduler, a: Worker) -> None:
+    """Stepping aside never outlives the room it relies on: an engine at its slots, or a call
+    of the model held, and the next call waits."""
+    plugin = await _engines(c, s, 1)
+    adm = plugin.admission
+    r = adm.room(a.address, "emu")
+    assert not adm.short("emu", {})
+    r.inflight.add("blocker")  # the engine's one slot is taken
+    assert adm.short("emu", {})
+    async with da.session(c):
+        fut = da.llm("emu").generate([5] * 20, max_tokens=4)
+        await async_wait_for(lambda: adm.is_held(fut.key) and s.tasks[fut.key].state == "no-worker")
+        assert adm.short("emu", {})  # held: short even with the slot free again
+        r.inflight.discard("blocker")
+        assert adm.short("emu", {})
+        adm.pump()
+        assert (await fut).output_tokens == 4
+    assert not adm.short("emu", {}) and adm.counts["held"] == 1
+
+
 class PreferNewest:
     """A test policy: the newest held call of model ``emu`` goes first, to engine ``TARGET``."""
 

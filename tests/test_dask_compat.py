@@ -78,6 +78,29 @@ async def test_restriction_set_in_update_graph_is_honoured(c: Client, s: Schedul
     assert all(k in b.data for k in seen) and not any(k in a.data for k in seen)
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)])
+async def test_restrictions_read_and_put_back(c: Client, s: Scheduler, a: Worker, b: Worker):
+    """A task pinned away (no worker has the address) runs where it was first restricted once
+    its restrictions are put back and Dask is asked to place it again."""
+    saved = {}
+
+    class Away(SchedulerPlugin):
+        def update_graph(self, scheduler, *, keys, **kw):
+            for k in keys:
+                ts = sc.task(scheduler, k)
+                sc.restrict_to_worker(ts, b.address)
+                saved[k] = sc.restrictions(ts)
+                sc.restrict_to_worker(ts, "inproc://nowhere")
+
+    s.add_plugin(Away())
+    fut = c.submit(inc, 1)
+    await async_wait_for(lambda: sc.task_state_on(s, fut.key) == "no-worker")
+    assert saved[fut.key] == ({b.address}, False)
+    sc.set_restrictions(sc.task(s, fut.key), saved[fut.key])
+    sc.reschedule(s, [fut.key], "test")
+    assert await fut == 2 and fut.key in b.data
+
+
 EV = threading.Event()  # in-process workers: tasks see this module's globals
 EVENTS: list = []
 
@@ -687,3 +710,15 @@ async def test_before_graph_submission_runs_ahead_of_every_graph(c: Client, s: S
     assert await c.submit(_inc, 1) == 2
     assert await c.compute(dask.delayed(_inc)(2)) == 3
     assert seen == ["first", "first"]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_task_running_is_false_once_the_scheduler_lets_go(c: Client, s: Scheduler, a: Worker):
+    EV.clear()
+    fut = c.submit(wait_ev, pure=False)
+    key = fut.key
+    await async_wait_for(lambda: wc.task_running(a, key))
+    assert not wc.task_running(a, "no-such-key")
+    await fut.cancel()  # the thread runs on; the worker's state machine let the task go
+    await async_wait_for(lambda: not wc.task_running(a, key))
+    EV.set()

@@ -4,7 +4,9 @@ recorded the same way."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 from typing import Any
 
 import dask
@@ -152,6 +154,22 @@ def test_a_cancelled_deferred_call_never_runs(client, tmp_path):
     assert t[t.component == "mark"].iloc[0].state == "cancelled"
 
 
+def test_a_call_made_after_its_caller_was_cancelled_does_not_run_here(client, tmp_path):
+    """Ending a session with cancel=True cancels its running calls, but a thread runs on: a call
+    it makes then takes the scheduler path, which knows the session is over, instead of running
+    here unseen."""
+    started, out, path = tmp_path / "started", tmp_path / "out", tmp_path / "ran"
+    s = da.session(client)
+    with s:
+        fut = da.stub(fp.Caller).after_cancel(str(started), str(out), str(path))
+        wait_for(started.exists)
+        s.end(cancel=True)
+    wait_for(out.exists)
+    outcome = out.read_text()
+    assert fut.status in ("cancelled", "error") and not path.exists(), outcome
+    assert outcome.startswith(("SessionClosedError|", "CancelledError|", "FutureCancelledError|")), outcome
+
+
 def test_a_call_its_caller_never_waited_for_still_runs(client, tmp_path):
     path = tmp_path / "kept"
     with da.session(client):
@@ -185,5 +203,94 @@ def test_disabled_fast_path_takes_the_scheduler_path():
             assert out["value"] == 2 and not out["same_thread"]
             t = _calls(c, s, 2)
             assert not t.fast_path.any()
+    finally:
+        cluster.close(timeout=30)
+
+
+def test_a_worker_killed_mid_fast_path_call_loses_no_call_and_runs_none_twice(tmp_path):
+    """The worker running a component and, in its thread, a fast-path tool call dies: Dask
+    runs the component again elsewhere, which makes a new call; the call that died with its
+    worker ends in the graph (not open forever), each call ran once, the session completes."""
+    log, release = tmp_path / "log", tmp_path / "release"
+    cluster = LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0",
+                           worker_dashboard_address=":0")
+    try:
+        with Client(cluster) as c:
+            da.install(c)
+            with da.session(c) as s:
+                fut = da.stub(fp.calls_logged_wait)(str(log), str(release))
+                first = wait_for(lambda: log.exists() and log.read_text().splitlines())[0]
+                key, victim = first.split()
+                # the scheduler knows it runs there (its record came in a report): the worse case
+                wait_for(lambda: key in {n.call_id for n in da.session_graph(c, s).nodes})
+                with contextlib.suppress(Exception):  # the worker dies before it answers
+                    c.run(os._exit, 1, workers=[victim])
+                release.write_text("go")
+                where = fut.value()
+            assert where != victim
+            lines = [ln.split() for ln in log.read_text().splitlines()]
+            keys = [k for k, _w in lines]
+            assert len(keys) == 2 and len(set(keys)) == 2 and lines[1][1] != victim  # a new call, elsewhere
+            g = wait_for(lambda: (g := da.session_graph(c, s)).state == "completed" and g)
+            states = {n.call_id: n.state for n in g.nodes}
+            assert states[keys[1]] == "finished" and states[keys[0]] in ("erred", "cancelled")
+    finally:
+        cluster.close(timeout=30)
+
+
+EMU = {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte",
+       "emulation": {"time_scale": 0.001, "kv_blocks": 256, "block_size": 16, "max_batch": 4}}
+
+
+def test_an_llm_call_under_the_admission_lease_runs_on_the_engine_here():
+    """The session's first LLM call admits it to the engine beside its agent (scheduler path);
+    under the lease that follows, the next call goes straight to that engine, in the agent's
+    thread, and is recorded with its tokens like a scheduler-path call. A model that runs short
+    loses its lease."""
+    with dask.config.set({"agents.llm.models": {"emu": EMU}, "agents.control.enabled": False}):
+        cluster = LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0",
+                               worker_dashboard_address=":0")
+    try:
+        with Client(cluster) as c:
+            with dask.config.set({"agents.llm.models": {"emu": EMU}}):
+                da.install(c, models=["emu"])
+            c.run_on_scheduler(_count_graph_keys)
+            with da.session(c) as s:
+                out = da.stub(fp.llm_under_lease)("emu", [5] * 40).value()
+            assert out["leased"] and out["workers"] == [out["here"], out["here"]] and out["output"] == [8, 8]
+            assert out["cached"] >= 32  # the same engine: the session's prefix (its full blocks) was there
+            t = _calls(c, s, 3)
+            llm = t[t.kind == "llm"].sort_values("created")
+            assert list(llm.fast_path) == [False, True]
+            assert list(llm.prompt_tokens) == [40, 56] and list(llm.output_tokens) == [8, 8]
+            second = llm.iloc[1]
+            assert second.key not in _graph_keys(c)  # no update-graph for the leased call
+            g = da.session_graph(c, s)
+            assert g.state == "completed" and len(g.nodes) == 3
+
+            def admission(dask_scheduler):
+                adm = dask_scheduler.plugins["dask-agents"].admission
+                return {"counts": dict(adm.counts), "inflight": [len(r.inflight) for r in adm.engines.values()],
+                        "open": dict(adm.open)}
+
+            st = wait_for(lambda: (a := c.run_on_scheduler(admission))["inflight"] == [0] and a)
+            assert st["counts"]["leased_calls"] == 1 and st["open"] == {"emu": True}
+
+            def run_short(fill: bool, dask_scheduler=None):  # the engine's slots taken, then freed
+                adm = dask_scheduler.plugins["dask-agents"].admission
+                (r,) = adm.engines.values()
+                if fill:
+                    r.inflight.update(f"blocker-{i}" for i in range(r.slots))
+                else:
+                    r.inflight -= {k for k in r.inflight if k.startswith("blocker-")}
+                adm.tick()
+
+            def lease(dask_worker):
+                return {m: sorted(v) for m, v in dask_worker.plugins["dask-agents"].local.leases.items()}
+
+            c.run_on_scheduler(run_short, True)
+            wait_for(lambda: list(c.run(lease).values()) == [{}])  # withdrawn: the calls come to the scheduler
+            c.run_on_scheduler(run_short, False)
+            wait_for(lambda: list(c.run(lease).values()) == [{"emu": []}])  # out again (no live session)
     finally:
         cluster.close(timeout=30)

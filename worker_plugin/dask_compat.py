@@ -67,6 +67,14 @@ def secede_async_task(key: Any) -> bool:
     return True
 
 
+def task_running(worker: Worker, key: Any) -> bool:
+    """Whether ``key`` runs on this worker as far as its state machine knows (``executing`` or
+    ``long-running``): false once the scheduler cancelled or released it, although its thread
+    may run on. Read from a task thread (a dict lookup and an attribute: no loop needed)."""
+    ts = worker.state.tasks.get(key)
+    return ts is not None and ts.state in ("executing", "long-running")
+
+
 def task_annotations(worker: Worker, key: Any) -> dict:
     """Annotations of a task the worker knows (empty if unknown)."""
     ts = worker.state.tasks.get(key)

@@ -451,6 +451,11 @@ class Engines:
                 out[m] = {"load_s": host.load_seconds, "error": None}
         return out
 
+    def is_loaded(self, model: str) -> bool:
+        """Whether ``model``'s engine here finished loading and serves (see :meth:`loaded_models`)."""
+        h = self._hosts.get(model)
+        return h is not None and h.loaded.is_set() and h.load_error is None and model not in self.failed
+
     def loaded_models(self) -> list[str]:
         """Models whose engine finished loading (not those given up)."""
         return [n for n, h in self._hosts.items()

@@ -25,10 +25,20 @@ are), though, like scattered data, not recomputed if this worker is lost. Its re
 stream, so its session never completes ahead of them. Session graphs, telemetry and the
 Agents page see both paths alike.
 
-What never takes the fast path: LLM calls (admission binds them to engines), stateful calls
-(their instance and order belong to the scheduler), batched or resource-constrained calls,
-calls with a dependency that is not a finished local call, calls of a component the control
-plane routed to other workers, and anything outside a worker's component thread.
+An LLM call takes the fast path only under the scheduler's **admission lease** (Nalar's
+two-level control: the global controller decides, the worker acts on its own within that):
+the scheduler admitted its session to this worker's engine of the model and nothing of the
+model is short (``scheduler_plugin/admission.py``: ``Admission.short``; the lease is pushed on
+change, ``agents-lease``). It then goes straight to the engine here, in its caller's thread;
+its token counts reach the scheduler as a scheduler-path call's do (admission's working sets,
+KV hints). When the model runs short the lease is withdrawn and its calls wait in the scheduler
+again, where policies order them.
+
+What never takes the fast path: LLM calls without a lease, stateful calls (their instance and
+order belong to the scheduler), batched or resource-constrained calls, calls with a dependency
+that is not a finished local call, calls of a component the control plane routed to other
+workers, a call whose caller the scheduler cancelled or released, and anything outside a
+worker's component thread.
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ class LocalCall:
     started: float | None = None
     finished: float | None = None
     error_sent: bool = False  # an erred call escaped: its error task was submitted
+    metrics: dict | None = None  # an LLM call's token counts (the engine's), sent with its record
     done: threading.Event = field(default_factory=threading.Event)
 
     def __repr__(self) -> str:
@@ -83,6 +94,9 @@ class LocalCalls:
         self.worker = worker
         self.max_wait = max_wait
         self.routes: dict[str, tuple[str, ...]] = {}  # component -> workers the control plane routed it to
+        self.leases: dict[str, frozenset[str]] = {}  # model -> sessions whose LLM calls may run on its engine here
+        # the metrics a call's run recorded (LLM tokens): the worker plugin's, set by it
+        self.take_metrics: Callable[[str], dict | None] = lambda key: None
         self._lock = threading.Lock()
         self._deferred: dict[str, LocalCall] = {}
         self._by_creator: dict[str, dict[str, None]] = {}
@@ -93,6 +107,15 @@ class LocalCalls:
         """True if the control plane routed ``component`` to workers other than this one."""
         workers = self.routes.get(component)
         return bool(workers) and self.worker.address not in workers
+
+    def set_leases(self, leases: dict[str, frozenset[str]]) -> None:
+        """The scheduler's newest admission lease (replaces the last one whole)."""
+        self.leases = leases
+
+    def leased(self, model: str, session: str | None) -> bool:
+        """Whether an LLM call of ``session`` on ``model`` may run on this worker's engine
+        without the scheduler: the session is admitted here and nothing of the model is short."""
+        return session is not None and session in self.leases.get(model, ())
 
     # -- creation ---------------------------------------------------------------------------
     def defer(self, call: LocalCall) -> None:
@@ -183,6 +206,7 @@ class LocalCalls:
             call.error = e
             state = ERRED
         call.finished = time.time()
+        call.metrics = self.take_metrics(call.key)
         call.state = state
         self.counts["ran"] += 1
         self._record(call)
@@ -294,6 +318,8 @@ class LocalCalls:
              "started": call.started, "finished": call.finished}
         if call.state == ERRED:
             r["error"] = _error_text(call.error)
+        if call.metrics:
+            r["metrics"] = call.metrics
         with self._lock:
             self._records[call.key] = r
 

@@ -33,6 +33,7 @@ REPORT_OP = "agents-report"
 REPRIORITIZE_OP = "agents-reprioritize"  # dask_agents.scheduler_plugin.enforce.REPRIORITIZE_OP
 KV_HINT_OP = "agents-kv-hint"  # dask_agents.scheduler_plugin.kv_hints.HINT_OP
 ROUTES_OP = "agents-routes"  # dask_agents.scheduler_plugin.plugin.ROUTES_OP
+LEASE_OP = "agents-lease"  # dask_agents.scheduler_plugin.admission.LEASE_OP
 _END = ("memory", "error", "released", "cancelled", "forgotten", "rescheduled")
 _ARRIVED = ("waiting", "ready", "constrained", "executing")
 
@@ -115,6 +116,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         dask_compat.add_stream_handler(worker, REPRIORITIZE_OP, self._reprioritize)
         dask_compat.add_stream_handler(worker, KV_HINT_OP, self._kv_hint)
         dask_compat.add_stream_handler(worker, ROUTES_OP, self._routes)
+        dask_compat.add_stream_handler(worker, LEASE_OP, self._lease)
         self.ready.set()
         if dask_compat.registered(worker):
             await self._hello(models)
@@ -156,6 +158,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
             if self.local is None and agents_config.get("worker.fast-path.enabled"):
                 # only with a scheduler plugin to record what runs here (used once scheduler_ok)
                 self.local = LocalCalls(self.worker, agents_config.seconds("worker.fast-path.max-wait"))
+                self.local.take_metrics = self.take_metrics
             await self.worker.scheduler.agents_worker_hello(worker=self.worker.address, models=models, pid=os.getpid())
             self.scheduler_ok = True
         except Exception as e:
@@ -227,6 +230,14 @@ class AgentsWorkerPlugin(WorkerPlugin):
         """Attach metrics (LLM tokens...) to a call; they travel with its finish report."""
         with self._lock:
             self._metrics.setdefault(key, {}).update(metrics)
+
+    def take_metrics(self, key: Any) -> dict | None:
+        """The metrics a fast-path call recorded (they travel with its record, not a report)."""
+        with self._lock:
+            m = self._metrics.pop(key, None)
+        if m:
+            m.pop("engine_ready_at", None)  # (not a metric; a local call has no queueing to move)
+        return m or None
 
     def flush(self) -> None:
         """Send pending reports to the scheduler plugin (one batched message); every
@@ -307,6 +318,15 @@ class AgentsWorkerPlugin(WorkerPlugin):
         if self.local is None or not isinstance(routes, dict):
             return
         self.local.routes = {c: tuple(w) for c, w in routes.items() if isinstance(c, str) and isinstance(w, (list, tuple))}
+
+    def _lease(self, leases: dict | None = None, **kw: Any) -> None:
+        """The scheduler's admission lease (model -> sessions admitted to this worker's engine
+        of it while nothing of the model is short): their LLM calls made here may take the
+        fast path. A model left out has no lease."""
+        if self.local is None or not isinstance(leases, dict):
+            return
+        self.local.set_leases({m: frozenset(x for x in v if isinstance(x, str))
+                               for m, v in leases.items() if isinstance(m, str) and isinstance(v, (list, tuple))})
 
     def _reprioritize(self, priorities: dict | None = None, **kw: Any) -> None:
         try:

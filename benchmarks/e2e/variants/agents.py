@@ -94,6 +94,29 @@ class _Ctx:
         return answer
 
 
+# The product's knobs that are durations or rates of the workload (defaults for a real H100-class
+# deployment, in wall seconds): with the engine and tools running ``time_scale`` x faster, a user
+# deploying this engine sets them from it, as the baselines' TTL is scaled (dask_plain.py).
+SCALED_SECONDS = {"agents.scheduler.admission.max-wait": 30.0, "agents.kv.ttl-max": 60.0}
+
+
+def deployment_settings(setup: Setup) -> dict:
+    """dask-agents' rate and duration knobs for the run's engine, not left at defaults written
+    for another: its prefill rate (admission's rebinding, the balance policy's move price, the
+    KV policies' recompute cost) and decode step from the engine profile, and the waits in
+    :data:`SCALED_SECONDS` at the run's time scale (wall seconds per emulated second). A real
+    engine's entry (``setup.entry``) keeps the defaults: they are written for real time."""
+    if setup.entry is not None:
+        return {}
+    scale = setup.time_scale
+    prefill_rate = 1.0 / (setup.engine["prefill_s_per_token"] * scale)  # tokens per wall second
+    return {"agents.scheduler.admission.prefill-rate": prefill_rate,
+            "agents.control.policies.balance.options.prefill-rate": prefill_rate,
+            "agents.kv.prefill-tokens-per-s": prefill_rate,
+            "agents.kv.decode-s-per-token": setup.engine["decode_s_per_step"] * scale,
+            **{k: v * scale for k, v in SCALED_SECONDS.items()}}
+
+
 class DaskAgents:
     """``dask-agents`` (every policy on) or an ablation (``disabled``: ``admission`` or a policy)."""
 
@@ -108,7 +131,8 @@ class DaskAgents:
 
     def settings(self) -> dict:
         out: dict = {"agents.llm.models": {m: model_entry(self.setup, workflow_aware=True)
-                                           for m in self.setup.model_names()}}
+                                           for m in self.setup.model_names()},
+                     **deployment_settings(self.setup)}
         if self.disabled == "admission":
             out["agents.scheduler.admission.enabled"] = False
         elif self.disabled:
@@ -155,7 +179,19 @@ class DaskAgents:
                 "setup": self.setup.describe(), "threads": self.threads,
                 "install": f"da.install(client, models={self.models})",
                 "disabled": self.disabled, "agents": "one component per role; LLM via da.llm; tools as da.tool",
-                "kv_policy": dask.config.get("agents.kv.policy")}
+                "kv_policy": dask.config.get("agents.kv.policy"), "deployment": deployment_settings(self.setup),
+                "admission": self.client.run_on_scheduler(_admission_summary) if self.client is not None else None}
+
+
+def _admission_summary(dask_scheduler: Any) -> dict | None:
+    """What the scheduler's admission did in this run: counts and the waits of the calls it
+    held (None: the plugin is not installed)."""
+    plugin = dask_scheduler.plugins.get("dask-agents")
+    if plugin is None:
+        return None
+    snap = plugin.admission.snapshot()
+    return {k: snap[k] for k in ("enabled", "counts", "wait_p50_s", "wait_p99_s")} | {
+        "limit_factors": [e["limit_factor"] for e in snap["engines"]]}
 
 
 def _engine_stats(dask_worker: Any) -> dict | None:
