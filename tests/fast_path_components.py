@@ -198,6 +198,21 @@ def llm_under_lease(model: str, prompt: list) -> dict:
     while not local.leased(model, sid) and time.time() < deadline:
         time.sleep(0.01)
     leased = local.leased(model, sid)
-    second = da.llm(model).generate(prompt + list(first.token_ids) + [7] * 8, max_tokens=8).value()
+    host = get_worker().plugins["dask-agents"].engines._hosts[model]
+    seen, params = [], host.sampling_params
+
+    def spy(*args, **kwargs):  # the priority the engine is given
+        out = params(*args, **kwargs)
+        seen.append(tuple(out.priority))
+        return out
+
+    host.sampling_params = spy
+    try:
+        second = da.llm(model).generate(prompt + list(first.token_ids) + [7] * 8, max_tokens=8).value()
+    finally:
+        host.sampling_params = params
+    from dask_agents.worker_plugin.dask_compat import task_priority
+
     return {"leased": leased, "workers": [first.worker, second.worker], "here": get_worker().address,
-            "cached": second.cached_tokens, "output": [first.output_tokens, second.output_tokens]}
+            "cached": second.cached_tokens, "output": [first.output_tokens, second.output_tokens],
+            "priority": seen, "caller_priority": task_priority(get_worker(), get_worker().get_current_task())}

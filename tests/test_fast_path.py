@@ -259,6 +259,8 @@ def test_an_llm_call_under_the_admission_lease_runs_on_the_engine_here():
                 out = da.stub(fp.llm_under_lease)("emu", [5] * 40).value()
             assert out["leased"] and out["workers"] == [out["here"], out["here"]] and out["output"] == [8, 8]
             assert out["cached"] >= 32  # the same engine: the session's prefix (its full blocks) was there
+            # the engine orders it by its session's progress, as its caller was (not last, as a stranger)
+            assert out["priority"] == [tuple(out["caller_priority"])] and len(out["caller_priority"]) == 5
             t = _calls(c, s, 3)
             llm = t[t.kind == "llm"].sort_values("created")
             assert list(llm.fast_path) == [False, True]

@@ -217,8 +217,14 @@ class Engines:
         max_tokens, temperature, seed = sampling
         received = time.time()  # the engine host has the request: tokenizing and checks are its work
         ids = self._check_inputs(header, model, host, prompt, sampling)
+        priority = task_priority(key)
+        if not priority:  # on the fast path (not a task here): its caller's, the session's progress then
+            from dask_agents import context
+
+            creator = context.call_id()
+            priority = task_priority(creator) if creator is not None else ()
         try:  # the engine's own parameter checks (vLLM's ranges) fail this call, named, and only it
-            params = host.sampling_params(max_tokens, float(temperature), seed, task_priority(key))
+            params = host.sampling_params(max_tokens, float(temperature), seed, priority)
         except Exception as e:  # vLLM's VLLMValidationError is no ValueError
             raise InvalidRequestError(f"{where(component, method, sid)}: model {model!r} refuses the sampling "
                                       f"parameters (max_tokens={max_tokens}, temperature={temperature}, "
