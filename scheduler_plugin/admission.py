@@ -155,6 +155,7 @@ class Admission:
         self._lease_dirty: set[str] = set()  # workers whose lease changed since it was last sent
         self._lease_soon = False
         self.held: dict[str, HeldCall] = {}
+        self.held_by_model: Counter = Counter()  # model -> calls of it in ``held`` (short() in O(1))
         self.engines: dict[tuple[str, str], EngineRoom] = {}
         self.bound_to: dict[str, tuple[str, str]] = {}  # key -> (worker, model) while in flight
         self.admitted_on: dict[tuple[str, str], str] = {}  # (session, model) -> worker
@@ -229,8 +230,9 @@ class Admission:
         pending call fits, not its predicted peak: holding pays only when there is something
         to order or protect, and otherwise costs a call a pump and a round trip. Its LLM calls
         made beside their engine then run there under the lease (:meth:`push_leases`).
-        O(engines of the model x their admitted sessions)."""
-        if any(h.model == model for h in self.held.values()):
+        O(1) for the held calls (``held_by_model``), O(engines of the model x their admitted
+        sessions) for the rest (``rooms`` caches each engine's resident blocks for the caller)."""
+        if self.held_by_model[model] > 0:
             return True
         for w in self.plugin.model_workers.get(model, ()):
             r = self.engines.get((w, model))
@@ -269,7 +271,7 @@ class Admission:
                 self.counts["bound_loose" if loose else "bound_at_once"] += 1
                 self._bind(h, ts, worker, rooms)
                 return True
-        self.held[h.key] = h
+        self._hold(h)
         self.counts["held"] += 1
         self.waits_by_model[model] += 1
         dask_compat.restrict_to_worker(ts, HELD)
@@ -284,7 +286,7 @@ class Admission:
             return
         if finish not in ENDED:
             return
-        if self.held.pop(key, None) is not None:  # failed or cancelled while it waited here
+        if self._unhold(key) is not None:  # failed or cancelled while it waited here
             self.counts["ended_while_held"] += 1
             return
         # ended (or released: cancelled, or its worker was lost and recovery places it again)
@@ -563,6 +565,18 @@ class Admission:
         self.bound_to[h.key] = (worker, h.model)
         self.counts["bound"] += 1
 
+    def _hold(self, h: HeldCall) -> None:
+        self.held[h.key] = h
+        self.held_by_model[h.model] += 1
+
+    def _unhold(self, key: str) -> HeldCall | None:
+        h = self.held.pop(key, None)
+        if h is not None:
+            self.held_by_model[h.model] -= 1
+            if self.held_by_model[h.model] <= 0:
+                del self.held_by_model[h.model]
+        return h
+
     def _soon(self) -> None:
         if not self._pump_soon and self.plugin.scheduler is not None:
             self._pump_soon = True
@@ -580,7 +594,7 @@ class Admission:
         for key, h in list(self.held.items()):
             ts = dask_compat.task(s, key)
             if ts is None:
-                del self.held[key]
+                self._unhold(key)
                 continue
             if dask_compat.state(ts) == "no-worker":
                 ready.append((dask_compat.priority(ts), h.since, key, h, ts))
@@ -600,14 +614,14 @@ class Admission:
                     waiting_on[self.admitted_on[(h.session, h.model)]] += 1
                     stay.append(entry)
                 continue
-            del self.held[key]
+            self._unhold(key)
             self._bind(h, ts, w, rooms)
             placed.append(key)
         for _prio, _since, key, h, ts in stay:  # second pass: calls of busy engines may move
             old = self.admitted_on.get((h.session, h.model))
             w = self._choose(h, now, rooms, False, waiting_on)
             if w is not None and w != old:
-                del self.held[key]
+                self._unhold(key)
                 waiting_on[old] -= 1
                 self._bind(h, ts, w, rooms)
                 placed.append(key)
@@ -713,7 +727,7 @@ class Admission:
         import numpy as np
 
         waits = np.asarray(self.waits, dtype=float)
-        held_by_model = Counter(h.model for h in self.held.values())
+        held_by_model = self.held_by_model
         return {
             "enabled": self.enabled, "held": len(self.held), "held_by_model": dict(held_by_model),
             "leased": sorted(m for m, o in self.open.items() if o),

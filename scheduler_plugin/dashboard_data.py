@@ -435,7 +435,7 @@ class DashboardModel:
                 raw |= {(w, m) for m in models if isinstance(m, str)}
         pairs = {(w, m) for m, ws in p.model_workers.items() for w in ws}
         pairs |= raw
-        held = Counter(h.model for h in p.admission.held.values())
+        held = p.admission.held_by_model
         pairs |= {(w, m) for (w, m) in agg.tokens if m}
         rows = []
         for w, m in sorted(pairs, key=lambda wm: (str(wm[0]), str(wm[1]))):

@@ -267,9 +267,10 @@ async def test_a_swap_asked_of_the_worker_directly_reaches_the_scheduler(c: Clie
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)], timeout=60, config=CONFIG)
 async def test_fast_path_records_only_for_calls_made_on_that_worker(c: Client, s: Scheduler, a: Worker, b: Worker):
-    """A worker reports calls that ran on its fast path: only tool or stateless agent calls,
-    made by a call running on that worker, in that call's session; any other record is dropped
-    and counted, and the good one is recorded as a fast-path call of its creator."""
+    """A worker reports calls that ran on its fast path: only tool or stateless agent calls (or
+    LLM calls on an engine it hosts), made by a call running on that worker, in that call's
+    session; any other record is dropped and counted, and the good one is recorded as a
+    fast-path call of its creator."""
     import time as _time
 
     await da.install(c)
@@ -285,7 +286,7 @@ async def test_fast_path_records_only_for_calls_made_on_that_worker(c: Client, s
         return {"key": key, "ann": ann, "state": "memory", "started": now, "finished": now + 0.001}
 
     good = record("echo-" + "1" * 32)
-    bad = [record("echo-" + "2" * 32, kind="llm", llm_model="emu"),  # LLM calls never run there
+    bad = [record("echo-" + "2" * 32, kind="llm", llm_model="emu"),  # an LLM call: no engine of it there
            record("echo-" + "3" * 32, component="other"),  # not a key of that component
            record("echo-" + "4" * 32, session="someone-else"),  # another session than its creator's
            record("echo-" + "5" * 32, stateful=True),

@@ -299,7 +299,7 @@ def test_an_engine_without_per_session_kv_control_says_so():
                                                "kv_control_reason": "vLLM 9.9 is not supported"},
                                      "chat": {"engine": "vllm", "kv_control": True, "kv_control_reason": None}}, 10.0)
     plugin = SimpleNamespace(aggregates=agg, control=None, bindings={}, model_workers={"coder": {"tcp://w1"}},
-                             admission=SimpleNamespace(held={}, engines={}))
+                             admission=SimpleNamespace(held={}, held_by_model={}, engines={}))
     fams = {f.name: f for f in metrics._engine_families(plugin)}  # noqa: SLF001
     got = {tuple(s.labels.values()): s.value for s in fams["dask_agents_kv_control"].samples}
     assert got == {("tcp://w1", "coder"): 0, ("tcp://w1", "chat"): 1}
