@@ -200,9 +200,13 @@ def _local_calls(client: Client, spec: ComponentSpec, creator: str, ann: dict) -
             return None
     from dask_agents.worker_plugin import dask_compat as worker_compat
 
-    if not worker_compat.task_running(worker, creator):
-        # its caller was cancelled (its session ended with cancel=True) or released, and its
-        # thread runs on: the scheduler path, which knows why, decides (here it would run unseen)
+    def running(key: str) -> bool:
+        return worker_compat.task_running(worker, key)
+
+    if not (running(creator) or local.runs_here(creator, running)):
+        # its caller (or the task that made it, for a call that runs here itself) was cancelled
+        # (its session ended with cancel=True) or released, and its thread runs on: the
+        # scheduler path, which knows why, decides (here it would run unseen)
         return None
     return local
 

@@ -87,6 +87,13 @@ def waiting_elsewhere() -> None:
         local.waiting_elsewhere(creator)
 
 
+def _unprofiled() -> Any:
+    """A waiting thread leaves Dask's profiler while it waits (``worker_plugin/dask_compat.py``)."""
+    from dask_agents.worker_plugin import dask_compat
+
+    return dask_compat.unprofiled()
+
+
 def release_worker_slot() -> None:
     """If running in a worker task thread, secede once so waiting frees the slot."""
     from dask_agents.worker_plugin import dask_compat
@@ -166,10 +173,11 @@ class AgentFuture(Future):
             release_worker_slot()
         worker = _running_on()
         try:
-            if worker is None or getattr(worker, "loop", None) is not self.client.loop:  # not the worker's client
-                return super().result(timeout=timeout)
-            self._verify_initialized()
-            return self.client.sync(self._local_result, worker, callback_timeout=timeout)
+            with _unprofiled():
+                if worker is None or getattr(worker, "loop", None) is not self.client.loop:  # not the worker's client
+                    return super().result(timeout=timeout)
+                self._verify_initialized()
+                return self.client.sync(self._local_result, worker, callback_timeout=timeout)
         except TimeoutError as e:
             if isinstance(e, CallTimeoutError):
                 raise

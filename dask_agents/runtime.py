@@ -168,9 +168,11 @@ def _invoke(header: Header, fn: Any, args: tuple, kwargs: dict) -> Any:
 def run_llm_here(header: Header, model: str, args: tuple, kwargs: dict) -> Any:
     """:func:`run_llm` in the calling thread, for an LLM call on the worker's fast path (its
     caller's thread waits for the engine here, as it would wait for the call's future)."""
+    from dask_agents.worker_plugin import dask_compat
     from dask_agents.worker_plugin.plugin import get_plugin
 
-    return get_plugin(wait=False).engines.generate(header, model, *args, **kwargs)
+    with dask_compat.unprofiled():  # the thread waits for the engine: nothing for Dask's profiler
+        return get_plugin(wait=False).engines.generate(header, model, *args, **kwargs)
 
 
 async def run_llm(header: Header, model: str, args: tuple, kwargs: dict) -> Any:

@@ -63,6 +63,29 @@ def via_tally(k: int) -> int:
     return da.stub(Tally).add(k).value()
 
 
+@da.tool
+def via_where(x: int) -> tuple:
+    """A tool that makes a tool call itself (both nested; the inner made by a fast-path call)."""
+    value, thread, worker = da.stub(where)(x).value()
+    return value, thread == threading.get_ident(), threading.get_ident()
+
+
+@da.agent(stateful=True)
+class Gate:
+    """A scheduler-path call that waits for a file (stateful: never on the fast path)."""
+
+    def wait(self, path: str) -> str:
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        return path
+
+
+@da.agent
+def waits_on_gate(path: str) -> str:
+    """Waits on a scheduler-path call: its thread parks in the wait."""
+    return da.stub(Gate).wait(path).value()
+
+
 def plain_double(x: int) -> int:
     """Plain Dask work (not a component)."""
     return 2 * x
@@ -76,6 +99,10 @@ class Caller:
         value, thread, worker = da.stub(where)(x).value()
         return {"value": value, "same_thread": thread == threading.get_ident(),
                 "same_worker": worker == get_worker().address}
+
+    def nested(self, x: int) -> dict:
+        value, inner_same, thread = da.stub(via_where)(x).value()
+        return {"value": value, "inner_same_thread": inner_same, "same_thread": thread == threading.get_ident()}
 
     def tally_twice(self, k: int) -> list:
         return [da.stub(via_tally)(k).value(), da.stub(via_tally)(k).value()]

@@ -179,6 +179,33 @@ async def test_secede_once_frees_the_slot(c: Client, s: Scheduler, a: Worker):
     assert await blocker
 
 
+def profiled_while(secede: bool) -> tuple:
+    """Whether this task's thread is in the worker's active_threads (what Dask's profiler
+    walks) before, inside and after ``unprofiled()``, seceded or not."""
+    from distributed import get_worker
+
+    w, ident = get_worker(), threading.get_ident()
+    if secede:
+        wc.secede_if_in_task()
+    before = ident in w.active_threads
+    with wc.unprofiled():
+        with wc.unprofiled():  # nested: the outer one puts it back
+            inner = ident in w.active_threads
+        inside = ident in w.active_threads
+    return before, inner, inside, w.active_threads.get(ident)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_a_waiting_thread_leaves_the_profiler_and_comes_back(c: Client, s: Scheduler, a: Worker):
+    for secede in (False, True):
+        key = f"profiled-{secede}"
+        # after: back under its own key, so Dask's apply_function can delete it (no KeyError)
+        assert await c.submit(profiled_while, secede, key=key) == (True, False, False, key)
+    with wc.unprofiled():  # not a task thread: nothing to do
+        pass
+    assert not a.active_threads
+
+
 async def wait_seceded_async(key_box: list):
     import asyncio
 

@@ -83,6 +83,60 @@ def test_a_nested_tool_call_runs_in_its_callers_thread_and_is_recorded(client):
     assert [(e.src, e.dst, e.kind) for e in g.edges if e.src == caller.key] == [(caller.key, tool.key, "created")]
 
 
+def test_a_call_made_by_a_fast_path_call_runs_here_too(client):
+    """The fast path nests: a tool that runs in its caller's thread makes a tool call, which
+    runs in the same thread, and the graph records each call's creator."""
+    client.run_on_scheduler(_count_graph_keys)
+    with da.session(client) as s:
+        out = da.stub(fp.Caller).nested(4).value()
+    assert out == {"value": 4, "inner_same_thread": True, "same_thread": True}
+    t = _calls(client, s, 3)
+    by = {r.component: r for r in t.itertuples()}
+    caller, mid, inner = by["Caller"], by["via_where"], by["where"]
+    assert mid.fast_path and inner.fast_path and not caller.fast_path
+    assert mid.creator == caller.key and inner.creator == mid.key
+    assert {mid.key, inner.key}.isdisjoint(_graph_keys(client))  # no update-graph for either
+    g = da.session_graph(client, s)
+    created = {(e.src, e.dst) for e in g.edges if e.kind == "created"}
+    assert {(caller.key, mid.key), (mid.key, inner.key)} <= created and g.state == "completed"
+
+
+def test_a_waiting_component_leaves_dasks_profiler_while_it_waits(client, tmp_path):
+    """A component parked on a scheduler-path call is not in the worker's ``active_threads``
+    (what Dask's profiler walks every 10 ms); the call it waits for, running, is; both end
+    normally (the waiter is back under its key for Dask's own bookkeeping)."""
+    release = str(tmp_path / "open")
+
+    def active(dask_worker=None):
+        return sorted(str(k).split("-")[0] for k in dask_worker.active_threads.values())
+
+    with da.session(client):
+        f = da.stub(fp.waits_on_gate)(release)
+        wait_for(lambda: next(iter(client.run(active).values())) == ["Gate"])
+        open(release, "w").close()
+        assert f.value(timeout=60) == release
+    wait_for(lambda: next(iter(client.run(active).values())) == [])
+
+
+def test_a_chain_of_local_calls_runs_here_only_while_its_root_task_runs():
+    """``runs_here``: a call running on the fast path counts as a live caller only while the
+    task at the root of its chain of callers still runs (a cancelled task's thread runs on)."""
+    from dask_agents.worker_plugin.local import LocalCall, LocalCalls
+
+    local = LocalCalls(worker=None, max_wait=0.005)
+
+    def call(key: str, creator: str) -> LocalCall:
+        return LocalCall(key=key, creator=creator, ann={}, run=lambda: None, submit=lambda: None,
+                         submit_error=lambda: None, client=None, controller=local)
+
+    local._running.update({"b": call("b", "a"), "c": call("c", "b")})
+    tasks = {"a"}
+    assert local.runs_here("c", tasks.__contains__) and local.runs_here("b", tasks.__contains__)
+    tasks.clear()  # the root task was cancelled
+    assert not local.runs_here("c", tasks.__contains__)
+    assert not local.runs_here("x", lambda k: True)  # not running here at all
+
+
 def test_a_scheduler_path_call_made_by_a_fast_path_call_is_its_child(client):
     """A fast-path tool makes a stateful call (scheduler path): that call's update-graph can
     reach the scheduler before the tool's record; the graph still has the tool as its creator,

@@ -34,6 +34,9 @@ its token counts reach the scheduler as a scheduler-path call's do (admission's 
 KV hints). When the model runs short the lease is withdrawn and its calls wait in the scheduler
 again, where policies order them.
 
+The fast path nests: a call that runs here makes its own calls as its caller would, and they
+may run here too (the chain of callers up to the task that made the first must still run).
+
 What never takes the fast path: LLM calls without a lease, stateful calls (their instance and
 order belong to the scheduler), batched or resource-constrained calls, calls with a dependency
 that is not a finished local call, calls of a component the control plane routed to other
@@ -101,6 +104,7 @@ class LocalCalls:
         self._deferred: dict[str, LocalCall] = {}
         self._by_creator: dict[str, dict[str, None]] = {}
         self._records: dict[str, dict] = {}  # key -> its newest record, not sent yet
+        self._running: dict[str, LocalCall] = {}  # key -> a call running on this fast path now
         self.counts: Counter[str] = Counter()  # ran, submitted:<why>, cancelled
 
     def routed_away(self, component: str) -> bool:
@@ -116,6 +120,20 @@ class LocalCalls:
         """Whether an LLM call of ``session`` on ``model`` may run on this worker's engine
         without the scheduler: the session is admitted here and nothing of the model is short."""
         return session is not None and session in self.leases.get(model, ())
+
+    def runs_here(self, key: str, task_running: Callable[[str], bool]) -> bool:
+        """Whether ``key`` is a call running on this fast path whose chain of callers still runs
+        up to the task that made the first of them (``task_running``: the worker's state
+        machine's view): the calls it makes may take the fast path too. False once that task
+        was cancelled or released (its thread runs on, and so do the calls it runs here)."""
+        for _ in range(10_000):  # a chain of local calls, each made by the one before
+            call = self._running.get(key)
+            if call is None:
+                return False
+            key = call.creator
+            if task_running(key):
+                return True
+        return False
 
     # -- creation ---------------------------------------------------------------------------
     def defer(self, call: LocalCall) -> None:
@@ -165,7 +183,7 @@ class LocalCalls:
         elif call.state == DEFERRED:  # a timeout: only the scheduler path can honour one
             self.submit_deferred(call, "timeout")
             return SCHEDULER
-        elif call.state == RUNNING and not call.done.wait(timeout):
+        elif call.state == RUNNING and not _wait(call, timeout):
             from dask_agents.errors import CallTimeoutError, where
 
             a = call.ann
@@ -199,12 +217,17 @@ class LocalCalls:
     def _run(self, call: LocalCall) -> None:
         call.started = time.time()
         self._record(call)
+        self._running[call.key] = call
         try:
             call.value = call.run()
             state = FINISHED
         except BaseException as e:  # the runner raised the CallFailedError naming the call
             call.error = e
             state = ERRED
+        finally:
+            self._running.pop(call.key, None)
+        if call.key in self._by_creator:  # what it deferred and never waited for goes on now
+            self.caller_ended(call.key)
         call.finished = time.time()
         call.metrics = self.take_metrics(call.key)
         call.state = state
@@ -343,6 +366,14 @@ class LocalCalls:
         """Counters and sizes (tests, debugging)."""
         with self._lock:
             return {"deferred": len(self._deferred), "records": len(self._records), **self.counts}
+
+
+def _wait(call: LocalCall, timeout: float | None) -> bool:
+    """Wait for a call another thread runs (out of Dask's profiler meanwhile)."""
+    from dask_agents.worker_plugin import dask_compat
+
+    with dask_compat.unprofiled():
+        return call.done.wait(timeout)
 
 
 _RECORD_STATE = {RUNNING: "processing", FINISHED: "memory", ERRED: "erred", CANCELLED: "cancelled"}
