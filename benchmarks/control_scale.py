@@ -26,7 +26,10 @@ from-scratch rebuild (``scan_view``) on the same emulated state.
 
 Both take at most ``agents.control.max-calls-per-tick`` (5,000) waiting calls per pass; the
 incremental view takes whole worker queues and rotates, so every waiting call is in a view
-within ``passes_per_rotation`` passes (the carry-over). At the largest size, ``unbounded``
+within ``passes_per_rotation`` passes (the carry-over). The incremental passes run as the loop
+does, under ``agents.control.pass-budget`` (40 ms): a pass over budget makes the next window
+smaller (``calls_in_view_median`` says what it settled to, ``passes_per_rotation`` what that
+costs in coverage); the rebuild and unbounded passes take the whole window. At the largest size, ``unbounded``
 times the incremental view with every waiting call in one pass (no window) for comparison.
 Timings are wall-clock medians (``pass_ms``) and the pass's thread CPU time (``pass_cpu_ms``,
 what it costs the scheduler's event loop when it has a core: the machine is shared).
@@ -40,11 +43,21 @@ timed with the control loop running (``da.control(client).start()``) and stopped
 alternating blocks (order rotated every round). ``fast_path_latency_ratio`` = median latency
 running / median latency stopped.
 
+Part 3, REAL LocalClusters (``nested``)
+---------------------------------------
+Two ``LocalCluster(n_workers=2, threads_per_worker=4, processes=True)``, both ``da.install``-ed.
+The loaded one's scheduler holds ``nested_live`` (2^18 in the full run) live stub calls, each
+depending on a plain task held back by a gate (submitted in chunks of 4,096, each waited for);
+inside a component (``nested_probes``) ``nested_calls`` sequential nested tool calls take the
+worker-local fast path and are timed there, in rounds alternating between the loaded and the
+idle cluster. ``ratio_p50`` = median latency loaded / idle cluster; the loaded cluster is also
+timed before and after its load.
+
 Reproduce::
 
     .venv/bin/python benchmarks/control_scale.py --quick --json benchmarks/results/control-scale-quick.json
 
-JSON: ``{"config", "passes": [...], "fast_path": {...}, "summary": {"pass_ms_at_262144",
+JSON: ``{"config", "passes": [...], "fast_path": {...}, "nested_fast_path": {...}, "summary": {"pass_ms_at_262144",
 "fast_path_latency_ratio", ...}}`` and a growth plot next to it (``<json stem>.png``).
 """
 
@@ -411,13 +424,19 @@ def measure_passes(live: int, n_workers: int, reps: int, seed: int, modes: tuple
     index = em.plugin.view_index
     timed_index = _TimedIndexHook(index)
     bounded = loop.max_calls
+    budget = loop.pass_budget
     for mode in modes:
-        # "unbounded": the incremental view with every waiting call in every pass (no window)
+        # "unbounded": the incremental view with every waiting call in every pass (no window);
+        # the pass budget (the window adapting to pass time) applies to the incremental view only
         loop.incremental = mode in ("incremental", "unbounded")
         loop.max_calls = 10**9 if mode == "unbounded" else bounded
+        loop.pass_budget = budget if mode == "incremental" else 0.0
+        loop.adapt_window(0.0, 0)  # start from the whole window
         # Warm up to the steady state of a running loop: one full rotation of the window, so
-        # call views are cached except for calls that changed since (the churn's).
-        for _ in range(2 if mode != "incremental" else min(2 + math.ceil(waiting / loop.max_calls), 40)):
+        # call views are cached except for calls that changed since (the churn's), and the
+        # window settled to the pass budget.
+        for _ in range(2 if mode != "incremental" else min(max(2 + math.ceil(waiting / loop.max_calls), 12), 40)):
+            em.churn(events)
             loop.tick()
         em.hook_seconds = 0.0
         em.hook_calls = 0
@@ -455,6 +474,7 @@ def measure_passes(live: int, n_workers: int, reps: int, seed: int, modes: tuple
             "policies_and_enforcement_ms_median": statistics.median(
                 sorted((t["seconds"] - t["view_seconds"]) * 1000 for t in ticks)),
             "calls_in_view_median": statistics.median(t["calls_in_view"] for t in ticks),
+            "pass_budget_ms": loop.pass_budget * 1000, "max_calls_per_tick": loop.max_calls,
             "waiting_calls": waiting_end,  # queued on workers or held back by the scheduler, after the passes
             # passes until every waiting call was in a view (the window's carry-over)
             "passes_per_rotation": 1 if not any(t["truncated"] for t in ticks) else
@@ -473,6 +493,7 @@ def measure_passes(live: int, n_workers: int, reps: int, seed: int, modes: tuple
               f"(index {row['index_hook_us_per_event']:.2f})", flush=True)
     index.on_transition = timed_index.inner
     loop.max_calls = bounded
+    loop.pass_budget = budget
     return out
 
 
@@ -586,6 +607,124 @@ def measure_fast_path(rounds: int, calls: int, background: int) -> dict:
     return out
 
 
+def _wait_for_file(path: str) -> str:
+    """A plain Dask task that holds the background calls back until ``path`` exists."""
+    while not os.path.exists(path):
+        time.sleep(0.05)
+    return path
+
+
+@da.tool
+def gated(gate: str, i: int) -> int:
+    """A background call: depends on the gate task, so it waits in the scheduler (a live
+    future the control loop sees) without holding a worker thread."""
+    return i
+
+
+@da.agent
+def nested_probes(n: int) -> list[float]:
+    """Inside a component: ``n`` sequential nested tool calls (the worker-local fast path),
+    each timed from its creation to its value in the caller."""
+    stub = da.stub(probe)
+    out = []
+    for i in range(n):
+        t = time.perf_counter()
+        if stub(i).value() != i:
+            raise AssertionError("wrong result")
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def measure_nested_under_load(live: int, rounds: int, calls: int) -> dict:
+    """Nested fast-path call latency on a REAL cluster (scheduler and 2 workers in their own
+    processes, the control loop running) while the scheduler holds ``live`` waiting stub calls.
+
+    Two identical clusters run side by side: the loaded one and an idle one; rounds alternate
+    between them (the order flips every round), so drift of the machine between rounds hits
+    both. The loaded cluster is also timed before the load and after it (A-B-A)."""
+    import tempfile
+
+    from distributed import Client, LocalCluster
+
+    gate = os.path.join(tempfile.mkdtemp(prefix="control-scale-"), "open")
+    clusters, clients = [], []
+    phases: dict[str, list[float]] = {"idle_before": [], "loaded": [], "idle_after": [], "idle_cluster": []}
+    per_round: dict[str, list[float]] = {"loaded": [], "idle_cluster": []}
+    try:
+        for _ in range(2):
+            clusters.append(LocalCluster(n_workers=2, threads_per_worker=4, processes=True, dashboard_address=":0"))
+            clients.append(Client(clusters[-1], set_as_default=False))
+            da.install(clients[-1])
+        client, idle_client = clients
+
+        def probe_round(c: Client, name: str) -> None:
+            with da.session(c, name=f"probe-{name}"):
+                got = da.stub(nested_probes)(calls).value(timeout=600)
+            phases[name].extend(got)
+            if name in per_round:
+                per_round[name].append(statistics.median(got))
+
+        for c in clients:
+            with da.session(c, name="warm-up"):
+                da.stub(nested_probes)(calls).value(timeout=600)
+        for _ in range(rounds):
+            probe_round(client, "idle_before")
+        t0 = time.perf_counter()
+        bg: list = []
+        held = 0
+        with da.session(client, name="background"):
+            held_back = client.submit(_wait_for_file, gate, pure=False)
+            # In chunks, each waited for: submitted in one burst, 2^18 calls queue up faster than
+            # the scheduler takes them in, and it then spends long stretches in one batch of
+            # update-graph messages without reading the driver's socket (the driver's connection
+            # timed out after 30 s in a first attempt; see the README)
+            while len(bg) < live:
+                bg.extend(da.stub(gated)(held_back, i) for i in range(len(bg), min(len(bg) + 4096, live)))
+                while held < len(bg):  # the calls reach the scheduler in batches: poll until all are there
+                    held = client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)) - 1
+                    time.sleep(0.05)
+        held += 1  # with the gate task
+        submit_s = time.perf_counter() - t0
+        for r in range(rounds):
+            for c, name in ((client, "loaded"), (idle_client, "idle_cluster"))[::1 if r % 2 == 0 else -1]:
+                probe_round(c, name)
+        stats = da.control(client).stats()
+        open(gate, "w").close()
+        for i in range(0, live, 4096):
+            if client.gather(bg[i:i + 4096]) != list(range(i, min(i + 4096, live))):
+                raise AssertionError("wrong background results")
+        del bg, held_back
+        for _ in range(rounds):
+            probe_round(client, "idle_after")
+    finally:
+        open(gate, "a").close()
+        for c in clients:
+            c.close()
+        for cl in clusters:
+            cl.close()
+    own_idle = phases["idle_before"] + phases["idle_after"]
+    out = {"live_futures": live, "scheduler_tasks_while_loaded": held, "submit_s": submit_s, "rounds": rounds,
+           "calls_per_round": calls,
+           **{k: {"p50_ms": percentile(v, 50) * 1000, "p95_ms": percentile(v, 95) * 1000} for k, v in phases.items()},
+           # the measure: loaded vs the idle cluster, rounds interleaved
+           "ratio_p50": percentile(phases["loaded"], 50) / percentile(phases["idle_cluster"], 50),
+           "ratio_p95": percentile(phases["loaded"], 95) / percentile(phases["idle_cluster"], 95),
+           "ratio_paired_round_medians": statistics.median(
+               a / b for a, b in zip(per_round["loaded"], per_round["idle_cluster"])),
+           "ratio_paired_round_medians_spread": [min(a / b for a, b in zip(per_round["loaded"], per_round["idle_cluster"])),
+                                                 max(a / b for a, b in zip(per_round["loaded"], per_round["idle_cluster"]))],
+           # the same cluster before and after its load (not interleaved: drift shows here)
+           "ratio_p50_vs_own_idle": percentile(phases["loaded"], 50) / percentile(own_idle, 50),
+           "loop_ticks": stats.get("ticks"), "loop_tick_ms_p50": (stats.get("tick_seconds_p50") or 0) * 1000,
+           "loop_tick_ms_p99": (stats.get("tick_seconds_p99") or 0) * 1000}
+    print(f"  nested fast path with {live} live futures ({held} scheduler tasks): p50 {out['loaded']['p50_ms']:.3f} ms "
+          f"vs idle cluster {out['idle_cluster']['p50_ms']:.3f} ms (ratio {out['ratio_p50']:.3f}, paired rounds "
+          f"{out['ratio_paired_round_medians']:.3f}, p95 ratio {out['ratio_p95']:.3f}); same cluster before / after "
+          f"{out['idle_before']['p50_ms']:.3f} / {out['idle_after']['p50_ms']:.3f} ms; loop tick p50 "
+          f"{out['loop_tick_ms_p50']:.1f} ms", flush=True)
+    return out
+
+
 # -- report ----------------------------------------------------------------------------------------
 def growth_exponent(rows: list[dict]) -> float | None:
     """Least-squares slope of log(pass ms) on log(live futures): 1 = linear, < 1 = sublinear."""
@@ -628,17 +767,31 @@ def plot(passes: list[dict], path: str) -> None:
 
 CONFIGS = {
     "full": {"sizes": [2 ** k for k in range(10, 19)], "workers": [1024, 2048], "reps": 21,
-             "rebuild_max": 2 ** 18, "fp_rounds": 40, "fp_calls": 100, "fp_background": 2000},
+             "rebuild_max": 2 ** 18, "fp_rounds": 40, "fp_calls": 100, "fp_background": 2000,
+             "nested_live": 2 ** 18, "nested_rounds": 20, "nested_calls": 200},
     "quick": {"sizes": [2 ** k for k in range(10, 19, 2)], "workers": [1024, 2048], "reps": 15,
-              "rebuild_max": 2 ** 18, "fp_rounds": 20, "fp_calls": 60, "fp_background": 1000},
+              "rebuild_max": 2 ** 18, "fp_rounds": 20, "fp_calls": 60, "fp_background": 1000,
+              "nested_live": 2 ** 16, "nested_rounds": 6, "nested_calls": 100},
     "smoke": {"sizes": [2 ** 8, 2 ** 10], "workers": [64], "reps": 2, "rebuild_max": 2 ** 10,
-              "fp_rounds": 2, "fp_calls": 10, "fp_background": 20},
+              "fp_rounds": 2, "fp_calls": 10, "fp_background": 20,
+              "nested_live": 200, "nested_rounds": 2, "nested_calls": 10},
 }
 
 
-def run(config: dict, seed: int = 0) -> dict:
-    """Both parts; returns the JSON document."""
+PARTS = ("passes", "fast_path", "nested")
+
+
+def run(config: dict, seed: int = 0, parts: tuple[str, ...] = PARTS) -> dict:
+    """The parts asked for (all by default); returns the JSON document."""
     passes: list[dict] = []
+    nested = None
+    if "nested" in parts:
+        nested = measure_nested_under_load(config["nested_live"], config["nested_rounds"], config["nested_calls"])
+    if "passes" not in parts and "fast_path" not in parts:
+        return {"passes": [], "fast_path": None, "nested_fast_path": nested,
+                "summary": {"nested_fast_path_ratio_p50": nested["ratio_p50"] if nested else None,
+                            "nested_fast_path_ratio_paired": nested["ratio_paired_round_medians"] if nested else None,
+                            "goal_fast_path_ratio": 1.10}}
     for w in config["workers"]:
         for n in config["sizes"]:
             modes = ("incremental", "rebuild") if n <= config["rebuild_max"] else ("incremental",)
@@ -653,6 +806,9 @@ def run(config: dict, seed: int = 0) -> dict:
     summary = {
         "pass_ms_at_262144": max(r["pass_ms_median"] for r in top) if top else None,
         "pass_cpu_ms_at_262144": max(r["pass_cpu_ms_median"] for r in top) if top else None,
+        # what the pass budget left in the window there, and how many passes see every waiting call
+        "calls_in_view_at_262144": min(r["calls_in_view_median"] for r in top) if top else None,
+        "passes_per_rotation_at_262144": max(r["passes_per_rotation"] for r in top) if top else None,
         "pass_ms_at_largest": max(r["pass_ms_median"] for r in at_largest),
         "largest_live_futures": largest,
         "fast_path_latency_ratio": fast["ratio_p50"],
@@ -663,9 +819,12 @@ def run(config: dict, seed: int = 0) -> dict:
         "rebuild_pass_ms_at_largest": max((r["pass_ms_median"] for r in passes
                                            if r["mode"] == "rebuild" and r["live_futures"] == largest), default=None),
         "hook_us_per_event_max": max(r["hook_us_per_event"] for r in inc),
+        "nested_fast_path_ratio_p50": nested["ratio_p50"] if nested else None,
+        "nested_fast_path_ratio_paired": nested["ratio_paired_round_medians"] if nested else None,
+        "nested_fast_path_live_futures": nested["live_futures"] if nested else None,
         "goal_pass_ms": 50, "goal_fast_path_ratio": 1.10,
     }
-    return {"passes": passes, "fast_path": fast, "summary": summary}
+    return {"passes": passes, "fast_path": fast, "nested_fast_path": nested, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -674,7 +833,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="every other size, fewer repetitions (< 5 min on 2 cores)")
     ap.add_argument("--smoke", action="store_true", help="a tiny configuration (tests)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help="comma-separated: passes (emulated control passes), fast_path (driver stub calls, loop "
+                         "running vs stopped), nested (nested fast-path calls with the scheduler holding many "
+                         "live futures); passes and fast_path run together")
     args = ap.parse_args(argv)
+    parts = tuple(p for p in args.parts.split(",") if p)
+    if not set(parts) <= set(PARTS):
+        ap.error(f"unknown part in {args.parts!r} (known: {', '.join(PARTS)})")
     name = "smoke" if args.smoke else "quick" if args.quick else "full"
     config = dict(CONFIGS[name])
     import dask_agents.config as agents_config
@@ -684,18 +850,19 @@ def main(argv: list[str] | None = None) -> int:
            "max_actions_per_tick": int(agents_config.get("control.max-actions-per-tick")),
            "instances_per_worker": INSTANCES_PER_WORKER, "engine_workers": "1 in 8 (model coder)",
            "threads_per_emulated_worker": 16, "emulated": "part 1 (passes): EMULATED scheduler state; "
-           "part 2 (fast_path): real LocalCluster"}
+           "part 2 (fast_path) and part 3 (nested): real LocalClusters"}
     env["loadavg_start"] = os.getloadavg()
     print("configuration:", json.dumps(env), flush=True)
     t0 = time.time()
-    doc = run(config, args.seed)
+    doc = run(config, args.seed, parts)
     env["loadavg_end"] = os.getloadavg()
     doc = {"config": env, **doc, "wall_s": time.time() - t0}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(doc, f, indent=1, default=str)
     png = os.path.splitext(args.json)[0] + ".png"
-    plot(doc["passes"], png)
+    if doc["passes"]:
+        plot(doc["passes"], png)
     print(f"\n{'mode':11s} {'workers':>7s} {'live':>7s} {'sessions':>8s} {'waiting':>7s} {'pass ms':>8s} "
           f"{'cpu ms':>8s} {'view ms':>8s} {'in view':>7s} {'rotation':>8s}")
     for r in doc["passes"]:
@@ -703,7 +870,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['pass_ms_median']:8.2f} {r['pass_cpu_ms_median']:8.2f} {r['view_ms_median']:8.2f} "
               f"{r['calls_in_view_median']:7.0f} {r['passes_per_rotation']:8d}")
     print("summary:", json.dumps(doc["summary"]))
-    print(f"wrote {args.json} and {png} ({doc['wall_s']:.0f} s)")
+    print(f"wrote {args.json}" + (f" and {png}" if doc["passes"] else "") + f" ({doc['wall_s']:.0f} s)")
     return 0
 
 

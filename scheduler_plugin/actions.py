@@ -52,6 +52,17 @@ def _as_tuple(action: Any, field: str, value: Any) -> tuple:
     return value
 
 
+def _finite_number(p: Any) -> bool:
+    """A finite real number, not a bool (plain ints and floats checked first: a policy
+    suggests thousands of priorities per pass, and ``isinstance(p, Real)`` is an ABC check)."""
+    t = type(p)
+    if t is float:
+        return math.isfinite(p)
+    if t is int:
+        return True
+    return isinstance(p, Real) and not isinstance(p, bool) and math.isfinite(p)
+
+
 @dataclass(frozen=True, slots=True)
 class SetPriority:
     """Give a waiting call a new priority (smaller runs first; compared as Dask tuples)."""
@@ -64,7 +75,7 @@ class SetPriority:
         _key(self, self.key)
         prio = _as_tuple(self, "priority", self.priority)
         # Dask heaps compare priorities with every other task's: only finite numbers keep them ordered
-        if not prio or not all(isinstance(p, Real) and not isinstance(p, bool) and math.isfinite(p) for p in prio):
+        if not prio or not all(_finite_number(p) for p in prio):
             raise _fail(self, "priority", "must be a non-empty tuple of finite numbers", self.priority)
         _reason(self, self.reason)
 

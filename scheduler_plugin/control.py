@@ -71,6 +71,10 @@ class ControlLoop:
         self.enforcer = Enforcer(plugin)
         self.interval = agents_config.seconds("control.interval")
         self.max_calls = int(agents_config.get("control.max-calls-per-tick"))
+        # Pass budget: a pass that ran longer than this takes fewer waiting calls next time
+        # (the window), down to MIN_WINDOW; a fast one takes more again, up to max_calls. 0: off.
+        self.pass_budget = agents_config.seconds("control.pass-budget")
+        self._window: int | None = None  # None: not cut, the window is max_calls
         self.max_actions = int(agents_config.get("control.max-actions-per-tick"))
         self.running = False
         self.ticks = 0
@@ -86,6 +90,36 @@ class ControlLoop:
         self.view_seconds: deque[float] = deque(maxlen=1000)  # the view-building part of each pass
         # runs the loop as a supervised task, policies off the event loop (scheduler_plugin/watchdog.py)
         self.watchdog = Watchdog(self)
+
+    MIN_WINDOW = 256  # the window is never cut below this many calls
+
+    # -- the window -----------------------------------------------------------------------
+    @property
+    def window(self) -> int:
+        """Waiting calls the next pass takes: ``max_calls``, or less after passes over
+        ``pass_budget`` (see :meth:`adapt_window`)."""
+        return self.max_calls if self._window is None else min(self._window, self.max_calls)
+
+    def adapt_window(self, seconds: float, calls_in_view: int) -> None:
+        """Size the next pass's window from this pass's ``seconds`` (view, policies and
+        enforcement: the policies' threads hold the GIL the scheduler needs too).
+
+        A pass's cost is a fixed part (every worker, the sessions touched since the last pass)
+        plus a part per call in view; at 2^18 live futures on 2,048 workers a 5,000-call window
+        made 60-70 ms passes. Over budget, with the window the binding limit, it is cut by a
+        fifth; under 80% of the budget it grows by an eighth. Calls left out are not lost: whole
+        worker queues rotate through the window across passes, so a smaller window means a
+        slower rotation (more passes to see every waiting call), not calls never seen. If the
+        fixed part alone exceeds the budget the window stays at ``MIN_WINDOW``."""
+        if self.pass_budget <= 0:
+            self._window = None
+            return
+        window = self.window
+        if seconds > self.pass_budget and calls_in_view >= window // 2:
+            self._window = max(min(self.MIN_WINDOW, self.max_calls), int(window * 0.8))
+        elif self._window is not None and seconds < 0.8 * self.pass_budget:
+            grown = window + max(window // 8, 16)
+            self._window = None if grown >= self.max_calls else grown
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -122,18 +156,18 @@ class ControlLoop:
         return self.watchdog.run_inline()
 
     def build_view(self) -> ClusterView:
-        """A snapshot for the policies; at most ``max_calls`` waiting calls.
+        """A snapshot for the policies; at most :attr:`window` waiting calls.
 
         Assembled from the plugin's incremental index (scheduler_plugin/view_index.py):
-        O(workers + sessions changed + ``max_calls``) per tick, whole worker queues rotating
+        O(workers + sessions changed + window) per tick, whole worker queues rotating
         across ticks. With ``incremental`` off (or a plugin without an index) it is rebuilt
         from scheduler state, the original O(live futures) scan."""
         now = time.time()
         draining = self.enforcer.drainer.drains
         index = getattr(self.plugin, "view_index", None)
         if self.incremental and index is not None:
-            return index.build(now, self.max_calls, draining)
-        return scan_view(self.plugin, now, self.max_calls, self._idle_since, draining)
+            return index.build(now, self.window, draining)
+        return scan_view(self.plugin, now, self.window, self._idle_since, draining)
 
     def stats(self) -> dict:
         """Pass timings (``tick_seconds_*``: on the event loop; ``policy_seconds_*``: the
@@ -143,6 +177,7 @@ class ControlLoop:
         pct = (lambda xs, q: xs[min(int(q * len(xs)), len(xs) - 1)] if xs else None)
         return {
             "running": self.running, "interval": self.interval, "ticks": self.ticks,
+            "window": self.window, "max_calls": self.max_calls, "pass_budget": self.pass_budget,
             "policies": list(self.policies), "tick_seconds_last": self.tick_seconds[-1] if ts else None,
             "tick_seconds_p50": pct(ts, 0.5), "tick_seconds_p99": pct(ts, 0.99),
             "tick_seconds_max": ts[-1] if ts else None,

@@ -474,6 +474,9 @@ class Watchdog:
                 on_loop += time.perf_counter() - t1
         ctl.ticks += 1
         ctl.tick_seconds.append(on_loop)
+        adapt = getattr(ctl, "adapt_window", None)
+        if adapt is not None:  # inline, on_loop already covers the policies
+            adapt(on_loop + in_policies if in_thread else on_loop, len(view.calls))
         policy_seconds = getattr(ctl, "policy_seconds", None)
         if policy_seconds is not None:
             policy_seconds.append(in_policies)

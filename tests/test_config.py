@@ -167,7 +167,7 @@ POSITIVE = ["client.batched-send-interval", "scheduler.batched-send-interval", "
             "dashboard.timeseries-window", "kv.tick", "kv.ttl-max", "llm.load-timeout",
             "scheduler.session-idle-timeout", "scheduler.admission.interval", "worker.fast-path.max-wait"]
 NON_NEGATIVE = ["scheduler.session-retention", "kv.prefetch-margin", "scheduler.session-grace",
-                "scheduler.instance-linger", "scheduler.admission.max-wait"]
+                "scheduler.instance-linger", "scheduler.admission.max-wait", "control.pass-budget"]
 
 
 @pytest.mark.parametrize("key", POSITIVE)

@@ -230,12 +230,12 @@ def test_binding_map_keeps_the_llm_affinity_in_step():
     b = BindingMap({("s1", "llm:coder"): "A", ("s1", "Dev"): "B"})
     b[("s2", "llm:coder")] = "C"
     b.setdefault(("s3", "llm:chat"), "D")
-    assert b.llm == {("s1", "coder"): "A", ("s2", "coder"): "C", ("s3", "chat"): "D"}
+    assert dict(b.llm) == {("s1", "coder"): "A", ("s2", "coder"): "C", ("s3", "chat"): "D"}
     del b[("s1", "llm:coder")]
     assert b.pop(("s2", "llm:coder")) == "C" and b.pop(("nope", "llm:x"), None) is None
-    assert b.llm == {("s3", "chat"): "D"} and dict(b) == {("s1", "Dev"): "B", ("s3", "llm:chat"): "D"}
+    assert dict(b.llm) == {("s3", "chat"): "D"} and dict(b) == {("s1", "Dev"): "B", ("s3", "llm:chat"): "D"}
     b.clear()
-    assert b.llm == {} and not b
+    assert dict(b.llm) == {} and not b
 
 
 def test_binding_map_indexes_bindings_by_worker():
@@ -246,7 +246,7 @@ def test_binding_map_indexes_bindings_by_worker():
     del b[("s1", "llm:coder")]
     b.pop(("s2", "Dev"))
     assert "A" not in b.by_worker and b.keys_on("B") == [("s1", "Dev")]
-    assert b.popitem() == (("s1", "Dev"), "B") and b.by_worker == {} and b.llm == {}
+    assert b.popitem() == (("s1", "Dev"), "B") and b.by_worker == {} and dict(b.llm) == {}
 
 
 def test_placed_map_and_tally_keep_their_indexes():
@@ -333,6 +333,100 @@ def test_balance_pools_match_the_linear_scan(data):
     assert list(LateBindingBalance(**opts)(view)) == list(ScanBalance(**opts)(view))
 
 
+# -- fast view constructors and the pass budget --------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_fast_constructors_build_what_the_dataclasses_build(data):
+    """``make_*_view`` (slots set through their descriptors) against the dataclasses' own
+    ``__init__``: equal objects of the same type, still frozen; a wrong number of values is
+    refused (a field added to a view without its call site fails here)."""
+    import dataclasses
+
+    import pytest
+
+    from dask_agents.scheduler_plugin import view as v
+
+    values = {str: st.text(max_size=5), "s?": st.none() | st.text(max_size=5), int: st.integers(-5, 10**6),
+              float: st.floats(allow_nan=False), "f?": st.none() | st.floats(allow_nan=False), bool: st.booleans(),
+              tuple: st.tuples(st.integers(), st.integers()), "t": st.lists(st.text(max_size=3), max_size=3).map(tuple),
+              "i?": st.none() | st.integers(1, 64)}
+    types = {"address": str, "nthreads": int, "processing": int, "running": int, "queued": "t", "models": "t",
+             "idle_since": "f?", "agents_ready": bool, "key": str, "component": str, "kind": str, "session": "s?",
+             "tenant": "s?", "worker": "s?", "priority": tuple, "created": float, "ready": "f?", "stateful": bool,
+             "model": "s?", "restricted": bool, "input_bytes": int, "batch_max": "i?", "id": str, "progress": int,
+             "open_calls": int, "state": str}
+    for cls, make in ((v.WorkerView, v.make_worker_view), (v.CallView, v.make_call_view),
+                      (v.SessionView, v.make_session_view)):
+        fs = dataclasses.fields(cls)
+        kwargs = {f.name: data.draw(values[types[f.name]]) for f in fs}
+        made = make(*kwargs.values())
+        assert made == cls(**kwargs) and type(made) is cls
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(made, fs[0].name, None)
+        with pytest.raises(TypeError, match=f"{cls.__name__} needs its {len(fs)} fields"):
+            make(*list(kwargs.values())[:-1])
+    with pytest.raises(TypeError, match="slotted dataclass without default_factory"):
+        v.fast_constructor(ClusterView)
+
+
+def test_a_pass_over_budget_narrows_the_window_and_every_waiting_call_is_still_seen():
+    """With a pass budget no pass can meet, the window falls to its floor; whole worker queues
+    still rotate through it, so every call waiting throughout is in some view; with the budget
+    off the window is max_calls again."""
+    em = cs.Emulation(64, seed=3)
+    em.fill(6000)
+    loop = em.plugin.control
+    loop.incremental = True
+    loop.max_calls = 1000
+    loop.pass_budget = 1e-9
+    waiting = {k for k in em.open if em.s.tasks[k].state in ("processing", "queued")
+               and not (em.s.tasks[k].state == "processing"
+                        and (em.s.tasks[k] in em.s.tasks[k].processing_on.executing
+                             or em.s.tasks[k] in em.s.tasks[k].processing_on.long_running))}
+    assert len(waiting) > 2 * loop.MIN_WINDOW
+    seen: set = set()
+    windows = []
+    for _ in range(60):
+        windows.append(loop.window)
+        view = loop.build_view()
+        # a window cuts between worker queues, never inside one (at most one whole queue over)
+        longest = max((len(w.queued) for w in view.workers.values()), default=0)
+        assert len([c for c in view.calls.values() if c.worker]) <= loop.window + longest
+        seen |= set(view.calls)
+        loop.adapt_window(1.0, len(view.calls))
+    assert windows[0] == 1000 and windows[-1] == loop.MIN_WINDOW and windows == sorted(windows, reverse=True)
+    assert waiting <= seen
+    loop.pass_budget = 10.0  # fast passes: it grows back, by steps, up to max_calls
+    grown = []
+    for _ in range(40):
+        loop.adapt_window(0.0, 0)
+        grown.append(loop.window)
+    assert grown[0] > loop.MIN_WINDOW and grown[-1] == 1000 and grown == sorted(grown)
+    loop.pass_budget = 1e-9
+    loop.adapt_window(1.0, 10)  # the window was not what made it slow (10 calls): not cut
+    assert loop.window == 1000
+    loop.adapt_window(1.0, 1000)
+    assert loop.window == 800
+    loop.pass_budget = 0.0
+    loop.adapt_window(1.0, 1000)
+    assert loop.window == 1000
+    loop.max_calls = 50  # an operator's lower bound wins at once
+    assert loop.window == 50
+
+
+def test_set_priority_takes_plain_and_numpy_numbers_and_refuses_the_rest():
+    import numpy as np
+    import pytest
+
+    from dask_agents.errors import AgentsError
+
+    assert SetPriority("k", (0, 1.5, np.int64(3), np.float32(2.0), -7)).priority[2] == 3
+    for bad in ((True, 1), (0, float("nan")), (0, float("inf")), (0, "1"), (0, None), (), (np.bool_(True),)):
+        with pytest.raises((AgentsError, TypeError, ValueError), match="priority"):
+            SetPriority("k", bad)
+
+
 # -- the benchmark itself, tiny -----------------------------------------------------------------
 
 def test_control_scale_smoke(tmp_path):
@@ -344,3 +438,7 @@ def test_control_scale_smoke(tmp_path):
     assert {r["mode"] for r in doc["passes"]} == {"incremental", "rebuild", "unbounded"}
     assert all(r["pass_ms_median"] > 0 and r["live_futures"] >= 256 for r in doc["passes"])
     assert (tmp_path / "control-scale.png").stat().st_size > 0
+    nested = doc["nested_fast_path"]  # nested fast-path calls while the scheduler held the background calls
+    assert nested["live_futures"] == 200 and nested["scheduler_tasks_while_loaded"] >= 200
+    assert nested["ratio_p50"] > 0 and nested["ratio_paired_round_medians"] > 0
+    assert {"idle_before", "loaded", "idle_after", "idle_cluster"} <= set(nested)
