@@ -115,7 +115,7 @@ class ClusterView:
             sessions=_read_only(sessions), components=MappingProxyType(components),
             kv_affinity=_read_only(kv_affinity or {}, copy=True), truncated=truncated,
             models=MappingProxyType(dict(models or {})), draining=frozenset(draining),
-            kv_tokens=MappingProxyType(dict(kv_tokens or {})),
+            kv_tokens=_read_only(kv_tokens or {}, copy=True),
         )
 
     def duration(self, component: str, default: float = 0.5) -> float:

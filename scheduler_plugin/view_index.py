@@ -344,11 +344,11 @@ class ViewIndex:
     ``build`` runs once per control tick. Its Python work is O(workers + sessions touched
     since the last tick + ``max_calls``), independent of the number of live futures. The
     policies read the view on other threads while these hooks keep mutating the index, so the
-    view must not share a mutable mapping with it: the live-session views and the LLM
-    bindings are immutable maps (``immutables.Map``, a hash array mapped trie: an update is
-    O(log n) and makes a new map sharing the rest), handed to the view as they are; copying
-    them as dicts took 10 ms of a 26 ms view at 24k live sessions (the copy touches every
-    entry). ``kv_tokens`` is small (sessions with context on their bound engine) and copied."""
+    view must not share a mutable mapping with it: the live-session views, the LLM bindings
+    and ``kv_tokens`` are immutable maps (``immutables.Map``, a hash array mapped trie: an
+    update is O(log n) and makes a new map sharing the rest), handed to the view as they are;
+    copying them as dicts took 10 ms of a 26 ms view at 24k live sessions (the copy touches
+    every entry)."""
 
     def __init__(self, plugin: Any):
         self.plugin = plugin
@@ -372,7 +372,7 @@ class ViewIndex:
         self.ring: OrderedDict[str, None] = OrderedDict()  # worker visiting order (carry-over)
         self.sessions: immutables.Map = immutables.Map()  # live (not completed) sessions -> SessionView
         # (session, model) -> context tokens held where the session's KV lives (kv_affinity)
-        self.kv_tokens: dict[tuple[str, str], int] = {}
+        self.kv_tokens: immutables.Map = immutables.Map()
         self._token_models: dict[str, tuple[str, ...]] = {}  # session -> models it has entries for
         self.idle_since: dict[str, float] = {}
         self.stats: Counter[str] = Counter()  # call views built, index entries healed
@@ -422,7 +422,8 @@ class ViewIndex:
         for sid, model in dropped_llm:
             if (sid, model) in affinity:
                 continue  # bound again meanwhile: its entry belongs to the new binding
-            if self.kv_tokens.pop((sid, model), None) is not None:
+            if (sid, model) in self.kv_tokens:
+                self.kv_tokens = self.kv_tokens.delete((sid, model))
                 ms = tuple(m for m in self._token_models.get(sid, ()) if m != model)
                 if ms:
                     self._token_models[sid] = ms
@@ -488,9 +489,10 @@ class ViewIndex:
         n = len(touched)
         if not n:
             return 0
-        sessions = self.sessions.mutate()  # the map a view holds stays as it was
+        # the maps a view holds stay as they were
+        sessions, kv_tokens = self.sessions.mutate(), self.kv_tokens.mutate()
         affinity = _affinity(self.plugin)
-        kv_tokens, token_models = self.kv_tokens, self._token_models
+        token_models = self._token_models
         while touched:
             sid = touched.pop()
             r = state.sessions.get(sid)
@@ -507,7 +509,7 @@ class ViewIndex:
                     kv_tokens[(sid, m)] = ctx[m]
                 if ms:
                     token_models[sid] = ms
-        self.sessions = sessions.finish()
+        self.sessions, self.kv_tokens = sessions.finish(), kv_tokens.finish()
         return n
 
     # -- one tick ---------------------------------------------------------------------------

@@ -415,6 +415,40 @@ def test_a_pass_over_budget_narrows_the_window_and_every_waiting_call_is_still_s
     assert loop.window == 50
 
 
+def test_a_view_does_not_change_with_what_happens_after_it():
+    """Policies read a view on other threads while the hooks go on: nothing the index does
+    after building a view (sessions touched, a session's context growing, an LLM binding
+    made or lost with its worker) may show through the view's sessions, ``kv_affinity`` or
+    ``kv_tokens`` (the immutable maps are handed over without a copy)."""
+    em = cs.Emulation(16, seed=5)
+    em.fill(800)
+    p, idx = em.plugin, em.plugin.view_index
+    idx.sync_sessions()
+    bound = [k for k in p.bindings.llm.keys() if k[0] in idx.sessions]
+    assert bound, "the emulation binds sessions to engines"
+    sid, model = bound[0]
+    p.state.sessions[sid].context_tokens[model] = 1234
+    p.state.touched.add(sid)
+    view = idx.build(time.time(), BIG, ())
+    assert view.kv_tokens[(sid, model)] == 1234
+    fields = ("sessions", "kv_affinity", "kv_tokens")
+    before = {f: dict(getattr(view, f)) for f in fields}
+    em.churn(300)
+    for _ in range(10):
+        em.add_session()
+    p.state.sessions[sid].context_tokens[model] = 4321
+    p.state.touched.add(sid)
+    idx.sync_sessions()
+    assert idx.kv_tokens[(sid, model)] == 4321
+    p.bindings[("s-new", f"llm:{cs.MODEL}")] = p.bindings.llm[(sid, model)]
+    worker = p.bindings.llm[(sid, model)]
+    del p.bindings[(sid, f"llm:{model}")]
+    idx.on_worker_removed(worker, [(sid, model)])
+    assert (sid, model) not in idx.kv_tokens and (sid, model) not in p.bindings.llm
+    idx.build(time.time(), BIG, ())
+    assert {f: dict(getattr(view, f)) for f in fields} == before
+
+
 def test_set_priority_takes_plain_and_numpy_numbers_and_refuses_the_rest():
     import numpy as np
     import pytest
