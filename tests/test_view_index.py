@@ -449,6 +449,31 @@ def test_a_view_does_not_change_with_what_happens_after_it():
     assert {f: dict(getattr(view, f)) for f in fields} == before
 
 
+def test_each_call_view_says_what_its_record_and_task_say():
+    """The views are built positionally (``make_call_view``): each field must come from where
+    it should (a swapped pair would be equally wrong in the incremental and rebuilt views)."""
+    em = cs.Emulation(16, seed=9)
+    em.fill(600)
+    p = em.plugin
+    view = p.view_index.build(time.time(), BIG, ())
+    assert view.calls and view.sessions
+    for cv in view.calls.values():
+        rec, ts = p.state.calls[cv.key], em.s.tasks[cv.key]
+        assert (cv.key, cv.component, cv.kind, cv.session, cv.model, cv.stateful, cv.batch_max) == (
+            rec.key, rec.component, rec.kind, rec.session, rec.model, rec.stateful, rec.batch_max)
+        assert (cv.created, cv.ready, cv.priority) == (rec.created, rec.ready, ts.priority)
+        assert cv.worker == (ts.processing_on.address if ts.state == "processing" else None)
+        assert cv.tenant == (p.state.sessions[rec.session].tenant if rec.session else None)
+    for address, wv in view.workers.items():
+        ws = em.s.workers[address]
+        assert (wv.address, wv.nthreads, wv.processing) == (address, ws.nthreads, len(ws.processing))
+        assert wv.agents_ready == (address in p.ready_workers)
+    for sid, sv in view.sessions.items():
+        r = p.state.sessions[sid]
+        assert (sv.id, sv.tenant, sv.created, sv.progress, sv.open_calls, sv.state) == (
+            r.id, r.tenant, r.created, r.progress, r.open_calls, r.state)
+
+
 def test_set_priority_takes_plain_and_numpy_numbers_and_refuses_the_rest():
     import numpy as np
     import pytest
