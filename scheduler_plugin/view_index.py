@@ -161,7 +161,7 @@ class BindingMap(_IndexedDict):
             self._unindex(key, old)
         self.by_worker.setdefault(value, {})[key] = None
         k = self._llm_key(key)
-        if k is not None:
+        if k is not None and self.llm.get(k, _ABSENT) != value:  # a rebind to the same worker: no new map
             self.llm = self.llm.set(k, value)
 
 
