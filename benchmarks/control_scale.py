@@ -355,7 +355,7 @@ class Emulation:
 
     def _complete(self, sid: str) -> None:
         """The driver got its answer: it leaves the session and releases its futures."""
-        self.plugin._close(sid, time.time())
+        self.plugin.sessions.close(sid, time.time())
         for key in self.session_keys.pop(sid):
             ts = self.s.tasks.pop(key)
             self.transition(ts, "forgotten")

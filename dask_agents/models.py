@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Literal
+from typing import Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +20,22 @@ STATE_COLORS = {
 
 DRIVER = "driver"
 """Creator of calls made by the user's program rather than by another call."""
+
+
+class CallReport(TypedDict):
+    """A fast-path call's record: what a worker's local controller sends in its report batches
+    (``worker_plugin/local.py``) and what the scheduler's collaborators get once it is checked
+    (``scheduler_plugin/validate.local_call``). One type on both sides; a plain mapping on the
+    wire. ``state`` is Dask's task state (``processing``, ``memory``, ``erred``, ``cancelled``);
+    times are ``time.time()`` on the worker."""
+
+    key: str
+    ann: dict[str, Any]  # the call's ``agents`` annotation (CallMeta's fields and routing hints)
+    state: str
+    started: float | None
+    finished: float | None
+    error: NotRequired[str | None]  # erred: the error's text
+    metrics: NotRequired[dict[str, Any] | None]  # tokens, cache hits, timings of the body
 
 
 class CallMeta(BaseModel):

@@ -65,12 +65,17 @@ import math
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask_agents.config as agents_config
 from dask_agents.stats import percentile
 
 from dask_agents.scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin.roster import Roster, model_bounds
+from dask_agents.scheduler_plugin.state import WorkflowState
+
+if TYPE_CHECKING:
+    from dask_agents.scheduler_plugin.placement import Placement
 
 HELD = "inproc://dask-agents-held-llm-call"
 TOPIC = "agents-admission"
@@ -141,8 +146,10 @@ class Admission:
 
     SHORT = 0.9  # an engine this full (slots, or KV limit) makes its model short: see short()
 
-    def __init__(self, plugin: Any):
-        self.plugin = plugin
+    def __init__(self, roster: Roster, state: WorkflowState, placement: "Placement"):
+        self.roster = roster
+        self.state = state
+        self.placement = placement  # binds the calls admitted (and lists an engine's candidates)
         self.enabled = bool(agents_config.get("scheduler.admission.enabled", True))
         self.max_wait = agents_config.seconds("scheduler.admission.max-wait")
         self.kv_target = float(agents_config.get("scheduler.admission.kv-target", 0.9))
@@ -208,7 +215,7 @@ class Admission:
         return int(self.shared.get(model, 0)) // self.block_size.get(model, 16)
 
     def _live(self, sid: str) -> bool:
-        s = self.plugin.state.sessions.get(sid)
+        s = self.state.sessions.get(sid)
         return s is not None and s.state != "completed"
 
     def resident(self, room: EngineRoom) -> int:
@@ -234,7 +241,7 @@ class Admission:
         sessions) for the rest (``rooms`` caches each engine's resident blocks for the caller)."""
         if self.held_by_model[model] > 0:
             return True
-        for w in self.plugin.model_workers.get(model, ()):
+        for w in self.roster.hosts.get(model, ()):
             r = self.engines.get((w, model))
             if r is None:
                 continue
@@ -261,7 +268,7 @@ class Admission:
         if budget > self.tokens.get(sk, 0):
             self.tokens[sk] = budget
         h = HeldCall(rec.key, rec.session, model, rec.component, time.time(), budget)
-        creator = self.plugin.state.calls.get(rec.creator)
+        creator = self.state.calls.get(rec.creator)
         h.near = creator.worker if creator is not None and creator.state in ("processing", "running") else None
         rooms: dict = {}
         loose = self.step_aside and not self.short(model, rooms)
@@ -342,9 +349,9 @@ class Admission:
 
     def on_models(self) -> None:
         """Engines appeared or went (a worker's hosted models changed)."""
-        hosting = self.plugin.model_workers
+        hosting = self.roster.hosts
         self.starting = {(w, m) for w, m in self.starting if w not in hosting.get(m, ())
-                         and dask_compat.has_worker(self.plugin.scheduler, w)}
+                         and self.roster.alive(w)}
         if self.held:
             self._soon()
 
@@ -392,7 +399,7 @@ class Admission:
         h = self.held.get(key)
         if h is None:
             return "not held"
-        if target not in self.plugin._candidates(h.model, h.component):
+        if target not in self.placement.candidates(h.model, h.component):
             return f"{target} does not host model {h.model!r}"
         h.target = target
         self.counts["policy_targets"] += 1
@@ -424,18 +431,17 @@ class Admission:
         a new session fits with its pending call's needs."""
         if loose:
             new_blocked = False
-        p = self.plugin
         sk = (h.session, h.model)
         admitted = self.admitted_on.get(sk)
         if h.target is None and admitted is not None and (
-                (admitted, h.model) in self.starting or p._bound_ok(admitted, h.model, h.component)):
+                (admitted, h.model) in self.starting or self.placement.bound_ok(admitted, h.model, h.component)):
             # the common case, in O(1): a call of a session on a healthy engine (listing the
             # candidates is O(workers): not per call on the scheduler's event loop)
             return self._on_admitted(h, admitted, now, rooms, waiting_on)
         waited = now - h.since
         if admitted is None and h.target is None and new_blocked and waited < self.max_wait:
             return None  # new sessions queue behind the one that waits (checked before any listing)
-        candidates = p._candidates(h.model, h.component)
+        candidates = self.placement.candidates(h.model, h.component)
         if not candidates:
             return None
         if h.target is not None:
@@ -479,7 +485,7 @@ class Admission:
         if waiting_on is None or now - h.since <= self.peak.get((h.session, h.model), 0) / self.prefill_rate:
             return None
         if candidates is None:
-            candidates = self.plugin._candidates(h.model, h.component)
+            candidates = self.placement.candidates(h.model, h.component)
         alt = self._roomiest(h, [w for w in candidates if w != admitted and not waiting_on[w]], rooms)
         if alt is not None:
             self.counts["rebound"] += 1
@@ -499,19 +505,18 @@ class Admission:
     def _spare(self, model: str, candidates: list[str]) -> list[str]:
         """Ready workers without an engine of lazily loaded ``model`` where a new session may
         start one (none sent there yet), while the model has fewer than ``max-replicas``."""
-        p = self.plugin
-        hosting = p.model_workers.get(model)
+        hosting = self.roster.hosts.get(model)
         if model in self.explicit or not hosting:  # placed by the user, or nothing hosts it yet (any worker)
             return []
         if self._bounds is None:
-            self._bounds = p.model_bounds()
+            self._bounds = model_bounds()
         most = self._bounds.get(model, (1, None))[1]
         engines = len(hosting) + sum(1 for _w, m in self.starting if m == model)
         if most is not None and engines >= most:
             return []
-        return [w for w in p.ready_workers if w not in hosting and w not in candidates
+        return [w for w in self.roster.ready if w not in hosting and w not in candidates
                 and (w, model) not in self.starting and not getattr(self.engines.get((w, model)), "sessions", None)
-                and dask_compat.has_worker(p.scheduler, w)]
+                and self.roster.alive(w)]
 
     def _roomiest(self, h: HeldCall, workers: list[str], rooms: dict, loose: bool = False) -> str | None:
         """Of ``workers``, the engine with a free slot where the session fits with the most KV
@@ -528,7 +533,7 @@ class Admission:
                 continue
             cap = r.capacity or default
             free = 1.0 - self._resident(r, rooms) / (self.kv_target * r.factor * cap) if cap else 1.0
-            key = (round(free, 6), -len(r.sessions), -len(r.inflight), -self.plugin.assigned.get(w, 0))
+            key = (round(free, 6), -len(r.sessions), -len(r.inflight), -self.placement.assigned.get(w, 0))
             if best_key is None or key > best_key:
                 best, best_key = w, key
         return best
@@ -538,7 +543,6 @@ class Admission:
         return min(ok, key=lambda w: self._resident(self.room(w, h.model), rooms), default=None)
 
     def _bind(self, h: HeldCall, ts: Any, worker: str, rooms: dict) -> None:
-        p = self.plugin
         sk = (h.session, h.model)
         r = self.room(worker, h.model)
         old = self.admitted_on.get(sk)
@@ -556,11 +560,11 @@ class Admission:
             if old is None:
                 self.recent.append(Admitted(time.time(), h.session, h.model, worker, waited, h.note))
                 if h.note:
-                    dask_compat.add_event(p.scheduler, TOPIC, {"action": "admitted", "session": h.session,
+                    dask_compat.add_event(self.roster.scheduler, TOPIC, {"action": "admitted", "session": h.session,
                                                                "model": h.model, "worker": worker,
                                                                "waited_s": round(waited, 3), "note": h.note})
         # the session's binding (its later calls, its KV, the placement hint) follows
-        p._place(ts, h.session, f"llm:{h.model}", [worker])
+        self.placement.place(ts, h.session, f"llm:{h.model}", [worker])
         r.inflight.add(h.key)
         self.bound_to[h.key] = (worker, h.model)
         self.counts["bound"] += 1
@@ -578,9 +582,9 @@ class Admission:
         return h
 
     def _soon(self) -> None:
-        if not self._pump_soon and self.plugin.scheduler is not None:
+        if not self._pump_soon and self.roster.scheduler is not None:
             self._pump_soon = True
-            self.plugin.scheduler.loop.add_callback(self.pump)
+            self.roster.soon(self.pump)
 
     def pump(self) -> int:
         """Bind every held call that can bind now, in priority order; returns how many."""
@@ -588,7 +592,7 @@ class Admission:
         if not self.held:
             self._blocked = set()
             return 0
-        s = self.plugin.scheduler
+        s = self.roster.scheduler
         now = time.time()
         ready = []
         for key, h in list(self.held.items()):
@@ -662,9 +666,9 @@ class Admission:
         if not (force or self.open.get(model)):
             return  # nothing of it is out: nothing to withdraw or add
         self._lease_dirty.add(worker)
-        if not self._lease_soon and self.plugin.scheduler is not None:
+        if not self._lease_soon and self.roster.scheduler is not None:
             self._lease_soon = True
-            self.plugin.scheduler.loop.add_callback(self.push_leases)
+            self.roster.soon(self.push_leases)
 
     def leases_of(self, worker: str) -> dict[str, list[str]]:
         """``worker``'s lease: model -> the sessions admitted to its engine of it, for each
@@ -675,7 +679,7 @@ class Admission:
         """Send the changed leases (each worker's whole lease: it replaces the last one)."""
         self._lease_soon = False
         dirty, self._lease_dirty = self._lease_dirty, set()
-        s = self.plugin.scheduler
+        s = self.roster.scheduler
         for w in dirty:
             if dask_compat.has_worker(s, w):
                 dask_compat.send_to_worker(s, w, {"op": LEASE_OP, "leases": self.leases_of(w)})

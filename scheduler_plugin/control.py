@@ -1,6 +1,7 @@
 """The global control loop: a pass every ``agents.control.interval`` on the scheduler, off the
-critical path, run and supervised by :mod:`dask_agents.scheduler_plugin.watchdog` (policies in threads,
-restart of a dead or stalled loop). ``tick`` is the same pass run inline, for tests and tools.
+critical path (:meth:`ControlLoop.run_pass`: policies in threads), its task supervised by
+:mod:`dask_agents.scheduler_plugin.watchdog` (restart of a dead or stalled loop; policy timeouts,
+quarantine and backoff). ``tick`` is the same pass run inline, for tests and tools.
 
 Each pass builds a read-only :class:`~dask_agents.scheduler_plugin.view.ClusterView` (bounded by
 ``agents.control.max-calls-per-tick``), runs every enabled policy, and hands their
@@ -16,19 +17,21 @@ delays every other scheduler operation; and ``policy_seconds``, the policies' ow
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import time
 from collections import Counter, deque
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from distributed.utils import import_term
 
 import dask_agents.config as agents_config
 from dask_agents.scheduler_plugin.actions import Action
-from dask_agents.scheduler_plugin.enforce import Enforcer
+from dask_agents.scheduler_plugin.enforce import ControlHost, Enforcer
 from dask_agents.scheduler_plugin.view import ClusterView
 from dask_agents.scheduler_plugin.view_index import scan_view
-from dask_agents.scheduler_plugin.watchdog import Watchdog
+from dask_agents.scheduler_plugin.watchdog import Watchdog, consume, run_policy
 
 logger = logging.getLogger(__name__)
 Policy = Callable[[ClusterView], Iterable[Action]]
@@ -65,10 +68,10 @@ class ControlLoop:
 
     NAME = "dask-agents-control"
 
-    def __init__(self, plugin: Any, policies: dict[str, Policy] | None = None):
-        self.plugin = plugin
+    def __init__(self, host: ControlHost, policies: dict[str, Policy] | None = None):
+        self.host = host  # the scheduler plugin, as the loop and its enforcement see it
         self.policies = load_policies() if policies is None else policies
-        self.enforcer = Enforcer(plugin)
+        self.enforcer = Enforcer(host)
         self.interval = agents_config.seconds("control.interval")
         self.max_calls = int(agents_config.get("control.max-calls-per-tick"))
         # Pass budget: a pass that ran longer than this takes fewer waiting calls next time
@@ -88,7 +91,8 @@ class ControlLoop:
         self._idle_since: dict[str, float] = {}
         self.incremental = True  # build views from the plugin's ViewIndex (False: full rescan)
         self.view_seconds: deque[float] = deque(maxlen=1000)  # the view-building part of each pass
-        # runs the loop as a supervised task, policies off the event loop (scheduler_plugin/watchdog.py)
+        self._lock = asyncio.Lock()  # one pass at a time: the loop's, run_once's
+        # runs the loop as a supervised task and watches the policies (scheduler_plugin/watchdog.py)
         self.watchdog = Watchdog(self)
 
     MIN_WINDOW = 256  # the window is never cut below this many calls
@@ -146,28 +150,116 @@ class ControlLoop:
         self._idle_since.clear()
 
     # -- one pass -------------------------------------------------------------------------
+    def in_pass(self) -> bool:
+        """Whether a threaded pass is running now (the loop's or ``run_once``'s)."""
+        return self._lock.locked()
+
+    async def run_pass(self) -> dict:
+        """One pass: view on the event loop, policies in threads (bounded wait), enforcement on
+        the event loop. Passes are serialised (the loop's and ``run_once``'s). Returns the
+        summary described in :meth:`_finish`."""
+        if self.watchdog.closed:
+            raise RuntimeError("dask-agents: the control loop was closed")
+        async with self._lock:
+            return await self._threaded_pass()
+
+    async def _threaded_pass(self) -> dict:
+        wd = self.watchdog
+        t0 = time.perf_counter()
+        view, eligible, skipped = self._prepare()
+        on_loop = time.perf_counter() - t0
+        if wd.closed:
+            raise RuntimeError("dask-agents: the control loop was closed")
+        submitted = time.monotonic()
+        mine = {name: wd.launch(name, policy, view, self.max_actions) for name, policy in eligible.items()}
+        # the view is built (however long that took): from now on the clock is the policies'
+        wd.expect(wd.policy_timeout + wd.stall_timeout, "policies")
+        try:
+            if mine:
+                waits = [asyncio.wrap_future(f) for f in mine.values()]
+                for w in waits:
+                    w.add_done_callback(consume)
+                await asyncio.wait(waits, timeout=wd.policy_timeout)
+        except BaseException:
+            wd.abandon(mine, submitted)
+            raise
+        wd.collected(mine)
+        wd.expect(wd.stall_timeout, "enforce")
+        return self._finish(view, mine, skipped, on_loop, in_thread=True)
+
     def tick(self) -> dict:
         """One pass inline on the calling thread: build the view, call the policies, enforce.
 
-        The same pass as the running loop's (:meth:`Watchdog.run_inline`, sharing its error
-        reporting, quarantine and timings), with the policies called here instead of in
-        threads; a policy quarantined by the loop or running in one of its threads is skipped.
-        Returns the pass's summary (``seconds`` is the whole pass: it all ran on this thread)."""
-        return self.watchdog.run_inline()
+        The same pass as the running loop's (sharing its error reporting, quarantine and
+        timings), with the policies called here instead of in threads; a policy quarantined by
+        the loop or running in one of its threads is skipped. Returns the pass's summary
+        (``seconds`` is the whole pass: it all ran on this thread). For tests and tools."""
+        t0 = time.perf_counter()
+        view, eligible, skipped = self._prepare()
+        outcomes: dict[str, concurrent.futures.Future] = {}
+        for name, policy in eligible.items():
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                fut.set_result(run_policy(policy, view, self.max_actions))
+            except Exception as e:  # reported by _finish, as for a policy thread
+                fut.set_exception(e)
+            outcomes[name] = fut
+        # all of it ran on this thread: the caller's loop was blocked for the whole pass
+        return self._finish(view, outcomes, skipped, time.perf_counter() - t0, in_thread=False)
+
+    def _prepare(self) -> tuple[ClusterView, dict[str, Policy], list[str]]:
+        """Start of a pass: drains, the view; the policies to call now (the watchdog's say)."""
+        t0 = time.perf_counter()
+        self.enforcer.settle()
+        self.enforcer.drainer.progress()
+        view = self.build_view()
+        self.view_seconds.append(time.perf_counter() - t0)
+        eligible, skipped = self.watchdog.eligible(self.policies)
+        return view, eligible, skipped
+
+    def _finish(self, view: ClusterView, outcomes: dict[str, concurrent.futures.Future], skipped: list[str],
+                on_loop: float, in_thread: bool) -> dict:
+        """End of a pass: report errors and timeouts, apply the actions, record the timings.
+
+        The summary: ``tick``, ``seconds`` (= ``on_loop_seconds``: the time the pass held the
+        event loop, which is what delays the scheduler; also recorded in ``tick_seconds``),
+        ``policy_seconds`` (the policies' own run time, in their threads for the running loop;
+        recorded in ``policy_seconds``), ``view_seconds``, ``applied`` (policy -> actions that
+        were accepted), ``skipped`` (quarantined, still running or backing off), ``calls_in_view``,
+        ``truncated``."""
+        applied: dict[str, int] = {}
+        in_policies = 0.0
+        for name, fut in outcomes.items():
+            result = self.watchdog.outcome(name, fut)
+            if result is None:  # timed out or raised: reported; earlier decisions stand
+                continue
+            actions, seconds = result
+            in_policies += seconds
+            t1 = time.perf_counter()
+            applied[name] = self.enforcer.apply(actions, name)
+            if in_thread:  # inline, on_loop already covers the whole pass
+                on_loop += time.perf_counter() - t1
+        self.ticks += 1
+        self.tick_seconds.append(on_loop)
+        # inline, on_loop already covers the policies
+        self.adapt_window(on_loop + in_policies if in_thread else on_loop, len(view.calls))
+        self.policy_seconds.append(in_policies)
+        return {"tick": self.ticks, "seconds": on_loop, "on_loop_seconds": on_loop, "policy_seconds": in_policies,
+                "view_seconds": self.view_seconds[-1] if self.view_seconds else None, "applied": applied,
+                "skipped": skipped, "calls_in_view": len(view.calls), "truncated": view.truncated}
 
     def build_view(self) -> ClusterView:
         """A snapshot for the policies; at most :attr:`window` waiting calls.
 
         Assembled from the plugin's incremental index (scheduler_plugin/view_index.py):
         O(workers + sessions changed + window) per tick, whole worker queues rotating
-        across ticks. With ``incremental`` off (or a plugin without an index) it is rebuilt
+        across ticks. With ``incremental`` off it is rebuilt
         from scheduler state, the original O(live futures) scan."""
         now = time.time()
         draining = self.enforcer.drainer.drains
-        index = getattr(self.plugin, "view_index", None)
-        if self.incremental and index is not None:
-            return index.build(now, self.window, draining)
-        return scan_view(self.plugin, now, self.window, self._idle_since, draining)
+        if self.incremental:
+            return self.host.view_index.build(now, self.window, draining)
+        return scan_view(self.host.view_sources, now, self.window, self._idle_since, draining)
 
     def stats(self) -> dict:
         """Pass timings (``tick_seconds_*``: on the event loop; ``policy_seconds_*``: the

@@ -33,7 +33,7 @@ import html
 import logging
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask_agents.scheduler_plugin import dask_compat
 from dask_agents.scheduler_plugin.dashboard_data import (
@@ -49,6 +49,9 @@ from dask_agents.scheduler_plugin.dashboard_data import (
 from dask_agents.scheduler_plugin.state import TERMINAL
 from dask_agents.scheduler_plugin.timeseries import COLUMNS as TIMESERIES_COLUMNS
 
+if TYPE_CHECKING:
+    from dask_agents.scheduler_plugin.plugin import AgentsSchedulerPlugin
+
 TS_COLUMNS = (*TIMESERIES_COLUMNS, "t_ms")  # t_ms: the sample's time for Bokeh's datetime axis
 
 logger = logging.getLogger(__name__)
@@ -62,7 +65,7 @@ TEXT_EVERY_S = 5.0
 class Dashboard:
     """The Agents page of one scheduler plugin: its Bokeh application and its cost."""
 
-    def __init__(self, plugin: Any, prefix: str):
+    def __init__(self, plugin: "AgentsSchedulerPlugin", prefix: str):
         self.plugin = plugin
         self.prefix = prefix
         self.model = DashboardModel(plugin)
@@ -113,7 +116,7 @@ class Dashboard:
             self.app = None
 
 
-def install(plugin: Any) -> Dashboard | None:
+def install(plugin: "AgentsSchedulerPlugin") -> Dashboard | None:
     """Serve the Agents page from ``plugin``'s scheduler; None if Dask's dashboard is off.
 
     Never raises: a dashboard problem must not keep the plugin (and the cluster) from starting."""
@@ -161,7 +164,7 @@ def _document(ref: Any, scheduler: Any, extra: dict, doc: Any) -> None:
         p.update()
 
     doc.add_periodic_callback(tick, int(dash.model.interval * 1000))
-    doc._agents_page = page  # keep the page alive as long as its document  # noqa: SLF001
+    doc._agents_page = page  # keep the page alive as long as its document (ours, on a Bokeh object)
     dash.documents += 1
 
     def destroyed(ctx: Any) -> None:

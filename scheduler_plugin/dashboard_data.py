@@ -14,12 +14,15 @@ import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask_agents.config as agents_config
 from dask_agents.scheduler_plugin import dask_compat
 from dask_agents.models import STATE_COLORS  # (the page's legend and node colours)
 from dask_agents.scheduler_plugin.metrics import TIERS, engine_records, queue_counts
+
+if TYPE_CHECKING:
+    from dask_agents.scheduler_plugin.plugin import AgentsSchedulerPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +229,7 @@ def pick_bottleneck(candidates: dict[str, dict], current: str | None,
 class DashboardModel:
     """Snapshots of one plugin for the page(s); shared by every open page."""
 
-    def __init__(self, plugin: Any):
+    def __init__(self, plugin: "AgentsSchedulerPlugin"):
         self.plugin = plugin
         self.interval = agents_config.seconds("dashboard.update-interval")
         self.max_sessions = int(agents_config.get("dashboard.max-sessions"))

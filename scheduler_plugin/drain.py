@@ -20,8 +20,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dask_agents.annotation import component_name
 from dask_agents.scheduler_plugin import dask_compat
 from dask_agents.scheduler_plugin.actions import Reassign
+from dask_agents.scheduler_plugin.placement import Placement
+from dask_agents.scheduler_plugin.roster import Roster
+from dask_agents.scheduler_plugin.state import WorkflowState
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +44,13 @@ class Drain:
 class Drainer:
     """Runs drains for the scheduler plugin."""
 
-    def __init__(self, plugin: Any, move: Callable[[Any, str, str], str | None], timeout: float = 120.0):
-        self.plugin = plugin
+    def __init__(self, roster: Roster, state: WorkflowState, placement: Placement,
+                 set_worker_models: Callable[[str, list[str]], None],
+                 move: Callable[[Any, str, str], str | None], timeout: float = 120.0):
+        self.roster = roster
+        self.state = state
+        self.placement = placement  # its open-call counts spread the moved calls
+        self.set_worker_models = set_worker_models  # the plugin's: a swapped worker's models
         # the enforcer's move: checked against its invariants, recorded once Dask confirms it
         self.move = move
         self.timeout = timeout
@@ -51,16 +60,15 @@ class Drainer:
 
     def begin(self, a: Reassign) -> str | None:
         """Start draining ``a.worker``; returns why not (None when started)."""
-        p = self.plugin
         if a.worker in self.drains:
             return "already draining"
-        if not dask_compat.has_worker(p.scheduler, a.worker) or a.worker not in p.ready_workers:
+        if not self.roster.alive(a.worker) or a.worker not in self.roster.ready:
             return "unknown worker"
-        hosts = p.model_workers.get(a.source, set())
+        hosts = self.roster.hosts.get(a.source, set())
         if a.worker not in hosts:
             return f"worker does not serve {a.source}"
-        others = [w for w in hosts if w != a.worker and dask_compat.has_worker(p.scheduler, w)]
-        if not others and p.state.open_per_component.get(p.component_of(a.source), 0) > 0:
+        others = [w for w in hosts if w != a.worker and self.roster.alive(w)]
+        if not others and self.state.open_per_component.get(component_name(a.source), 0) > 0:
             return f"last replica of {a.source} with calls open"
         hosts.discard(a.worker)  # 1. stop routing
         self.drains[a.worker] = Drain(a.worker, a.source, a.target, time.time())
@@ -69,11 +77,11 @@ class Drainer:
 
     def _source_calls(self, d: Drain) -> tuple[list, list]:
         """(waiting, running) tasks of the source model on the drained worker."""
-        waiting, started = dask_compat.assigned_to_worker(self.plugin.scheduler, d.worker)
+        waiting, started = dask_compat.assigned_to_worker(self.roster.scheduler, d.worker)
         return [ts for ts in waiting if self._is_source(ts, d)], [ts for ts in started if self._is_source(ts, d)]
 
     def _is_source(self, ts: Any, d: Drain) -> bool:
-        rec = self.plugin.state.calls.get(dask_compat.task_key(ts))
+        rec = self.state.calls.get(dask_compat.task_key(ts))
         return rec is not None and rec.model == d.source
 
     def _move_waiting(self, d: Drain, others: list[str]) -> None:
@@ -82,7 +90,7 @@ class Drainer:
         # moves count on the thieves once confirmed: spread this round's requests meanwhile
         asked: Counter[str] = Counter()
         for ts in self._source_calls(d)[0]:
-            thief = min(others, key=lambda w: self.plugin.open_placed[(w, f"llm:{d.source}")] + asked[w])
+            thief = min(others, key=lambda w: self.placement.open_placed[(w, f"llm:{d.source}")] + asked[w])
             if self.move(ts, d.worker, thief) is None:
                 asked[thief] += 1
 
@@ -93,10 +101,10 @@ class Drainer:
             if d.phase == "draining":
                 waiting, running = self._source_calls(d)
                 if waiting:  # a call slipped in (or a move was refused): try again
-                    self._move_waiting(d, [w for w in self.plugin.model_workers.get(d.source, ())])
+                    self._move_waiting(d, [w for w in self.roster.hosts.get(d.source, ())])
                 elif not running:
                     d.phase = "swapping"  # 3. drained
-                    self.plugin.scheduler.loop.add_callback(self._swap, d)
+                    self.roster.soon(self._swap, d)
                     continue
                 if now - d.started > self.timeout:
                     self._rollback(d, "timed out draining")
@@ -104,26 +112,25 @@ class Drainer:
                 del self.drains[d.worker]
 
     async def _swap(self, d: Drain) -> None:
-        p = self.plugin
         try:
-            hosted = await p.scheduler.rpc(d.worker).agents_swap_model(remove=d.source, add=d.target)  # 4.
+            hosted = await self.roster.scheduler.rpc(d.worker).agents_swap_model(remove=d.source, add=d.target)  # 4.
         except Exception as e:
             logger.warning("dask-agents: swapping %s on %s failed: %s", d.target, d.worker, e)
             self._rollback(d, f"swap failed: {e}")
             return
-        p.set_worker_models(d.worker, list(hosted))  # 5. kick: new calls route here
+        self.set_worker_models(d.worker, list(hosted))  # 5. kick: new calls route here
         d.phase = "done"
         self.completed += 1
-        dask_compat.add_event(p.scheduler, "agents-control", {
+        dask_compat.add_event(self.roster.scheduler, "agents-control", {
             "action": "reassign-done", "worker": d.worker, "source": d.source, "target": d.target,
             "seconds": time.time() - d.started})
 
     def _rollback(self, d: Drain, why: str) -> None:
         d.phase = "failed"
         self.failed += 1
-        if dask_compat.has_worker(self.plugin.scheduler, d.worker):
-            self.plugin.model_workers[d.source].add(d.worker)
-        dask_compat.add_event(self.plugin.scheduler, "agents-control", {
+        if self.roster.alive(d.worker):
+            self.roster.hosts[d.source].add(d.worker)
+        dask_compat.add_event(self.roster.scheduler, "agents-control", {
             "action": "reassign-failed", "worker": d.worker, "source": d.source, "target": d.target, "why": why})
 
     def stats(self) -> dict:

@@ -31,11 +31,18 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 from dask_agents.scheduler_plugin import dask_compat
 from dask_agents.scheduler_plugin.actions import Action, ActionError, Kill, Migrate, Provision, Reassign, Route, SetPriority, kind
 from dask_agents.scheduler_plugin.drain import Drainer
+
+if TYPE_CHECKING:
+    from dask_agents.scheduler_plugin.admission import Admission
+    from dask_agents.scheduler_plugin.placement import Placement
+    from dask_agents.scheduler_plugin.roster import Roster
+    from dask_agents.scheduler_plugin.state import WorkflowState
+    from dask_agents.scheduler_plugin.view_index import ViewIndex, ViewSources
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +73,32 @@ class PendingMove:
     record: dict | None  # the policy's decision; None for a move of the drain protocol
 
 
+class ControlHost(Protocol):
+    """What the control loop and its enforcement need of the scheduler plugin: the shared state
+    views are built from and actions are checked against, and the plugin's operations that
+    actions turn into (it is their event router: each also tells the observers)."""
+
+    roster: "Roster"
+    state: "WorkflowState"
+    placement: "Placement"
+    admission: "Admission"
+    view_index: "ViewIndex"
+    view_sources: "ViewSources"
+
+    def push_routes(self, workers: list[str] | None = None) -> None: ...
+
+    def scale(self, action: Provision | Kill) -> str | None: ...
+
+    def on_migrated(self, key: str, source: str, target: str) -> None: ...
+
+    def set_worker_models(self, worker: str, models: list[str]) -> None: ...
+
+
 class Enforcer:
     """Applies actions for the scheduler plugin; keeps counters and recent decisions."""
 
-    def __init__(self, plugin: Any, history: int = 1000):
-        self.plugin = plugin
+    def __init__(self, host: ControlHost, history: int = 1000):
+        self.host = host
         self.applied: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.rejected_reasons: Counter[str] = Counter()  # "<kind>: <why>" (bounded: MAX_REASONS)
@@ -82,12 +110,12 @@ class Enforcer:
         self.routes: dict[str, tuple[str, ...]] = {}
         self.moves: dict[str, PendingMove] = {}  # Dask's request id -> the move it awaits an answer to
         self._watching = False
-        self.drainer = Drainer(plugin, move=self.move)
+        self.drainer = Drainer(host.roster, host.state, host.placement, host.set_worker_models, move=self.move)
 
     @property
     def scheduler(self) -> Any:
         """The scheduler the plugin runs in."""
-        return self.plugin.scheduler
+        return self.host.roster.scheduler
 
     def apply(self, actions: Iterable[Action], policy: str) -> int:
         """Validate and apply ``actions`` from ``policy``; returns how many were accepted: applied,
@@ -142,14 +170,14 @@ class Enforcer:
         s = self.scheduler
         if isinstance(a, SetPriority):
             ts = dask_compat.task(s, a.key)
-            if ts is None or a.key not in self.plugin.state.calls:
+            if ts is None or a.key not in self.host.state.calls:
                 return "unknown call"
             st = dask_compat.state(ts)
             if dask_compat.is_queued_on_scheduler(s, ts):
                 dask_compat.requeue_with_priority(s, ts, a.priority)
             elif st == "processing":
                 addr = dask_compat.processing_on(ts)
-                if addr not in self.plugin.ready_workers:
+                if addr not in self.host.roster.ready:
                     return "worker cannot take directives"
                 dask_compat.set_priority(ts, a.priority)
                 worker_priorities.setdefault(addr, {})[a.key] = list(a.priority)
@@ -157,11 +185,11 @@ class Enforcer:
                 dask_compat.set_priority(ts, a.priority)  # used when it becomes runnable
             else:
                 return f"call is {st}"
-            self.plugin.state.on_priority(a.key, a.priority)
+            self.host.state.on_priority(a.key, a.priority)
             return None
         if isinstance(a, Migrate):
-            if self.plugin.admission.is_held(a.key):  # waiting for an engine: bind it to the target
-                return self.plugin.admission.prefer(a.key, a.target)
+            if self.host.admission.is_held(a.key):  # waiting for an engine: bind it to the target
+                return self.host.admission.prefer(a.key, a.target)
             ts = dask_compat.task(s, a.key)
             if ts is None or dask_compat.state(ts) != "processing":
                 return "not queued on a worker"
@@ -176,14 +204,14 @@ class Enforcer:
                 self.routes[a.component] = tuple(a.workers)
             else:
                 self.routes.pop(a.component, None)
-            self.plugin.push_routes()  # the workers' fast paths honour them too
+            self.host.push_routes()  # the workers' fast paths honour them too
             return None
         if isinstance(a, Reassign):
             return self.drainer.begin(a)
         if isinstance(a, Provision) and a.n > MAX_PROVISION:
             return f"n={a.n} exceeds {MAX_PROVISION} workers per action"
         if isinstance(a, (Provision, Kill)):
-            return self.plugin.scale(a)
+            return self.host.scale(a)
         return f"unknown action {type(a).__name__}"
 
     # -- moves ------------------------------------------------------------------------------
@@ -191,7 +219,7 @@ class Enforcer:
         """Why moving ``ts`` (processing on ``source``) to ``target`` would break an invariant
         (module docstring); None if it may move."""
         s = self.scheduler
-        rec = self.plugin.state.calls.get(dask_compat.task_key(ts))
+        rec = self.host.state.calls.get(dask_compat.task_key(ts))
         if rec is None:
             return "unknown call"
         if rec.stateful:
@@ -201,7 +229,7 @@ class Enforcer:
         if not dask_compat.has_worker(s, target):
             status = dask_compat.worker_status(s, target)
             return "unknown target" if status is None else f"target is {status}"
-        if rec.kind == "llm" and target not in self.plugin.model_workers.get(rec.model, ()):
+        if rec.kind == "llm" and target not in self.host.roster.hosts.get(rec.model, ()):
             return f"target does not host model {rec.model}"
         if dask_compat.has_host_restrictions(ts):
             return HOST_RESTRICTED
@@ -258,7 +286,7 @@ class Enforcer:
         ts = dask_compat.task(self.scheduler, m.key)
         if ts is not None:
             dask_compat.move_resource_accounting(self.scheduler, ts, m.source, m.target)
-        self.plugin.on_migrated(m.key, m.source, m.target)
+        self.host.on_migrated(m.key, m.source, m.target)
         if m.record is not None:
             self._applied(m.record)
 

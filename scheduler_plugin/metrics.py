@@ -20,9 +20,12 @@ import math
 import threading
 import weakref
 from collections import Counter, deque
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from dask_agents.scheduler_plugin import dask_compat, validate
+
+if TYPE_CHECKING:
+    from dask_agents.scheduler_plugin.plugin import AgentsSchedulerPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +228,7 @@ class Aggregates:
                 for t, w, m, tier, b, c in self.kv_samples]
 
 
-def queue_counts(plugin: Any) -> tuple[Counter, Counter, Counter]:
+def queue_counts(plugin: "AgentsSchedulerPlugin") -> tuple[Counter, Counter, Counter]:
     """Agents calls by (component, worker) now: waiting on the worker (assigned, not started),
     running there, and (component,) held back on the scheduler. O(assigned tasks)."""
     s = plugin.scheduler
@@ -255,7 +258,7 @@ def _name(n: str) -> str:
     return f"{PREFIX}_{n}"
 
 
-def families(plugin: Any) -> Iterator[Any]:
+def families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     """The ``dask_agents_*`` metric families of one scheduler plugin.
 
     Built section by section: a section that fails (a record no check caught) is left out,
@@ -278,7 +281,7 @@ def families(plugin: Any) -> Iterator[Any]:
     yield from _health_families(agg)
 
 
-def _session_families(plugin: Any) -> Iterator[Any]:
+def _session_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     state = plugin.state
@@ -291,7 +294,7 @@ def _session_families(plugin: Any) -> Iterator[Any]:
     yield CounterMetricFamily(_name("sessions_completed"), "Sessions completed", value=state.sessions_completed)
 
 
-def _call_families(plugin: Any) -> Iterator[Any]:
+def _call_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     state = plugin.state
@@ -311,7 +314,7 @@ def _call_families(plugin: Any) -> Iterator[Any]:
     yield c
 
 
-def worker_label(plugin: Any) -> Callable[[str], str]:
+def worker_label(plugin: "AgentsSchedulerPlugin") -> Callable[[str], str]:
     """Address -> the ``worker`` label: the worker's name, which survives a restart (an
     address does not); the address of a worker the scheduler no longer knows."""
     scheduler = getattr(plugin, "scheduler", None)
@@ -333,7 +336,7 @@ def _summed(family: Any, items: Iterable[tuple[tuple, float]]) -> Any:
     return family
 
 
-def _queue_families(plugin: Any) -> Iterator[Any]:
+def _queue_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     from prometheus_client.core import GaugeMetricFamily
 
     waiting, running, held = queue_counts(plugin)
@@ -347,7 +350,7 @@ def _queue_families(plugin: Any) -> Iterator[Any]:
     yield _summed(g, [((comp, name(w)), n) for (comp, w), n in running.items()])
 
 
-def _histogram_families(plugin: Any) -> Iterator[Any]:
+def _histogram_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     from prometheus_client.core import HistogramMetricFamily
 
     agg: Aggregates = plugin.aggregates
@@ -367,7 +370,7 @@ def _histogram_families(plugin: Any) -> Iterator[Any]:
     yield h
 
 
-def _llm_families(plugin: Any) -> Iterator[Any]:
+def _llm_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     """Per-model LLM latency histograms, as vLLM names them (``time_to_first_token_seconds``,
     ``time_per_output_token_seconds``, ``e2e_request_latency_seconds``)."""
     from prometheus_client.core import HistogramMetricFamily
@@ -385,7 +388,7 @@ def _llm_families(plugin: Any) -> Iterator[Any]:
         yield h
 
 
-def _fault_families(plugin: Any) -> Iterator[Any]:
+def _fault_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     """What went wrong, counted: faults the recovery handled, engine restarts, policy errors,
     failed calls and sessions, LLM calls that waited for engine room."""
     from prometheus_client.core import CounterMetricFamily
@@ -418,7 +421,7 @@ def _fault_families(plugin: Any) -> Iterator[Any]:
     yield c
 
 
-def _control_families(plugin: Any) -> Iterator[Any]:
+def _control_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily
 
     c = CounterMetricFamily(_name("control_decisions"), "Control-plane actions by kind and outcome",
@@ -431,7 +434,7 @@ def _control_families(plugin: Any) -> Iterator[Any]:
     yield c
 
 
-def _admission_families(plugin: Any) -> Iterator[Any]:
+def _admission_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     """LLM calls the scheduler holds for engine room, and what admission decided."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -460,7 +463,7 @@ def _admission_families(plugin: Any) -> Iterator[Any]:
     yield _summed(inflight, [((name(r.worker), r.model), len(r.inflight)) for r in engines])
 
 
-def _engine_families(plugin: Any) -> Iterator[Any]:
+def _engine_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     agg: Aggregates = plugin.aggregates
@@ -536,7 +539,7 @@ def engine_records(agg: Aggregates) -> list[tuple[str, str, dict]]:
     return out
 
 
-def _token_families(plugin: Any) -> Iterator[Any]:
+def _token_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily
 
     agg: Aggregates = plugin.aggregates
@@ -556,7 +559,7 @@ def _token_families(plugin: Any) -> Iterator[Any]:
     yield from fams.values()
 
 
-def _dashboard_families(plugin: Any) -> Iterator[Any]:
+def _dashboard_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     from prometheus_client.core import CounterMetricFamily
 
     dash = getattr(plugin, "dashboard", None)
@@ -595,11 +598,11 @@ class AgentsCollector:
     def __init__(self) -> None:
         self._plugins: list[weakref.ref] = []
 
-    def add(self, plugin: Any) -> None:
+    def add(self, plugin: "AgentsSchedulerPlugin") -> None:
         """Report ``plugin`` (from now on, until it is removed)."""
         self._plugins.append(weakref.ref(plugin))
 
-    def remove(self, plugin: Any) -> bool:
+    def remove(self, plugin: "AgentsSchedulerPlugin") -> bool:
         """Stop reporting ``plugin``; True when no plugin is left."""
         self._plugins = [r for r in self._plugins if r() is not None and r() is not plugin]
         return not self._plugins
@@ -627,7 +630,7 @@ _lock = threading.Lock()
 _collector: AgentsCollector | None = None
 
 
-def register(plugin: Any) -> bool:
+def register(plugin: "AgentsSchedulerPlugin") -> bool:
     """Serve ``plugin``'s metrics on ``/metrics``; False if prometheus_client is absent."""
     global _collector
     try:
@@ -642,7 +645,7 @@ def register(plugin: Any) -> bool:
     return True
 
 
-def unregister(plugin: Any) -> None:
+def unregister(plugin: "AgentsSchedulerPlugin") -> None:
     """Stop serving ``plugin``'s metrics; the collector leaves the registry with the last plugin."""
     global _collector
     with _lock:

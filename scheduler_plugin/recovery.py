@@ -36,6 +36,10 @@ from typing import Any
 from dask_agents.annotation import ANNOTATION, sanitize_annotation
 from dask_agents.errors import InstanceLostError, where
 from dask_agents.scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin.admission import HELD
+from dask_agents.scheduler_plugin.placement import AWAITING, LOST, Placement
+from dask_agents.scheduler_plugin.roster import Roster
+from dask_agents.scheduler_plugin.state import WorkflowState
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +48,15 @@ TOPIC = "agents-faults"
 
 
 class Recovery:
-    """Re-places or fails calls stranded by a lost worker, for the scheduler plugin."""
+    """Re-places or fails calls stranded by a lost worker, for the scheduler plugin.
 
-    def __init__(self, plugin: Any, history: int = 200):
-        self.plugin = plugin
+    Recovery and placement need each other (placement hands recovery the calls it cannot run;
+    recovery places calls again): ``placement`` is set once both exist (the plugin does it)."""
+
+    def __init__(self, roster: Roster, state: WorkflowState, history: int = 200):
+        self.roster = roster
+        self.state = state
+        self.placement: Placement | None = None
         self.stranded: set[str] = set()
         self._scheduled = False
         self.counts: Counter[str] = Counter()  # rerouted, failed, workers_lost
@@ -58,7 +67,13 @@ class Recovery:
     @property
     def scheduler(self) -> Any:
         """The scheduler the plugin runs in."""
-        return self.plugin.scheduler
+        return self.roster.scheduler
+
+    @property
+    def _placement(self) -> Placement:
+        if self.placement is None:
+            raise RuntimeError("recovery has no placement (the plugin sets it)")
+        return self.placement
 
     def cause(self, worker: str, stimulus_id: str | None = None) -> str:
         """Why ``worker`` is gone, in words (for errors and the session's lost instances)."""
@@ -87,8 +102,8 @@ class Recovery:
         while len(self.gone) > 1000:  # bounded: only recent causes matter
             self.gone.pop(next(iter(self.gone)))
         self.counts["workers_lost"] += 1
-        # O(calls placed there): the plugin indexes its placements by worker
-        keys = list(self.plugin.placed_by_worker.get(worker, ()))
+        # O(calls placed there): placement indexes its pins by worker
+        keys = list(self._placement.placed.by_worker.get(worker, ()))
         # plus calls the transition hook saw become unrunnable while Dask released the
         # worker's tasks (finished calls whose result was lost and that Dask recomputes)
         self.stranded.update(keys)
@@ -111,7 +126,7 @@ class Recovery:
 
     def _pinned_to_dead(self, ts: Any) -> bool:
         pins = dask_compat.worker_restrictions(ts)
-        if pins == {self.plugin.AWAITING} or pins == {self.plugin.HELD}:
+        if pins == {AWAITING} or pins == {HELD}:
             return False  # waiting on purpose: for a first worker, or for an engine with room
         return bool(pins) and not any(dask_compat.has_worker(self.scheduler, w) for w in pins)
 
@@ -163,7 +178,7 @@ class Recovery:
         if not self._pinned_to_dead(ts):
             return None
         info = self._call_info(key, ts)
-        if not (info["stateful"] or info["kind"] == "llm" or key in self.plugin.placed):
+        if not (info["stateful"] or info["kind"] == "llm" or key in self._placement.placed):
             return None  # pinned by the user, not by us: Dask's behaviour (it waits for that worker)
         pins = dask_compat.worker_restrictions(ts)
         if info["stateful"]:
@@ -175,7 +190,7 @@ class Recovery:
         """What recovery needs to know of a call: from its record, else from its annotation
         read through :func:`~dask_agents.calls.sanitize_annotation` (any client can set
         ``dask.annotate(agents=...)``: an unchecked value must not break recovery)."""
-        rec = self.plugin.state.calls.get(key)
+        rec = self.state.calls.get(key)
         if rec is not None:
             return {"kind": rec.kind, "stateful": rec.stateful, "session": rec.session, "llm_model": rec.model,
                     "component": rec.component, "method": rec.method}
@@ -217,7 +232,7 @@ class Recovery:
             ts = dask_compat.task(s, key)
             if ts is None:
                 return None
-            self.plugin._unplace(key)  # noqa: SLF001 (the plugin's own placement bookkeeping)
+            self._placement.unplace(key)
             dask_compat.clear_worker_restriction(ts)
             return "rerouted"
         except Exception:  # nothing more can be done here (logged)
@@ -228,29 +243,29 @@ class Recovery:
         """Place a stateless pinned call again: LLM calls on another host of their model (the
         session's binding moves with it), routed calls on the component's routes. ``ann``:
         the call's :meth:`_call_info`."""
-        plugin = self.plugin
+        placement = self._placement
         key = dask_compat.task_key(ts)
-        plugin._unplace(key)  # noqa: SLF001 (the plugin's own placement bookkeeping)
+        placement.unplace(key)
         component = ann.get("component") or str(key).rsplit("-", 1)[0]
         model = ann.get("llm_model") if ann.get("kind") == "llm" else None
-        candidates = plugin._candidates(model, component)  # noqa: SLF001
+        candidates = placement.candidates(model, component)
         if candidates:
             if model is not None:
-                plugin._place(ts, ann.get("session"), f"llm:{model}", candidates)  # noqa: SLF001
+                placement.place(ts, ann.get("session"), f"llm:{model}", candidates)
             else:
-                plugin._place(ts, None, component, candidates)  # noqa: SLF001
+                placement.place(ts, None, component, candidates)
         else:  # no worker left at all: let Dask place it on the next one that joins
             dask_compat.clear_worker_restriction(ts)
 
     def _lost_error(self, key: Any, ann: dict, pins: set) -> InstanceLostError:
         worker = next(iter(pins), None)
         session, component = ann.get("session"), ann.get("component")
-        s = self.plugin.state.sessions.get(session) if session is not None else None
+        s = self.state.sessions.get(session) if session is not None else None
         cause = (s.lost.get(component) if s is not None else None) or self.gone.get(worker) \
             or f"worker {worker} died or left the cluster"
-        if worker == self.plugin.LOST:  # pinned nowhere by the plugin: name the worker it had
+        if worker == LOST:  # pinned nowhere by the plugin: name the worker it had
             worker = _worker_in(cause)
-        rec = self.plugin.state.calls.get(key)
+        rec = self.state.calls.get(key)
         done = rec is not None and rec.state == "finished"
         what = ("its result was lost with the worker, and re-running it on a fresh instance could give "
                 "another answer" if done else "the call is not run on a fresh instance, which would silently "

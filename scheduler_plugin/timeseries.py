@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask_agents.stats import percentile
 from dask_agents.scheduler_plugin.metrics import engine_records
+
+if TYPE_CHECKING:
+    from dask_agents.scheduler_plugin.plugin import AgentsSchedulerPlugin
 
 COLUMNS = ("time", "live_sessions", "completions_per_s", "latency_p50_s", "latency_p95_s", "latency_p99_s",
            "tokens_per_s", "engine_running", "engine_waiting", "kv_device_bytes", "kv_referenced_blocks",
@@ -31,7 +34,7 @@ sample, median and longest, NaN without any)."""
 class TimeSeries:
     """Samples of one plugin (see the module docstring)."""
 
-    def __init__(self, plugin: Any, interval_s: float, window_s: float, latency_window_s: float = 30.0):
+    def __init__(self, plugin: "AgentsSchedulerPlugin", interval_s: float, window_s: float, latency_window_s: float = 30.0):
         self.plugin = plugin
         self.interval_s = interval_s
         self.samples: deque[dict] = deque(maxlen=max(2, int(window_s / interval_s) + 1))

@@ -22,9 +22,13 @@ import math
 import re
 import time
 from collections import Counter, deque
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
+from dask_agents.models import CallReport
 from dask_agents.scheduler_plugin import dask_compat
+
+if TYPE_CHECKING:
+    from dask_agents.scheduler_plugin.plugin import AgentsSchedulerPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +146,7 @@ def sessions(value: Any, what: str = "sessions", limit: int = MAX_SESSIONS) -> l
 
 # -- models ----------------------------------------------------------------------------------------
 
-def known_models(plugin: Any) -> set[str]:
+def known_models(plugin: "AgentsSchedulerPlugin") -> set[str]:
     """Models the scheduler knows: those of its ``agents.llm.models`` and those a worker hosts."""
     import dask_agents.config as agents_config
 
@@ -224,7 +228,7 @@ class Rejections:
 
 # -- worker reports --------------------------------------------------------------------------------
 
-def ran_on(plugin: Any, key: str, worker: str) -> bool:
+def ran_on(plugin: "AgentsSchedulerPlugin", key: str, worker: str) -> bool:
     """True if the call ``key`` was placed on, processes at, or ran on ``worker`` as far as the
     scheduler knows: the only worker whose report of it may be stored. O(1)."""
     rec = plugin.state.calls.get(key)
@@ -296,7 +300,7 @@ def metrics(value: Any) -> dict:
     return out
 
 
-def report(plugin: Any, worker: str, value: Any) -> dict:
+def report(plugin: "AgentsSchedulerPlugin", worker: str, value: Any) -> dict:
     """One call report from ``worker``'s stream, checked: ``{"key", "started", "finished",
     "metrics"}``. ``key`` names a call the plugin records that was placed on, processes at or
     ran on ``worker`` (:func:`ran_on`); ``started <= finished``, both finite and >= 0."""
@@ -321,7 +325,7 @@ def report(plugin: Any, worker: str, value: Any) -> dict:
     return {"key": key, "started": started, "finished": finished, "metrics": metrics(value.get("metrics"))}
 
 
-def reports(plugin: Any, worker: str, value: Any, rejections: Rejections | None = None) -> list[dict]:
+def reports(plugin: "AgentsSchedulerPlugin", worker: str, value: Any, rejections: Rejections | None = None) -> list[dict]:
     """The valid reports of one ``agents-report`` message (see :func:`report`); the others are
     dropped and counted. None: no reports."""
     if value is None:
@@ -350,7 +354,7 @@ LOCAL_STATES = ("processing", "memory", "erred", "cancelled")
 """The states a fast-path record may report (Dask's task states)."""
 
 
-def local_call(plugin: Any, worker: str, value: Any) -> dict:
+def local_call(plugin: "AgentsSchedulerPlugin", worker: str, value: Any) -> CallReport:
     """One record of a call that ran on ``worker``'s fast path (``worker_plugin/local.py``),
     checked: ``{"key", "ann", "state", "started", "finished", "error", "metrics"}``. The
     annotation is sanitized; only a tool or stateless agent call, or an LLM call on an engine
@@ -404,11 +408,12 @@ def local_call(plugin: Any, worker: str, value: Any) -> dict:
                       "bad report times")
     error = value.get("error")
     error = error[:2000] if isinstance(error, str) else None
-    return {"key": key, "ann": ann, "state": state, "started": started, "finished": finished, "error": error,
-            "metrics": metrics(value.get("metrics")) if value.get("metrics") is not None else None}
+    return CallReport(key=key, ann=ann, state=state, started=started, finished=finished, error=error,
+                      metrics=metrics(value.get("metrics")) if value.get("metrics") is not None else None)
 
 
-def local_calls(plugin: Any, worker: str, value: Any, rejections: Rejections | None = None) -> Iterator[dict]:
+def local_calls(plugin: "AgentsSchedulerPlugin", worker: str, value: Any,
+                rejections: Rejections | None = None) -> Iterator[CallReport]:
     """The valid records of one ``agents-report`` message's ``calls`` (see :func:`local_call`),
     checked one at a time as the caller applies them: a record may name a creator that an
     earlier record of the same message recorded. The others are dropped and counted."""
@@ -504,7 +509,7 @@ def same_host(peer: Any, address: Any) -> bool:
     return a is not None and a == b
 
 
-async def hello(plugin: Any, comm: Any, worker: Any, models_: Any = None,
+async def hello(plugin: "AgentsSchedulerPlugin", comm: Any, worker: Any, models_: Any = None,
                 pid: Any = None) -> tuple[str, list[str], int | None]:
     """A worker plugin's hello (``agents_worker_hello``), checked; returns (worker, models, pid)
     to register.
@@ -563,7 +568,7 @@ async def hello(plugin: Any, comm: Any, worker: Any, models_: Any = None,
 _confirming: set = set()  # first-hello confirmations in flight (see hello)
 
 
-async def hosted_models(plugin: Any, worker: str, timeout: float) -> list[str]:
+async def hosted_models(plugin: "AgentsSchedulerPlugin", worker: str, timeout: float) -> list[str]:
     """The models ``worker`` itself says it hosts (its ``agents_worker_info``); raises
     :class:`Invalid` if it does not answer within ``timeout`` seconds or answers nonsense."""
     import asyncio
@@ -581,7 +586,7 @@ async def hosted_models(plugin: Any, worker: str, timeout: float) -> list[str]:
         raise Invalid(f"agents_worker_hello: {worker} reported no list of models ({_text(info)})") from None
 
 
-async def confirm(plugin: Any, worker: str, timeout: float | None = None) -> bool:
+async def confirm(plugin: "AgentsSchedulerPlugin", worker: str, timeout: float | None = None) -> bool:
     """Ask a worker registered by its first hello what it hosts: its answer replaces what the
     hello claimed; no answer (not a worker with the dask-agents plugin, or gone) unregisters
     it (``ready_workers``, ``model_workers``). Returns True if it answered. ``timeout``:

@@ -33,11 +33,15 @@ use either (``incremental``), and ``benchmarks/control_scale.py`` compares them.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import immutables
 
+from dask_agents.annotation import component_name
 from dask_agents.scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin.roster import Roster, model_bounds
+from dask_agents.scheduler_plugin.state import WorkflowState
 from dask_agents.scheduler_plugin.view import (
     CallView,
     ClusterView,
@@ -107,13 +111,13 @@ class _IndexedDict(dict):
 
 
 class BindingMap(_IndexedDict):
-    """``plugin.bindings`` ((session, component or ``llm:model``) -> worker) that also keeps
+    """Placement's ``bindings`` ((session, component or ``llm:model``) -> worker) that also keeps
     two side indexes: ``llm``, the LLM part as (session, model) -> worker (the view's
     ``kv_affinity``; an ``immutables.Map``, replaced on each change), and ``by_worker``,
     worker -> its binding keys (what a lost worker takes with it, found without scanning
     every binding).
 
-    A dict subclass so that the plugin's code, and anything reading its bindings, is
+    A dict subclass so that placement's code, and anything reading its bindings, is
     unchanged; every mutating method keeps the side indexes in step (O(1) each, O(log n) for
     ``llm``)."""
 
@@ -166,7 +170,7 @@ class BindingMap(_IndexedDict):
 
 
 class Tally(dict):
-    """Counts keyed by anything (``plugin.open_placed``: (worker, what) -> open placed calls).
+    """Counts keyed by anything (placement's ``open_placed``: (worker, what) -> open placed calls).
 
     Reading a missing key gives 0 *without* inserting it (a ``defaultdict(int)`` inserts on
     every read: choosing among candidates would leave a zero entry per worker ever
@@ -187,12 +191,12 @@ class Tally(dict):
 
 
 class PlacedMap(_IndexedDict):
-    """``plugin.placed`` (call key -> (worker, what) it was pinned to) that also keeps
+    """Placement's ``placed`` (call key -> (worker, what) it was pinned to) that also keeps
     ``by_worker``: worker -> {key: what} of the calls pinned there, so a lost worker's calls
     (and its open-call counters) are found in O(its calls), not by scanning every placed call.
 
     Every write goes through the mapping's methods, so any code that re-places a call (the
-    plugin's ``_place``/``_unplace``, a migration) keeps the index in step."""
+    placement's ``place``/``unplace``, a migration) keeps the index in step."""
 
     __slots__ = ("by_worker",)
 
@@ -218,14 +222,26 @@ class PlacedMap(_IndexedDict):
         self.by_worker.setdefault(value[0], {})[key] = value[1]
 
 
+@dataclass(frozen=True)
+class ViewSources:
+    """What a view is built from, and nothing more: the workers (``roster``), the calls and
+    sessions (``state``), the bindings (placement's :class:`BindingMap`: the KV affinity) and
+    whether admission holds a call (``is_held``)."""
+
+    roster: Roster
+    state: WorkflowState
+    bindings: dict
+    is_held: Callable[[str], bool]
+
+
 def session_view(rec: Any) -> SessionView:
     """The frozen view of one :class:`~dask_agents.scheduler_plugin.state.SessionRecord`."""
     return make_session_view(rec.id, rec.tenant, rec.created, rec.progress, rec.open_calls, rec.state)
 
 
-def call_view(plugin: Any, ts: Any, rec: Any, worker: str | None) -> CallView:
+def call_view(src: ViewSources, ts: Any, rec: Any, worker: str | None) -> CallView:
     """The frozen view of one waiting call (``ts``: its TaskState, ``rec``: its CallRecord)."""
-    state = plugin.state
+    state = src.state
     s = state.sessions.get(rec.session) if rec.session is not None else None
     # CallView's fields in order: key, component, kind, session, tenant, worker, priority,
     # created, ready, stateful, model, restricted, input_bytes, batch_max
@@ -239,35 +255,35 @@ def call_view(plugin: Any, ts: Any, rec: Any, worker: str | None) -> CallView:
     )
 
 
-def _common(plugin: Any, draining: Iterable[str]) -> tuple[dict, dict]:
+def _common(src: ViewSources, draining: Iterable[str]) -> tuple[dict, dict]:
     """Components and models: small (one entry per component / model), built each tick."""
-    components = {c: ComponentView(c, *stats) for c, stats in plugin.state.component_stats().items()}
+    components = {c: ComponentView(c, *stats) for c, stats in src.state.component_stats().items()}
     draining = set(draining)
-    bounds = plugin.model_bounds()
+    bounds = model_bounds()
     models = {
-        m: ModelView(m, plugin.component_of(m), tuple(sorted(w for w in hosts if w not in draining)),
+        m: ModelView(m, component_name(m), tuple(sorted(w for w in hosts if w not in draining)),
                      *bounds.get(m, (1, None)))
-        for m, hosts in plugin.model_workers.items()
+        for m, hosts in src.roster.hosts.items()
     }
     return components, models
 
 
-def _affinity(plugin: Any) -> dict:
-    b = plugin.bindings
+def _affinity(src: ViewSources) -> dict:
+    b = src.bindings
     if isinstance(b, BindingMap):
         return b.llm
     return {(sid, what[4:]): w for (sid, what), w in b.items() if what.startswith("llm:")}
 
 
-def scan_view(plugin: Any, now: float, max_calls: int, idle_since: dict[str, float],
+def scan_view(src: ViewSources, now: float, max_calls: int, idle_since: dict[str, float],
               draining: Iterable[str] = ()) -> ClusterView:
     """The view built from scratch from scheduler state (O(tasks on workers + sessions)).
 
     At most ``max_calls`` waiting calls, the first found (workers in the scheduler's order,
     then the scheduler's queue best priority first). The reference the incremental index is
     tested against, and the baseline of ``benchmarks/control_scale.py``."""
-    s = plugin.scheduler
-    state = plugin.state
+    s = src.roster.scheduler
+    state = src.state
     budget = max_calls
     calls: dict[str, CallView] = {}
     workers: dict[str, WorkerView] = {}
@@ -283,22 +299,22 @@ def scan_view(plugin: Any, now: float, max_calls: int, idle_since: dict[str, flo
                 if budget <= 0:
                     truncated = True
                     break
-                cv = call_view(plugin, ts, rec, address)
+                cv = call_view(src, ts, rec, address)
                 calls[cv.key] = cv
                 queued.append(cv)
                 budget -= 1
         queued.sort(key=lambda c: c.priority)
-        workers[address] = _worker_view(plugin, address, nthreads, processing, running,
+        workers[address] = _worker_view(src, address, nthreads, processing, running,
                                         tuple(c.key for c in queued), now, idle_since)
     for ts in dask_compat.queued_on_scheduler(s, budget):
         rec = state.calls.get(dask_compat.task_key(ts))
         if rec is not None:
-            cv = call_view(plugin, ts, rec, None)
+            cv = call_view(src, ts, rec, None)
             calls[cv.key] = cv
     sessions = {sid: session_view(r) for sid, r in state.sessions.items() if r.state != "completed"}
     draining = set(draining)
-    components, models = _common(plugin, draining)
-    affinity = _affinity(plugin)
+    components, models = _common(src, draining)
+    affinity = _affinity(src)
     kv_tokens = {}
     for sid, model in affinity:
         rec = state.sessions.get(sid)
@@ -309,7 +325,7 @@ def scan_view(plugin: Any, now: float, max_calls: int, idle_since: dict[str, flo
                               draining, kv_tokens)
 
 
-def _worker_view(plugin: Any, address: str, nthreads: int, processing: int, running: int,
+def _worker_view(src: ViewSources, address: str, nthreads: int, processing: int, running: int,
                  queued: tuple[str, ...], now: float, idle_since: dict[str, float],
                  cache: dict | None = None) -> WorkerView:
     """The view of one worker; with ``cache`` (address -> (signature, view)), an unchanged
@@ -318,14 +334,14 @@ def _worker_view(plugin: Any, address: str, nthreads: int, processing: int, runn
         idle_since.setdefault(address, now)
     else:
         idle_since.pop(address, None)
-    info = plugin.ready_workers.get(address)
+    info = src.roster.ready.get(address)
     if cache is not None and not queued:
         sig = (nthreads, processing, running, tuple(info["models"]) if info and "models" in info else (),
                idle_since.get(address), info is not None)
         hit = cache.get(address)
         if hit is not None and hit[0] == sig:
             return hit[1]
-        wv = _worker_view(plugin, address, nthreads, processing, running, queued, now, idle_since)
+        wv = _worker_view(src, address, nthreads, processing, running, queued, now, idle_since)
         cache[address] = (sig, wv)
         return wv
     # WorkerView's fields in order: address, nthreads, processing, running, queued, models,
@@ -350,8 +366,8 @@ class ViewIndex:
     copying them as dicts took 10 ms of a 26 ms view at 24k live sessions (the copy touches
     every entry)."""
 
-    def __init__(self, plugin: Any):
-        self.plugin = plugin
+    def __init__(self, src: ViewSources):
+        self.src = src
         # worker -> {key: [CallRecord, TaskState or None, CallView or None]} of calls processing
         # there that had not started when last looked at (an index per replica), in arrival
         # order. The CallView is built the first time a tick needs it and kept while the call
@@ -418,7 +434,7 @@ class ViewIndex:
             self._leave(key, component)
         self.on_worker.pop(address, None)
         self.started.pop(address, None)
-        affinity = _affinity(self.plugin)
+        affinity = _affinity(self.src)
         for sid, model in dropped_llm:
             if (sid, model) in affinity:
                 continue  # bound again meanwhile: its entry belongs to the new binding
@@ -480,7 +496,7 @@ class ViewIndex:
 
         Also run from the plugin's housekeeping so the touched set stays small while the
         control loop is stopped."""
-        state = self.plugin.state
+        state = self.src.state
         touched = getattr(state, "touched", None)
         if touched is None:  # an older WorkflowState: rebuild all
             self.sessions = immutables.Map(
@@ -491,7 +507,7 @@ class ViewIndex:
             return 0
         # the maps a view holds stay as they were
         sessions, kv_tokens = self.sessions.mutate(), self.kv_tokens.mutate()
-        affinity = _affinity(self.plugin)
+        affinity = _affinity(self.src)
         token_models = self._token_models
         while touched:
             sid = touched.pop()
@@ -515,8 +531,8 @@ class ViewIndex:
     # -- one tick ---------------------------------------------------------------------------
     def build(self, now: float, max_calls: int, draining: Iterable[str] = ()) -> ClusterView:
         """The view for one tick (see the module docstring for the window it covers)."""
-        plugin = self.plugin
-        s = plugin.scheduler
+        src = self.src
+        s = src.roster.scheduler
         ring = self.ring
         idle_since = self.idle_since
         summaries: dict[str, tuple] = {}
@@ -551,7 +567,7 @@ class ViewIndex:
             if processing <= running:  # nothing waits there: complete as it is
                 if self.on_worker.get(address):  # calls that started, or that Dask moved away
                     self._worker_calls(s, ws, address, 0)
-                workers[address] = _worker_view(plugin, address, nthreads, processing, running, (), now, idle_since,
+                workers[address] = _worker_view(src, address, nthreads, processing, running, (), now, idle_since,
                                                 self._idle_views)
                 continue
             if budget <= 0 or (visited and processing - running > budget):
@@ -561,14 +577,14 @@ class ViewIndex:
             queued = self._worker_calls(s, ws, address, max(budget, cap) if not visited[:-1] else budget)
             truncated |= len(queued) >= cap
             budget -= len(queued)
-            self._emit(plugin, address, summaries[address], queued, now, calls, workers)
+            self._emit(src, address, summaries[address], queued, now, calls, workers)
         # Calls Dask moved without a transition were found on their old worker above; a new
         # worker already emitted is redone so that its queue is complete in this view.
         for address in healed.intersection(visited):
             old = workers[address].queued
             queued = self._worker_calls(s, summaries[address][0], address, max(budget, 0) + len(old))
             budget -= len(queued) - len(old)
-            self._emit(plugin, address, summaries[address], queued, now, calls, workers)
+            self._emit(src, address, summaries[address], queued, now, calls, workers)
         for address in visited:  # carry-over: the next tick starts with the workers not visited
             ring.move_to_end(address)
         if budget > 0:
@@ -576,17 +592,17 @@ class ViewIndex:
         truncated |= self._held_calls(s, held_quota, calls) < len(self.sched_queued)
         self.sync_sessions()
         draining = set(draining)
-        components, models = _common(plugin, draining)
-        return ClusterView.freeze(now, workers, calls, self.sessions, components, _affinity(plugin),
+        components, models = _common(src, draining)
+        return ClusterView.freeze(now, workers, calls, self.sessions, components, _affinity(src),
                                   truncated, models, draining, self.kv_tokens)
 
-    def _emit(self, plugin: Any, address: str, summary: tuple, queued: list[CallView], now: float,
+    def _emit(self, src: ViewSources, address: str, summary: tuple, queued: list[CallView], now: float,
               calls: dict, workers: dict) -> None:
         _ws, nthreads, processing, running = summary
         queued.sort(key=_priority)
         for cv in queued:
             calls[cv.key] = cv
-        workers[address] = _worker_view(plugin, address, nthreads, processing, running,
+        workers[address] = _worker_view(src, address, nthreads, processing, running,
                                         tuple(c.key for c in queued), now, self.idle_since)
 
     def _worker_calls(self, s: Any, ws: Any, address: str, budget: int) -> list[CallView]:
@@ -596,7 +612,7 @@ class ViewIndex:
         q = self.on_worker.get(address)
         if not q:
             return out
-        state_calls = self.plugin.state.calls
+        state_calls = self.src.state.calls
         task, state, processing_on = dask_compat.task, dask_compat.state, dask_compat.processing_on
         started, priority = dask_compat.started_on_worker, dask_compat.priority
         for key, entry in list(q.items()):
@@ -627,7 +643,7 @@ class ViewIndex:
                     break
                 continue  # budget 0: only correcting the index (started or moved calls)
             if cv is None or cv.priority != priority(ts):
-                cv = entry[2] = call_view(self.plugin, ts, rec, address)
+                cv = entry[2] = call_view(self.src, ts, rec, address)
                 self.stats["built"] += 1
             out.append(cv)
         return out
@@ -636,19 +652,19 @@ class ViewIndex:
         """Add up to ``quota`` calls the scheduler holds back, rotating through them."""
         held = self.sched_queued
         taken = 0
-        state_calls = self.plugin.state.calls
+        state_calls = self.src.state.calls
         for key in self._first(held, quota):
             held.move_to_end(key)
             entry = held[key]
             rec, ts, cv = entry
             if ts is None:
                 ts = entry[1] = dask_compat.task(s, key)
-            if (ts is None or not (dask_compat.is_queued_on_scheduler(s, ts) or self.plugin.admission.is_held(key))
+            if (ts is None or not (dask_compat.is_queued_on_scheduler(s, ts) or self.src.is_held(key))
                     or (rec.session is None and state_calls.get(key) is not rec)):
                 del held[key]
                 continue
             if cv is None or cv.priority != dask_compat.priority(ts):
-                cv = entry[2] = call_view(self.plugin, ts, rec, None)
+                cv = entry[2] = call_view(self.src, ts, rec, None)
                 self.stats["built"] += 1
             calls[key] = cv
             taken += 1

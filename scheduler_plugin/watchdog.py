@@ -91,10 +91,10 @@ def _in_daemon_thread(fn: Any, *args: Any) -> concurrent.futures.Future:
     return fut
 
 
-def _run_policy(policy: Callable, view: Any, max_actions: int) -> tuple[list, float]:
+def run_policy(policy: Callable, view: Any, max_actions: int) -> tuple[list, float]:
     """Call one policy: its actions (at most ``max_actions``) and how long it took.
 
-    Runs in a policy thread for the loop's passes, inline for :meth:`Watchdog.run_inline`."""
+    Runs in a policy thread for the loop's passes, inline for :meth:`ControlLoop.tick`."""
     t0 = time.perf_counter()
     actions = []
     for a in policy(view):
@@ -114,7 +114,7 @@ class Failing:
     unlogged: int = 0  # failures since that line
 
 
-def _consume(fut: asyncio.Future) -> None:
+def consume(fut: asyncio.Future) -> None:
     # the outcome is read from the thread's own future; this only marks the wrapper's
     # exception as retrieved, so asyncio does not log it a second time
     if not fut.cancelled():
@@ -122,8 +122,9 @@ def _consume(fut: asyncio.Future) -> None:
 
 
 class Watchdog:
-    """Runs and supervises one :class:`~dask_agents.scheduler_plugin.control.ControlLoop`; also the one
-    implementation of a pass (threaded for the loop and ``run_once``, inline for ``tick``)."""
+    """Runs and supervises one :class:`~dask_agents.scheduler_plugin.control.ControlLoop`: restarts a
+    dead or stalled loop task, and watches the policies of each pass (threads, timeouts,
+    quarantine, backoff). The pass itself is the control loop's (:meth:`ControlLoop.run_pass`)."""
 
     BACKOFF_BASE = 0.25  # seconds before the 2nd restart of a loop that keeps dying, doubling
     BACKOFF_MAX = 30.0
@@ -137,7 +138,7 @@ class Watchdog:
         self.stall_timeout = agents_config.seconds("control.stall-timeout")
         self._validate()
         self.task: asyncio.Task | None = None
-        # the loop task must make its next progress by this monotonic time (per phase, see _expect)
+        # the loop task must make its next progress by this monotonic time (per phase, see expect)
         self.deadline = math.inf
         self.phase = "idle"
         self.phase_since = time.monotonic()
@@ -150,7 +151,6 @@ class Watchdog:
         self.hung: dict[str, concurrent.futures.Future] = {}
         self._abandoned: dict[str, float] = {}  # hung by a cancelled pass -> when it was submitted
         self.failing: dict[str, Failing] = {}  # policy -> its backoff, while it keeps raising
-        self._lock = asyncio.Lock()  # one pass at a time: the loop's, run_once's
         self._refresh: asyncio.Task | None = None
         self._crashes = 0  # loop-died restarts since the loop last completed a pass
         self._restart_at: float | None = None  # when a dead loop is restarted (backoff)
@@ -161,7 +161,7 @@ class Watchdog:
     @property
     def scheduler(self) -> Any:
         """The scheduler the loop runs in."""
-        return self.control.plugin.scheduler
+        return self.control.host.roster.scheduler
 
     def _validate(self) -> None:
         """Check the timeouts; clamp ``policy_timeout`` below ``stall_timeout``.
@@ -221,14 +221,14 @@ class Watchdog:
 
     async def _run(self) -> None:
         while True:
-            self._expect(self.stall_timeout, "pass")
-            if not self._lock.locked():  # else run_once is in a pass right now: this one would repeat it
-                await self.run_pass()
+            self.expect(self.stall_timeout, "pass")
+            if not self.control.in_pass():  # else run_once is in a pass right now: this one would repeat it
+                await self.control.run_pass()
                 self._crashes = 0  # a completed pass ends a crash streak
-            self._expect(self.control.interval + self.stall_timeout, "sleep")
+            self.expect(self.control.interval + self.stall_timeout, "sleep")
             await asyncio.sleep(self.control.interval)
 
-    def _expect(self, budget: float, phase: str) -> None:
+    def expect(self, budget: float, phase: str) -> None:
         """The loop enters ``phase``: it must make progress within ``budget`` seconds.
 
         Only the loop task moves its deadline; a ``run_once`` pass must not (it would shorten
@@ -289,7 +289,7 @@ class Watchdog:
             self._refresh = asyncio.get_running_loop().create_task(self._refresh_workers())
 
     async def _refresh_workers(self, timeout: float = 2.0) -> None:
-        plugin = self.control.plugin
+        host = self.control.host
 
         async def one(addr: str) -> None:
             try:
@@ -298,10 +298,10 @@ class Watchdog:
             except Exception as e:  # gone or slow: the next hello or removal updates it
                 logger.debug("dask-agents: worker info of %s unavailable: %s", addr, e)
                 return
-            if addr in plugin.ready_workers and addr not in self.control.enforcer.drainer.drains:
-                plugin.set_worker_models(addr, list(info.get("models") or []))
+            if addr in host.roster.ready and addr not in self.control.enforcer.drainer.drains:
+                host.set_worker_models(addr, list(info.get("models") or []))
 
-        await asyncio.gather(*(one(a) for a in list(plugin.ready_workers)))
+        await asyncio.gather(*(one(a) for a in list(host.roster.ready)))
 
     def incident(self, kind: str, *, quiet: bool = False, **details: Any) -> None:
         """Record an incident: log (unless ``quiet``: the caller logs it), ``agents-control``
@@ -313,79 +313,33 @@ class Watchdog:
             log = logger.info if kind in ("loop-restarted", "policy-recovered") else logger.warning
             log("dask-agents control loop: %s %s", kind, details)
 
-    # -- one pass ---------------------------------------------------------------------------------
-    async def run_pass(self) -> dict:
-        """One pass: view on the event loop, policies in threads (bounded wait), enforcement on
-        the event loop. Passes are serialised (the loop's and ``run_once``'s). Returns the
-        summary described in :meth:`_finish`."""
-        if self.closed:
-            raise RuntimeError("dask-agents: the control loop was closed")
-        async with self._lock:
-            return await self._threaded_pass()
+    # -- watching the policies of a pass (the pass itself is ControlLoop's) ----------------------
+    def launch(self, name: str, policy: Callable, view: Any, max_actions: int) -> concurrent.futures.Future:
+        """Run ``policy`` on ``view`` in a thread of its own; the pass collects its future."""
+        fut = self.inflight[name] = _in_daemon_thread(run_policy, policy, view, max_actions)
+        return fut
 
-    async def _threaded_pass(self) -> dict:
-        ctl = self.control
-        t0 = time.perf_counter()
-        view, eligible, skipped = self._prepare()
-        on_loop = time.perf_counter() - t0
-        if self.closed:
-            raise RuntimeError("dask-agents: the control loop was closed")
-        submitted = time.monotonic()
-        mine: dict[str, concurrent.futures.Future] = {}
-        for name, policy in eligible.items():
-            mine[name] = self.inflight[name] = _in_daemon_thread(_run_policy, policy, view, ctl.max_actions)
-        # the view is built (however long that took): from now on the clock is the policies'
-        self._expect(self.policy_timeout + self.stall_timeout, "policies")
-        try:
-            if mine:
-                waits = [asyncio.wrap_future(f) for f in mine.values()]
-                for w in waits:
-                    w.add_done_callback(_consume)
-                await asyncio.wait(waits, timeout=self.policy_timeout)
-        except BaseException:
-            # cancelled (a restart, stop()): the threads run on. Park the unfinished ones as hung,
-            # so no later pass calls the same policy while this thread still runs it.
-            for name, fut in mine.items():
-                if self.inflight.get(name) is fut:
-                    del self.inflight[name]
-                if not fut.done():
-                    self.hung[name] = fut
-                    self._abandoned[name] = submitted
-            raise
+    def abandon(self, mine: dict[str, concurrent.futures.Future], submitted: float) -> None:
+        """The pass that launched ``mine`` was cancelled (a restart, stop()): the threads run on.
+        Park the unfinished ones as hung, so no later pass calls the same policy while this
+        thread still runs it."""
         for name, fut in mine.items():
             if self.inflight.get(name) is fut:
                 del self.inflight[name]
-        self._expect(self.stall_timeout, "enforce")
-        return self._finish(view, mine, skipped, on_loop, in_thread=True)
+            if not fut.done():
+                self.hung[name] = fut
+                self._abandoned[name] = submitted
 
-    def run_inline(self) -> dict:
-        """The same pass with every policy called on the calling thread (``ControlLoop.tick``:
-        tests, benchmarks, tools). Quarantined policies and those a threaded pass is running
-        are skipped, as in a threaded pass."""
-        ctl = self.control
-        t0 = time.perf_counter()
-        view, eligible, skipped = self._prepare()
-        outcomes: dict[str, concurrent.futures.Future] = {}
-        for name, policy in eligible.items():
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            try:
-                fut.set_result(_run_policy(policy, view, ctl.max_actions))
-            except Exception as e:  # reported by _finish, as for a policy thread
-                fut.set_exception(e)
-            outcomes[name] = fut
-        # all of it ran on this thread: the caller's loop was blocked for the whole pass
-        return self._finish(view, outcomes, skipped, time.perf_counter() - t0, in_thread=False)
+    def collected(self, mine: dict[str, concurrent.futures.Future]) -> None:
+        """The pass stopped waiting for ``mine`` (done or past ``policy_timeout``)."""
+        for name, fut in mine.items():
+            if self.inflight.get(name) is fut:
+                del self.inflight[name]
 
-    def _prepare(self) -> tuple[Any, dict[str, Callable], list[str]]:
-        """Start of a pass: drains, the view, returned threads; the policies to call now."""
-        ctl = self.control
-        t0 = time.perf_counter()
-        ctl.enforcer.settle()
-        ctl.enforcer.drainer.progress()
-        view = ctl.build_view()
-        view_seconds = getattr(ctl, "view_seconds", None)
-        if view_seconds is not None:
-            view_seconds.append(time.perf_counter() - t0)
+    def eligible(self, policies: dict[str, Callable]) -> tuple[dict[str, Callable], list[str]]:
+        """The policies a pass may call now, and the names of those it skips (quarantined,
+        still running in another pass's thread, or backing off); hung threads that came back
+        are released here."""
         now = time.monotonic()
         for name, fut in list(self.hung.items()):
             submitted = self._abandoned.get(name)
@@ -402,9 +356,25 @@ class Watchdog:
             if f.skip > 0:  # this pass is one of those it skips
                 f.skip -= 1
                 backing_off.add(name)
-        eligible = {name: p for name, p in ctl.policies.items()
+        eligible = {name: p for name, p in policies.items()
                     if name not in self.hung and name not in self.inflight and name not in backing_off}
-        return view, eligible, sorted(set(ctl.policies) - set(eligible))
+        return eligible, sorted(set(policies) - set(eligible))
+
+    def outcome(self, name: str, fut: concurrent.futures.Future) -> tuple[list, float] | None:
+        """What policy ``name`` returned in this pass ((actions, seconds)), or None: it timed
+        out (quarantined until its thread returns) or raised (reported, backing off)."""
+        if not fut.done():
+            self.hung[name] = fut
+            self._timed_out(name)
+            return None
+        exc = fut.exception()
+        if exc is not None:  # keep serving: log, report, back off, let earlier decisions stand
+            self._policy_failed(name, exc)
+            return None
+        failing = self.failing.pop(name, None)
+        if failing is not None:
+            self.incident("policy-recovered", policy=name, failures=failing.failures)
+        return fut.result()
 
     def _timed_out(self, name: str) -> None:
         ctl = self.control
@@ -440,50 +410,6 @@ class Watchdog:
         # real decisions out of the topic
         self.incident("policy-error", quiet=True, policy=name, error=ctl.errors[name], failures=f.failures,
                       skip_passes=f.skip)
-
-    def _finish(self, view: Any, outcomes: dict[str, concurrent.futures.Future], skipped: list[str],
-                on_loop: float, in_thread: bool) -> dict:
-        """End of a pass: report errors and timeouts, apply the actions, record the timings.
-
-        The summary: ``tick``, ``seconds`` (= ``on_loop_seconds``: the time the pass held the
-        event loop, which is what delays the scheduler; also recorded in ``tick_seconds``),
-        ``policy_seconds`` (the policies' own run time, in their threads for the running loop;
-        recorded in ``policy_seconds``), ``view_seconds``, ``applied`` (policy -> actions that
-        were accepted), ``skipped`` (quarantined, still running or backing off), ``calls_in_view``,
-        ``truncated``."""
-        ctl = self.control
-        applied: dict[str, int] = {}
-        in_policies = 0.0
-        for name, fut in outcomes.items():
-            if not fut.done():
-                self.hung[name] = fut
-                self._timed_out(name)
-                continue
-            exc = fut.exception()
-            if exc is not None:  # keep serving: log, report, back off, let earlier decisions stand
-                self._policy_failed(name, exc)
-                continue
-            failing = self.failing.pop(name, None)
-            if failing is not None:
-                self.incident("policy-recovered", policy=name, failures=failing.failures)
-            actions, seconds = fut.result()
-            in_policies += seconds
-            t1 = time.perf_counter()
-            applied[name] = ctl.enforcer.apply(actions, name)
-            if in_thread:  # inline, on_loop already covers the whole pass
-                on_loop += time.perf_counter() - t1
-        ctl.ticks += 1
-        ctl.tick_seconds.append(on_loop)
-        adapt = getattr(ctl, "adapt_window", None)
-        if adapt is not None:  # inline, on_loop already covers the policies
-            adapt(on_loop + in_policies if in_thread else on_loop, len(view.calls))
-        policy_seconds = getattr(ctl, "policy_seconds", None)
-        if policy_seconds is not None:
-            policy_seconds.append(in_policies)
-        view_seconds = getattr(ctl, "view_seconds", None)
-        return {"tick": ctl.ticks, "seconds": on_loop, "on_loop_seconds": on_loop, "policy_seconds": in_policies,
-                "view_seconds": view_seconds[-1] if view_seconds else None, "applied": applied,
-                "skipped": skipped, "calls_in_view": len(view.calls), "truncated": view.truncated}
 
     def stats(self) -> dict:
         """What ``da.control(client).stats()`` shows of the loop's health."""

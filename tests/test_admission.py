@@ -296,11 +296,14 @@ async def test_lazy_engines_stop_at_max_replicas(c: Client, s: Scheduler, a: Wor
 def test_the_working_set_limit_follows_what_the_engine_shows():
     """AIMD on an engine's limit: up while new sessions wait and returning calls find their
     prefixes, down at once when they find them evicted; never faster than once a second."""
-    from types import SimpleNamespace
-
     from dask_agents.scheduler_plugin.admission import Admission
+    from dask_agents.scheduler_plugin.placement import Placement
+    from dask_agents.scheduler_plugin.recovery import Recovery
+    from dask_agents.scheduler_plugin.roster import Roster
+    from dask_agents.scheduler_plugin.state import WorkflowState
 
-    adm = Admission(SimpleNamespace(scheduler=None))
+    roster, state = Roster(), WorkflowState()
+    adm = Admission(roster, state, Placement(roster, state, Recovery(roster, state), lambda component: None))
     r = adm.room("w", "m")
     r.capacity, r.block_size = 100, 16
     for _ in range(10):  # returning calls found 900 of the 900 tokens their session held

@@ -332,7 +332,7 @@ def test_engine_health_keeps_a_given_up_worker_out_of_the_fallback():
     plugin = AgentsSchedulerPlugin()
 
     def hello(worker, models):  # what set_worker_models does once wired: note first, then apply
-        engine_health.note_models(plugin, worker, models)
+        engine_health.note_models(plugin.placement, worker, models)
         plugin.set_worker_models(worker, models)
 
     hello("tcp://a", ["emu"])
@@ -344,10 +344,10 @@ def test_engine_health_keeps_a_given_up_worker_out_of_the_fallback():
     hello("tcp://a", [])  # its engine for emu gave up
     assert not plugin.model_workers["emu"]
     assert key not in plugin.bindings and plugin.session_bindings["s1"] == [] and plugin.bound["tcp://a"] == 0
-    assert engine_health.exclude_dropped(plugin, "emu", ["tcp://a", "tcp://b"]) == ["tcp://b"]
-    assert engine_health.exclude_dropped(plugin, "emu", ["tcp://a"]) == ["tcp://a"]  # never nothing
-    assert engine_health.exclude_dropped(plugin, "other", ["tcp://a", "tcp://b"]) == ["tcp://a", "tcp://b"]
+    assert engine_health.exclude_dropped(plugin.placement, "emu", ["tcp://a", "tcp://b"]) == ["tcp://b"]
+    assert engine_health.exclude_dropped(plugin.placement, "emu", ["tcp://a"]) == ["tcp://a"]  # never nothing
+    assert engine_health.exclude_dropped(plugin.placement, "other", ["tcp://a", "tcp://b"]) == ["tcp://a", "tcp://b"]
     hello("tcp://a", ["emu"])  # back
     assert plugin.model_workers["emu"] == {"tcp://a"}
     plugin.model_workers["emu"].clear()  # (as if it then left the hosts for another reason)
-    assert engine_health.exclude_dropped(plugin, "emu", ["tcp://a", "tcp://b"]) == ["tcp://a", "tcp://b"]
+    assert engine_health.exclude_dropped(plugin.placement, "emu", ["tcp://a", "tcp://b"]) == ["tcp://a", "tcp://b"]

@@ -378,13 +378,13 @@ async def test_control_loop_dies_or_stalls_and_restarts_within_a_second(c: Clien
 
     # (b) a pass hangs on an await: the watchdog sees no progress and restarts it
     never = asyncio.Event()
-    real_pass = ctl.watchdog.run_pass
+    real_pass = ctl.run_pass
 
     async def stuck_pass():
-        ctl.watchdog.run_pass = real_pass
+        ctl.run_pass = real_pass
         await never.wait()
 
-    ctl.watchdog.run_pass = stuck_pass
+    ctl.run_pass = stuck_pass
     await async_wait_for(lambda: ctl.watchdog.restarts >= 2, timeout=5)
     stats = await da.control(c).stats()
     stalled = _incidents(stats, "loop-stalled")[0]
@@ -587,7 +587,7 @@ def test_recovery_goes_on_past_a_call_whose_recovery_raises(monkeypatch, caplog)
     for i in range(2):  # stateful calls whose instance lives on the lost worker
         ts = _submit(em, f"Notebook-{i}", {"call": f"Notebook-{i}", "component": "Notebook", "method": "add",
                                             "kind": "agent", "session": "s0", "stateful": True})
-        p._unplace(ts.key)
+        p.placement.unplace(ts.key)
         dask_compat.restrict_to_worker(ts, gone)
         p.placed[ts.key] = (gone, "Notebook")
         stateful.append(ts.key)
@@ -595,11 +595,11 @@ def test_recovery_goes_on_past_a_call_whose_recovery_raises(monkeypatch, caplog)
                  and em.s.tasks[k].state in ("waiting", "processing"))
     assert len(llm) >= 3
     bad_llm, bad_stateful = llm[0], stateful[0]
-    place = p._place
+    place = p.placement.place
 
     def flaky_place(ts, *args, **kwargs):
         if ts.key == bad_llm:
-            raise RuntimeError("boom in _place")
+            raise RuntimeError("boom in place")
         return place(ts, *args, **kwargs)
 
     lost_error = p.recovery._lost_error
@@ -616,12 +616,12 @@ def test_recovery_goes_on_past_a_call_whose_recovery_raises(monkeypatch, caplog)
         scheduler.tasks[key].state = "erred"
         return True
 
-    monkeypatch.setattr(p, "_place", flaky_place)
+    monkeypatch.setattr(p.placement, "place", flaky_place)
     monkeypatch.setattr(p.recovery, "_lost_error", flaky_lost_error)
     monkeypatch.setattr(dask_compat, "fail_task", fail_task)
     with caplog.at_level(logging.ERROR, logger="dask_agents.scheduler_plugin.recovery"):
         _lose(em, gone)
-    assert "boom in _place" in caplog.text and "boom in _lost_error" in caplog.text
+    assert "boom in place" in caplog.text and "boom in _lost_error" in caplog.text
     # the call whose re-placement raised is unpinned (Dask places it); the others re-placed
     assert not em.s.tasks[bad_llm].worker_restrictions and bad_llm not in p.placed
     for k in llm[1:]:

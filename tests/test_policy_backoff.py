@@ -90,7 +90,7 @@ def test_policy_error_events_do_not_push_decisions_out_of_the_topic():
     flaky = Flaky()
     ctl = make_loop({"flaky": flaky, "router": lambda view: [Route("tools", ())]})
     passes(ctl, flaky, 200)
-    events = [e for topic, e in ctl.plugin.scheduler.events if topic == "agents-control"]
+    events = [e for topic, e in ctl.host.roster.scheduler.events if topic == "agents-control"]
     errors = [e for e in events if e["action"] == "policy-error"]
     # one event per run, so one per backoff period (runs at passes 1, 3, 6, 11, 20, 37, 70, 135,
     # 200: not 200 events), each carrying the streak so far and the next backoff

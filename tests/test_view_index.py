@@ -29,7 +29,7 @@ def _views(em: cs.Emulation, max_calls: int = BIG) -> tuple[ClusterView, Cluster
     now = time.time()
     idle = dict(p.view_index.idle_since)
     inc = p.view_index.build(now, max_calls, ())
-    ref = scan_view(p, now, BIG, idle, ())
+    ref = scan_view(p.view_sources, now, BIG, idle, ())
     return inc, ref
 
 
@@ -87,7 +87,7 @@ def _apply(em: cs.Emulation, op: str, pick: int) -> None:
     elif op == "close":
         sids = sorted(p.state.sessions)
         if sids:
-            p._close(sids[pick % len(sids)], time.time())
+            p.sessions.close(sids[pick % len(sids)], time.time())
     elif op == "tick":  # every default policy through the enforcement layer, window bounded
         p.control.max_calls = 1 + pick % 40
         p.control.tick()
@@ -276,10 +276,10 @@ def test_moving_or_rebinding_a_placed_call_keeps_the_bookkeeping():
     key, (source, what) = next((k, v) for k, v in p.placed.items() if v[1].startswith("llm:"))
     target = next(w for w in em.s.workers if w != source)
     before = p.open_placed[(source, what)]
-    assert p._move_placed(key, target) == (source, what)
+    assert p.placement.move_placed(key, target) == (source, what)
     assert p.placed[key] == (target, what) and p.placed_by_worker[target][key] == what
     assert key not in p.placed_by_worker.get(source, {}) and p.open_placed[(source, what)] == before - 1
-    assert p._move_placed("not-placed", target) is None
+    assert p.placement.move_placed("not-placed", target) is None
     # a session rebound to another engine (its old one is no longer a candidate): the new
     # engine never held its KV, so the context to recompute there is not the old engine's
     sid = next(sid for (sid, w), _ in p.bindings.items() if w == what and p.state.sessions[sid].state != "completed")
@@ -289,7 +289,7 @@ def test_moving_or_rebinding_a_placed_call_keeps_the_bookkeeping():
     ts = cs.ETask(f"{cs.LLM}-{sid}-extra", set(), em.order)
     em.s.tasks[ts.key] = ts
     p.state.touched.discard(sid)
-    p._place(ts, sid, what, [new_engine])
+    p.placement.place(ts, sid, what, [new_engine])
     assert p.bindings[(sid, what)] == new_engine and what[4:] not in p.state.sessions[sid].context_tokens
     assert sid in p.state.touched  # the view's kv_tokens entry is redone at the next tick
 

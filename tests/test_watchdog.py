@@ -19,6 +19,10 @@ import dask
 import pytest
 
 from dask_agents.scheduler_plugin.control import ControlLoop
+from dask_agents.scheduler_plugin.placement import Placement
+from dask_agents.scheduler_plugin.recovery import Recovery
+from dask_agents.scheduler_plugin.roster import Roster
+from dask_agents.scheduler_plugin.state import WorkflowState
 
 
 class FakeScheduler:
@@ -48,8 +52,14 @@ def empty_view() -> Any:
 
 def make_loop(policies: dict[str, Callable], build: Callable[[], Any] = empty_view, **control: Any) -> ControlLoop:
     """A control loop over a fake plugin; ``control`` sets ``agents.control.*`` (dashes as _)."""
-    plugin = SimpleNamespace(scheduler=FakeScheduler(), ready_workers={"tcp://w:1": None}, model_workers={},
-                             set_worker_models=lambda address, models: None, push_routes=lambda workers=None: None)
+    roster = Roster()
+    roster.scheduler, roster.ready["tcp://w:1"] = FakeScheduler(), {}
+    state = WorkflowState()
+    recovery = Recovery(roster, state)
+    placement = recovery.placement = Placement(roster, state, recovery, lambda component: None)
+    plugin = SimpleNamespace(roster=roster, state=state, placement=placement, admission=None, view_index=None,
+                             view_sources=None, set_worker_models=lambda address, models: None,
+                             push_routes=lambda workers=None: None)
     config = {f"agents.control.{k.replace('_', '-')}": v for k, v in control.items()}
     with dask.config.set(config):
         ctl = ControlLoop(plugin, policies)
@@ -155,7 +165,7 @@ def test_a_crash_loop_backs_off_and_asks_the_workers_once():
 
     ctl = make_loop({"fine": Counting()}, view, interval="50ms", watchdog_interval="50ms")
     wd = ctl.watchdog
-    scheduler = ctl.plugin.scheduler
+    scheduler = ctl.host.roster.scheduler
 
     async def main():
         ctl.start()
@@ -190,7 +200,7 @@ def test_a_crash_loop_backs_off_and_asks_the_workers_once():
 def test_close_cancels_a_worker_refresh_and_run_once_after_close_fails():
     ctl = make_loop({"fine": Counting()}, interval="50ms")
     wd = ctl.watchdog
-    ctl.plugin.scheduler.info_delay = 30.0  # a worker that does not answer
+    ctl.host.roster.scheduler.info_delay = 30.0  # a worker that does not answer
 
     async def main():
         ctl.start()
@@ -204,7 +214,7 @@ def test_close_cancels_a_worker_refresh_and_run_once_after_close_fails():
         assert refresh.cancelled()
         policy_threads = sum(t.name == "dask-agents-policy" for t in threading.enumerate())
         with pytest.raises(RuntimeError, match="closed"):
-            await wd.run_pass()
+            await ctl.run_pass()
         # no new threads for a closed loop
         assert sum(t.name == "dask-agents-policy" for t in threading.enumerate()) <= policy_threads
         with pytest.raises(RuntimeError, match="closed"):
@@ -227,7 +237,7 @@ def test_a_policy_never_runs_twice_at_once_across_restarts_stop_start_and_run_on
         try:
             for _ in range(3):
                 await in_pass()
-                once = asyncio.create_task(wd.run_pass())  # run_once during the loop's pass
+                once = asyncio.create_task(ctl.run_pass())  # run_once during the loop's pass
                 task = wd.task
                 ctl.start()  # on a running loop: a no-op, the pass is not cancelled
                 await asyncio.sleep(0.02)
@@ -255,7 +265,7 @@ def test_tick_seconds_is_event_loop_time_and_policy_time_is_separate():
     ctl = make_loop({"busy": Counting(seconds=0.3)}, interval="1s", policy_timeout="2s", stall_timeout="3s")
 
     async def main():
-        out = await ctl.watchdog.run_pass()
+        out = await ctl.run_pass()
         ctl.close()
         return out
 
@@ -280,12 +290,12 @@ def test_tick_shares_the_pass_reporting_and_skips_quarantined_policies():
     first = ctl.tick()
     assert first["applied"] == {"fine": 0} and "policy bug" in ctl.errors["broken"]
     assert kinds(ctl, "policy-error")[0]["policy"] == "broken"
-    assert ("agents-control", kinds(ctl, "policy-error")[0]) in ctl.plugin.scheduler.events
+    assert ("agents-control", kinds(ctl, "policy-error")[0]) in ctl.host.roster.scheduler.events
 
     ctl.policies["hang"] = hang
 
     async def main():
-        out = await ctl.watchdog.run_pass()  # times out: quarantined
+        out = await ctl.run_pass()  # times out: quarantined
         assert "hang" not in out["applied"] and list(ctl.watchdog.hung) == ["hang"]
         inline = ctl.tick()
         assert inline["skipped"] == ["hang"] and hang.calls == 1  # the inline pass skips it too

@@ -54,6 +54,8 @@ from typing import Any, Callable
 
 from distributed import Future
 
+from dask_agents.models import CallReport
+
 SCHEDULER = object()
 """What :meth:`LocalCalls.result` returns for a call that took the scheduler path."""
 
@@ -103,7 +105,7 @@ class LocalCalls:
         self._lock = threading.Lock()
         self._deferred: dict[str, LocalCall] = {}
         self._by_creator: dict[str, dict[str, None]] = {}
-        self._records: dict[str, dict] = {}  # key -> its newest record, not sent yet
+        self._records: dict[str, CallReport] = {}  # key -> its newest record, not sent yet
         self._running: dict[str, LocalCall] = {}  # key -> a call running on this fast path now
         self.counts: Counter[str] = Counter()  # ran, submitted:<why>, cancelled
 
@@ -337,8 +339,8 @@ class LocalCalls:
 
     # -- records --------------------------------------------------------------------------
     def _record(self, call: LocalCall) -> None:
-        r = {"key": call.key, "ann": call.ann, "state": _RECORD_STATE[call.state],
-             "started": call.started, "finished": call.finished}
+        r: CallReport = {"key": call.key, "ann": call.ann, "state": _RECORD_STATE[call.state],
+                         "started": call.started, "finished": call.finished}
         if call.state == ERRED:
             r["error"] = _error_text(call.error)
         if call.metrics:
@@ -346,7 +348,7 @@ class LocalCalls:
         with self._lock:
             self._records[call.key] = r
 
-    def pending_records(self) -> list[dict]:
+    def pending_records(self) -> list[CallReport]:
         """The records not sent yet, oldest call first; each is sent once."""
         if not self._records:
             return []

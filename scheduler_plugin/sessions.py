@@ -1,0 +1,265 @@
+"""Sessions from open to end: the scheduler plugin's sessions collaborator.
+
+A session is opened by its driver (``da.session``) or by its first call; the client that opened
+it owns it. It ends when its driver leaves the block (``agents_session_end``, on the client's
+stream so that it follows the driver's last submits), when its owner disconnects and does not
+come back within ``agents.scheduler.session-grace``, or when it idles past
+``agents.scheduler.session-idle-timeout``. Closing a session with ``abort`` fails its calls that
+have not started (:class:`~dask_agents.errors.SessionClosedError`) and cancels the running ones.
+Once it completes, its KV is dropped at once and its stateful instances after
+``agents.scheduler.instance-linger`` (a late call reopens it and keeps them); the workers holding
+either are told in batches, one RPC per worker at a time.
+
+The records live in :class:`~dask_agents.scheduler_plugin.state.WorkflowState`; this object
+keeps who owns what, the grace deadlines and the pending ends, and calls ``on_completed`` once
+per completion so that the plugin can tell its observers (admission, KV hints, metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import dask_agents.config as agents_config
+from dask_agents.annotation import MAX_LABEL
+from dask_agents.scheduler_plugin import dask_compat, validate
+from dask_agents.scheduler_plugin.placement import Placement
+from dask_agents.scheduler_plugin.roster import Roster
+from dask_agents.scheduler_plugin.state import WorkflowState
+
+logger = logging.getLogger(__name__)
+
+
+class Sessions:
+    """Ownership, closing and ending of sessions (see the module docstring)."""
+
+    def __init__(self, roster: Roster, state: WorkflowState, placement: Placement,
+                 on_completed: Callable[[str, Any], None]):
+        self.roster = roster
+        self.state = state
+        self.placement = placement  # releases the ended sessions' bindings
+        self.on_completed = on_completed  # (session id, its record or None): once per completion
+        self.client_sessions: defaultdict[str, set[str]] = defaultdict(set)  # owner client -> its sessions
+        self.orphans: dict[str, float] = {}  # session -> when its grace ends (its owner disconnected)
+        self._lingering: dict[str, Any] = {}  # completed session -> timer releasing its instances
+        # sessions that ended, per worker holding their instances or KV, not yet told (batched)
+        self._ending: defaultdict[str, list[str]] = defaultdict(list)
+        self._flushing_ends = False
+
+    # -- owners ------------------------------------------------------------------------------
+    def on_call(self, rec: Any, client: str | None) -> None:
+        """A call of ``rec.session`` arrived from ``client``. The first call made from outside
+        the session (by its driver, not by one of its own calls) makes that client the owner.
+        A call into a completed session whose instances are still kept (``instance-linger``)
+        keeps them."""
+        sid = rec.session
+        s = self.state.sessions[sid]
+        if s.owner is None and rec.creator not in s.calls and client is not None:
+            self._own(s, client)
+        timer = self._lingering.pop(sid, None)
+        if timer is not None:
+            self.roster.scheduler.loop.remove_timeout(timer)
+
+    def _own(self, s: Any, client: str) -> None:
+        s.owner = client
+        self.client_sessions[client].add(s.id)
+
+    def on_open_msg(self, session: Any = None, tenant: Any = None, client: Any = None, **kw: Any) -> None:
+        """A driver entered its ``da.session`` block (on its client stream, before any of its
+        calls): it owns the session, whoever submits into it first."""
+        try:
+            if not isinstance(client, str):
+                raise ValueError("a session open from no client")
+            session = validate.session_id(session, "agents-session-open: session")
+            if tenant is not None and (not isinstance(tenant, str) or len(tenant) > MAX_LABEL):
+                tenant = None
+            s = self.state.session(session, tenant, time.time())
+            if s.owner is None:
+                self._own(s, client)
+        except Exception as e:  # raising here would close the client's stream
+            logger.warning("dask-agents: session open ignored: %s", e)
+
+    def client_left(self, client: str) -> None:
+        """The owner of some sessions disconnected: they wait ``session-grace`` for it to come
+        back (a reconnecting ``Client`` keeps its id) before they are closed. Clients that own
+        nothing (workers' own clients, which only submit nested calls) change nothing."""
+        sids = self.client_sessions.get(client)
+        if sids:  # completed ones need nothing from their owner any more
+            sids.difference_update([sid for sid in sids if (s := self.state.sessions.get(sid)) is None
+                                    or s.state == "completed"])
+        if not sids:
+            self.client_sessions.pop(client, None)
+            return
+        deadline = time.time() + agents_config.seconds("scheduler.session-grace")
+        for sid in sids:
+            s = self.state.sessions.get(sid)
+            if s is not None and s.state == "active":  # one the driver already left goes on by itself
+                self.orphans[sid] = deadline
+        logger.info("dask-agents: client %s disconnected; its %d open sessions wait %s for it to reconnect",
+                    client, len(sids), agents_config.get("scheduler.session-grace"))
+
+    def client_back(self, client: str) -> None:
+        """``client`` (re)connected: its sessions in their grace are kept, everything with them."""
+        for sid in self.client_sessions.get(client, ()):
+            self.orphans.pop(sid, None)
+
+    # -- ending ------------------------------------------------------------------------------
+    def end(self, session: str, cancel: bool = False, client: str | None = None) -> dict:
+        """The driver left its ``da.session`` block (``cancel``: with an exception, so its open
+        calls can no longer matter). An unknown session is not created: it made no call. Only
+        the owner's end counts (``client``, when known): another client that joined the session
+        leaving its own block ends nothing."""
+        session = validate.session_id(session, "agents_session_end: session")
+        rec = self.state.sessions.get(session)
+        if rec is None:
+            return {"state": "unknown"}
+        if client is not None and rec.owner is not None and client != rec.owner:
+            return {"state": rec.state}
+        reason = "its driver left the da.session block with an exception" if cancel is True else None
+        self.close(session, time.time(), reason, abort=cancel is True)
+        return {"state": self.state.sessions[session].state}
+
+    def on_end_msg(self, session: Any = None, cancel: Any = False, client: Any = None, **kw: Any) -> None:
+        """The client-stream form of :meth:`end`: it arrives after the client's earlier submits
+        (same stream), so a session cannot complete before its last calls are seen."""
+        try:
+            self.end(session, cancel, client if isinstance(client, str) else None)
+        except Exception as e:  # raising here would close the client's stream
+            logger.warning("dask-agents: session end ignored: %s", e)
+
+    def close(self, sid: str, now: float, reason: str | None = None, abort: bool = False) -> None:
+        """Close ``sid`` (the driver is done, or ``reason``: the scheduler closes it). With
+        ``abort``, its open calls fail with SessionClosedError (``reason``) or, running, are
+        cancelled: nobody is left to use their results."""
+        self.orphans.pop(sid, None)
+        known = self.state.sessions.get(sid)
+        if known is not None and known.state == "completed":
+            return  # already over: nothing to close
+        s = self.state.close_session(sid, now)
+        if reason is not None:
+            s.closed_reason = reason
+            logger.info("dask-agents: session %s closed: %s", sid, reason)
+        if abort and s.open_calls > 0:
+            self._abort(s, reason or "the session was closed")
+        if s.state == "completed":
+            self.completed(sid)
+
+    def _abort(self, s: Any, reason: str) -> None:
+        """Fail the session's open calls that have not started (SessionClosedError naming the
+        call, session and ``reason``) and cancel the ones that are running."""
+        from dask_agents.errors import SessionClosedError, where
+
+        scheduler = self.roster.scheduler
+        stimulus = f"dask-agents-session-closed-{time.time()}"
+        running = []
+        for rec in [r for r in s.calls.values() if r.state not in ("finished", "erred", "cancelled")
+                    and not self._needed_elsewhere(r.key, s)]:
+            exc = SessionClosedError(f"{where(rec.component, rec.method, s.id)}: the session was closed before the "
+                                     f"call ran: {reason} (call {rec.key})", session=s.id)
+            try:
+                if not dask_compat.fail_task(scheduler, rec.key, exc, stimulus):
+                    running.append(rec.key)
+            except Exception:  # never leave it open: cancel it instead
+                logger.exception("dask-agents: failing call %s of closed session %s failed", rec.key, s.id)
+                running.append(rec.key)
+        if running:
+            try:
+                dask_compat.cancel_tasks(scheduler, running, f"dask-agents: session {s.id} was closed: {reason}")
+            except Exception:
+                logger.exception("dask-agents: cancelling %d calls of closed session %s failed", len(running), s.id)
+
+    def _needed_elsewhere(self, key: str, s: Any) -> bool:
+        """Whether a task outside session ``s`` (another session's call, plain work) depends on
+        call ``key``: giving up ``s`` must not break it."""
+        ts = dask_compat.task(self.roster.scheduler, key)
+        return ts is not None and any(d not in s.calls for d in dask_compat.dependent_keys(ts))
+
+    def completed(self, sid: str) -> None:
+        """``sid`` completed: its KV goes at once; its stateful instances (if any) after
+        ``instance-linger``, unless a late call reopens the session first. Once per completion."""
+        s = self.state.sessions.get(sid)
+        if s is not None:
+            if s.ended:
+                return
+            s.ended = True
+        self.orphans.pop(sid, None)
+        self.on_completed(sid, s)
+        linger = agents_config.seconds("scheduler.instance-linger")
+        if linger > 0 and self.placement.has_instances(sid):
+            if sid not in self._lingering:
+                self._lingering[sid] = self.roster.scheduler.loop.call_later(linger, self.release, sid)
+            return
+        self.release(sid)
+
+    def release(self, sid: str) -> None:
+        """Drop ``sid``'s bindings and tell the workers holding its instances or KV."""
+        self._lingering.pop(sid, None)
+        s = self.state.sessions.get(sid)
+        if s is not None and s.state != "completed":
+            return  # reopened meanwhile
+        released = f"its instance was released when the session completed at " \
+                   f"{time.strftime('%H:%M:%S', time.localtime((s.completed_at if s else None) or time.time()))}"
+        for addr in self.placement.release_session(sid, s, released):
+            if self.roster.alive(addr):
+                self.tell_ended(addr, [sid])
+
+    def tell_ended(self, addr: str, sids: list[str]) -> None:
+        """Tell ``addr`` (soon, batched) that ``sids`` ended: their KV and instances go."""
+        self._ending[addr].extend(sids)
+        if not self._flushing_ends:
+            self._flushing_ends = True
+            self.roster.soon(self._flush_ends)
+
+    async def _flush_ends(self) -> None:
+        """Tell workers which sessions ended: one RPC per worker at a time, carrying every
+        session that ended meanwhile. (One RPC per session opened hundreds of connections when
+        thousands of sessions ended together, and the pool kept them.)"""
+        try:
+            while self._ending:
+                ending, self._ending = self._ending, defaultdict(list)
+                await asyncio.gather(*(self._end_on_worker(a, sids) for a, sids in ending.items()))
+        finally:
+            self._flushing_ends = False
+
+    async def _end_on_worker(self, addr: str, sids: list[str]) -> None:
+        try:
+            await self.roster.scheduler.rpc(addr).agents_end_session(sessions=sids)
+        except Exception as e:  # the worker left: its instances went with it
+            logger.debug("dask-agents: end_session on %s failed: %s", addr, e)
+
+    # -- periodic ----------------------------------------------------------------------------
+    def housekeeping(self, now: float) -> None:
+        """Close the sessions whose driver did not come back within the grace, and idle ones."""
+        for sid in [sid for sid, t in self.orphans.items() if t <= now]:
+            s = self.state.sessions.get(sid)
+            owner = s.owner if s is not None else None
+            self.client_sessions.get(owner, set()).discard(sid)
+            if owner in self.client_sessions and not self.client_sessions[owner]:
+                del self.client_sessions[owner]
+            self.close(sid, now, f"its driver (client {owner}) disconnected and did not reconnect within "
+                                 f"{agents_config.get('scheduler.session-grace')}", abort=True)
+        idle = agents_config.seconds("scheduler.session-idle-timeout")
+        for sid in self.state.idle(now, idle):
+            s = self.state.sessions.get(sid)
+            if s is None:
+                self.state.activity.pop(sid, None)
+            elif s.open_calls > 0:  # calls still run: not idle
+                self.state.active(s, now)
+            else:
+                self.close(sid, now, f"no activity for {agents_config.get('scheduler.session-idle-timeout')} "
+                                     "(agents.scheduler.session-idle-timeout)")
+
+    def forget(self, dropped: list[str]) -> None:
+        """The workflow state dropped these completed sessions (retention): so do the indexes
+        (a long-lived client's session index would otherwise grow without end)."""
+        if not dropped:
+            return
+        for client in list(self.client_sessions):
+            self.client_sessions[client].difference_update(dropped)
+            if not self.client_sessions[client]:
+                del self.client_sessions[client]
+        for sid in dropped:
+            self.orphans.pop(sid, None)
