@@ -26,8 +26,10 @@ per condition and round tokens/s and step time, and the paired ratios ``alone / 
 of tokens/s (slowdown) and ``same-worker / alone`` of step time, median over rounds with the
 [min, max] spread; the same for ``other-worker``. On a machine whose cores the engine's kernels
 already fill, ``other-worker`` measures core contention, and ``same-worker / other-worker``
-what sharing the process (the GIL) adds to it. ``--engine vllm-async`` runs the same with
-vLLM's AsyncLLM (the engine core in a child process of the worker, vLLM's production layout).
+what sharing the process (the GIL) adds to it. ``--engine vllm-process`` runs the same host in a
+process of its own beside the worker (``process: true``: per-session KV control there too);
+``--engine vllm-async`` runs vLLM's AsyncLLM (the engine core in a child process of the worker,
+vLLM's production layout).
 """
 
 from __future__ import annotations
@@ -136,16 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-ms", type=float, default=5.0)
     ap.add_argument("--wait-ms", type=float, default=20.0)
     ap.add_argument("--threads", type=int, default=8)
-    ap.add_argument("--engine", choices=("vllm", "vllm-async"), default="vllm",
-                    help="vllm: stepped in a thread of the worker process (default); vllm-async: vLLM's AsyncLLM, "
-                         "its engine core in a child process (its step count is not visible here: tokens/s only)")
+    ap.add_argument("--engine", choices=("vllm", "vllm-process", "vllm-async"), default="vllm",
+                    help="vllm: stepped in a thread of the worker process (default); vllm-process: the same host, "
+                         "per-session KV control included, in a process of its own beside the worker "
+                         "(process: true); vllm-async: vLLM's AsyncLLM, its engine core in a child process (its "
+                         "step count is not visible here: tokens/s only)")
     args = ap.parse_args(argv)
     import tempfile
 
     args.tmp = tempfile.mkdtemp(prefix="engine-isolation-")
     t0 = time.time()
     rows: list[dict] = []
-    entry = {**app.ENTRY, "engine": args.engine}
+    entry = ({**app.ENTRY, "engine": "vllm", "process": True} if args.engine == "vllm-process"
+             else {**app.ENTRY, "engine": args.engine})
     with dask.config.set({"agents.llm.models": {app.MODEL: entry},
                           # AsyncLLM starts its engine core as a child: the worker must not be a daemon
                           "distributed.worker.daemon": args.engine != "vllm-async"}), \
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     for cond in ("same-worker", "other-worker"):
         summary[f"tokens_per_s_alone_over_{cond}"] = spread(
             [by[(i, "alone")]["tokens_per_s"] / by[(i, cond)]["tokens_per_s"] for i in rounds])
-        if args.engine == "vllm":
+        if args.engine in ("vllm", "vllm-process"):
             summary[f"step_ms_{cond}_over_alone"] = spread(
                 [by[(i, cond)]["step_ms"] / by[(i, "alone")]["step_ms"] for i in rounds])
     summary["tokens_per_s_other_over_same_worker"] = spread(

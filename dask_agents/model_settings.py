@@ -50,6 +50,12 @@ class ModelSettings(BaseModel):
         None, alias="kv-connector", description="vllm-async only: lmcache puts LMCache's CPU/disk KV tiers "
         "under the engine (workflow-blind); dask-agents puts kv/runtime/connector.py's host tier "
         "(kv-host-bytes) under it, with per-session directives (inspect, offload, invalidate).")
+    # The engine host and its KV control in a child process of the worker (worker_plugin/process_host.py):
+    # the worker's Python threads (components, tools, Dask) no longer share the engine's GIL.
+    process: bool = Field(False, description=(
+        "Run the engine (vllm or emulated) in a process of its own beside the worker, per-session KV control "
+        "included: agents in the worker do not slow its stepping. No effect with vllm-async, whose engine core "
+        "runs in a child process already."))
     tensor_parallel_size: int = Field(1, alias="tensor-parallel-size", ge=1)
     enforce_eager: bool = Field(True, alias="enforce-eager", description=(
         "No CUDA graphs (default true: fast start; false for the best GPU decode speed)."))

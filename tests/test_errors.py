@@ -18,6 +18,7 @@ import contextvars
 import threading
 
 import pytest
+from dask import config as dask_config
 from distributed import Client, LocalCluster, Scheduler, Worker
 from distributed.utils_test import gen_cluster
 
@@ -199,6 +200,8 @@ def test_install_names_the_worker_and_cause_when_an_engine_cannot_load(monkeypat
         raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
 
     monkeypatch.setattr(EngineHost, "_load", no_vllm)  # (in-process workers: this process's class)
+    # the engine stepped in the worker, where the patch is (a process of its own would not have it)
+    monkeypatch.setitem(dask_config.get("agents.llm.models.coder"), "process", False)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster:
         with Client(cluster) as c:
             (addr,) = c.scheduler_info()["workers"]

@@ -1,4 +1,7 @@
-"""The LLM path against a real vLLM engine (CPU build, tiny dummy-weight model, in-process)."""
+"""The LLM path against a real vLLM engine (CPU build, tiny dummy-weight model): ``coder`` as
+configured by default (the engine in a process of its own beside the worker), and ``inproc``, the
+same model stepped in the worker, for the tests that reach into the engine (a crash injected into
+its step, its KV manager's state)."""
 
 from __future__ import annotations
 
@@ -18,10 +21,14 @@ LOADS: dict = {}  # what the module's da.install returned
 
 @pytest.fixture(scope="module")
 def client():
-    with LocalCluster(n_workers=2, threads_per_worker=4, processes=False, dashboard_address=":0") as cluster:
-        with Client(cluster) as c:
-            LOADS["coder"] = da.install(c, models=["coder"])
-            yield c
+    inproc = {**dask.config.get("agents.llm.models.coder"), "process": False}
+    # before the cluster (its workers read it); no reallocation between the two models: the
+    # tests here count on both workers hosting coder
+    with dask.config.set({"agents.llm.models.inproc": inproc, "agents.control.policies.reallocate.enabled": False}):
+        with LocalCluster(n_workers=2, threads_per_worker=4, processes=False, dashboard_address=":0") as cluster:
+            with Client(cluster) as c:
+                LOADS["coder"] = da.install(c, models=["coder"])
+                yield c
 
 
 def test_generate_and_prefix_cache_hit_in_same_session(client):
@@ -123,7 +130,7 @@ def test_session_kv_is_tracked_and_dropped_when_the_session_ends(client):
 
 
 def _kv_state(session: str, dask_worker=None) -> dict | str:
-    host = dask_worker.plugins["dask-agents"].engines.start("coder")
+    host = dask_worker.plugins["dask-agents"].engines.start("inproc")
     try:
         return host.kv_call(lambda kv: host.kv_manager.session_state(session)).result(30)
     except Exception as e:
@@ -135,7 +142,7 @@ def test_the_scheduler_tells_the_engine_what_a_session_waits_on(client):
     code_exec (the kind predicts the pause), from the scheduler's hints."""
     from dask_agents.emulation import code_exec_tool
 
-    coder, run_tests = da.llm("coder"), da.stub(code_exec_tool)
+    coder, run_tests = da.llm("inproc"), da.stub(code_exec_tool)
     with dask.config.set({"agents.emulation.time-scale": 0.05}):
         with da.session(client) as s:
             r = coder.generate(SYSTEM + " Write the failing test first.", max_tokens=2).value(300)
@@ -171,31 +178,31 @@ def _restarts(model: str, dask_worker=None) -> tuple[int, bool]:
 
 
 def test_a_crashed_engine_is_restarted_and_its_calls_retried(client):
-    coder = da.llm("coder")
+    coder = da.llm("inproc")
     prompts = [f"{SYSTEM} crash test {i}" for i in range(4)]
     with da.session(client):
         r0 = coder.generate(prompts[0], max_tokens=6).value(300)  # where this session's engine is
-        before = client.run(_crash_next_step, "coder", workers=[r0.worker])[r0.worker]
+        before = client.run(_crash_next_step, "inproc", workers=[r0.worker])[r0.worker]
         futs = [coder.generate(p, max_tokens=6) for p in prompts]
         results = [f.value(300) for f in futs]
     # every call completed on the restarted engine, with the tokens a healthy engine gives
     assert results[0].token_ids == r0.token_ids
     assert all(r.output_tokens == 6 for r in results)
-    after, loaded = client.run(_restarts, "coder", workers=[r0.worker])[r0.worker]
+    after, loaded = client.run(_restarts, "inproc", workers=[r0.worker])[r0.worker]
     assert after == before + 1 and loaded
 
 
 def test_without_restarts_a_crash_is_a_clear_error_on_the_future(client):
-    coder = da.llm("coder")
+    coder = da.llm("inproc")
     with dask.config.set({"agents.llm.engine-restarts": 0}):  # processes=False: the workers read it
         with da.session(client) as s:
             r0 = coder.generate(SYSTEM + " no retry", max_tokens=2).value(300)
-            client.run(_crash_next_step, "coder", workers=[r0.worker])
+            client.run(_crash_next_step, "inproc", workers=[r0.worker])
             doomed = coder.generate(SYSTEM + " no retry, second call", max_tokens=2)
             with pytest.raises(da.EngineStoppedError) as info:
                 doomed.value(300)
             msg = str(info.value)
-            assert "llm.coder.generate" in msg and s.id in msg and "crashed" in msg and "injected engine failure" in msg
+            assert "llm.inproc.generate" in msg and s.id in msg and "crashed" in msg and "injected engine failure" in msg
             # the session goes on: the next call lands on a restarted engine
             assert coder.generate(SYSTEM + " after the crash", max_tokens=2).value(300).output_tokens == 2
 

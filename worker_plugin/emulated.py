@@ -406,6 +406,14 @@ class EmulatedEngineHost(SessionKVHost):
         self._calls: queue.SimpleQueue[tuple[Any, Future]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._finishing: list[Sequence] = []  # done in the current iteration, resolved after its sleep
+        # Pacing (wall seconds, busy iterations only): what the steps should have taken
+        # (cost x time_scale) and what they took; more wall than paced means this thread was
+        # late (a starved core, the GIL held by other threads of its process), and lag beyond
+        # CATCH_UP_S is dropped, not made up. Their ratio is how much the engine was slowed.
+        self.paced_s = 0.0
+        self.busy_wall_s = 0.0
+        self.dropped_lag_s = 0.0
+        self.woke_late_s = 0.0  # summed over busy steps: how late after its deadline each step ended
         self._thread = threading.Thread(target=self._run, name=f"dask-agents-emulated-{name}", daemon=True)
 
     def start(self) -> None:
@@ -510,9 +518,12 @@ class EmulatedEngineHost(SessionKVHost):
         """EMULATED counters and KV state (:meth:`EmulatedScheduler.stats`): tokens (queries,
         hits, prefill_tokens, decode_tokens, recomputed_tokens, host_hits, ...), blocks
         (used/pinned/free/cached/capacity, host_used/host_capacity, evictions, preemptions,
-        restored/offloaded, ...), running, waiting, steps, emulated seconds."""
+        restored/offloaded, ...), running, waiting, steps, emulated seconds; the stepping thread's
+        pacing (``paced_s``, ``busy_wall_s``, ``dropped_lag_s``, ``woke_late_s``: see ``__init__``)."""
         with self._lock:
-            return {**self._sched.stats(), "emulated": True}
+            return {**self._sched.stats(), "emulated": True, "paced_s": self.paced_s,
+                    "busy_wall_s": self.busy_wall_s, "dropped_lag_s": self.dropped_lag_s,
+                    "woke_late_s": self.woke_late_s}
 
     # -- the stepping thread ----------------------------------------------------------------------
 
@@ -548,6 +559,7 @@ class EmulatedEngineHost(SessionKVHost):
         # lag over CATCH_UP_S (a GC pause, a starved core) is dropped rather than caught up.
         due: float | None = None
         while not self._stop.is_set():
+            t_iter = time.monotonic()
             # Requests first, then calls: an abort that follows its request finds it.
             while True:  # everything that arrived joins this iteration's admission
                 try:
@@ -589,9 +601,12 @@ class EmulatedEngineHost(SessionKVHost):
                 continue
             # The iteration "runs" now; close() interrupts the wait.
             now = time.monotonic()
+            if due is not None and now - due >= CATCH_UP_S:
+                self.dropped_lag_s += now - due
             due = (due if due is not None and now - due < CATCH_UP_S else now) + cost * self.time_scale
             if due > now and self._stop.wait(due - now):
                 break
+            self.woke_late_s += max(0.0, time.monotonic() - due)  # outputs go out this late
             stamp = self.token_times.token  # the step's tokens are out now (TTFT, TPOT)
             for s in sched.running:
                 if s.output:
@@ -604,6 +619,8 @@ class EmulatedEngineHost(SessionKVHost):
                 if s.future is not None and not s.future.done():
                     s.future.set_result(s.result())
             self._finishing = []
+            self.paced_s += cost * self.time_scale
+            self.busy_wall_s += time.monotonic() - t_iter
         self._fail_all(self._stopped_error())
 
     def _stopped_error(self) -> BaseException:

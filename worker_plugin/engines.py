@@ -23,7 +23,12 @@ RESTART_WINDOW_S = 300.0
 
 
 def make_host(name: str, settings: ModelSettings) -> EngineHostAPI:
-    """The engine host for ``settings.engine``: vLLM in the worker, vLLM's AsyncLLM, or the emulated engine."""
+    """The engine host for ``settings.engine``: vLLM in the worker, vLLM's AsyncLLM, or the emulated engine;
+    with ``process: true``, vLLM or the emulated engine in a process of its own beside the worker."""
+    if settings.process and settings.engine != "vllm-async":  # (AsyncLLM's core is in a child already)
+        from dask_agents.worker_plugin.process_host import ProcessEngineHost
+
+        return ProcessEngineHost(name, settings)
     if settings.engine == "vllm-async":
         from dask_agents.worker_plugin.async_engine import AsyncEngineHost
 

@@ -23,11 +23,14 @@ class TokenTimes:
         while len(self._times) > self.limit:
             self._times.popitem(last=False)
 
-    def token(self, request_id: str, at: float | None = None) -> None:
-        """The request has output tokens now: its first token's time, if not stamped yet."""
+    def token(self, request_id: str, at: float | None = None) -> bool:
+        """The request has output tokens now: its first token's time, if not stamped yet.
+        Returns whether this was its first token."""
         t = self._times.get(request_id)
         if t is not None and t[1] is None:
             t[1] = time.time() if at is None else at
+            return True
+        return False
 
     def restamp(self, request_id: str, at: float) -> None:
         """The request reached the engine's host at ``at`` (earlier than its submission, which

@@ -156,6 +156,10 @@ def run_point(make: Callable[[], Any], wf: Any, specs: list, offsets: list[float
     floor = sum(ideal_of[s.id][1] for s in specs)
     m = stats.point_metrics(rows, rate, stats.counter_delta(before, after), floor)
     m.update(start_s=ready - t_start, wall_s=time.time() - ready, variant=described)
+    # per engine (replica order): seconds its busy steps should have taken and decode tokens,
+    # so that an uneven spread of the work over the engines shows
+    m["engine_paced_s"] = [round(a.get("paced_s", 0) - b.get("paced_s", 0), 3) for b, a in zip(before, after)]
+    m["engine_decode_tokens"] = [a.get("decode_tokens", 0) - b.get("decode_tokens", 0) for b, a in zip(before, after)]
     return m
 
 

@@ -90,6 +90,14 @@ def point_metrics(records: list[dict], offered: float, counters: dict, floor_pre
         "host_hits": counters.get("host_hits", 0), "evictions": counters.get("evictions", 0),
         "floor_prefill_tokens": floor_prefill, "queried_tokens": q,
         "prefill_vs_floor": prefill / floor_prefill if floor_prefill else math.nan,
+        # wall seconds the engines' busy steps took per second they should have taken (1.0: on
+        # pace; above: slowed by what shares their process or cores); lag dropped, per paced s
+        "engine_pace": counters["busy_wall_s"] / counters["paced_s"] if counters.get("paced_s") else math.nan,
+        "engine_dropped_lag": (counters.get("dropped_lag_s", 0) / counters["paced_s"]
+                               if counters.get("paced_s") else math.nan),
+        # mean lateness of a busy step's end (its tokens, finished requests) in wall ms
+        "engine_late_ms": (1000 * counters.get("woke_late_s", 0) / counters["steps"]
+                           if counters.get("steps") else math.nan),
         "latencies_s": sorted(round(x, 3) for x in lat),
     }
 
