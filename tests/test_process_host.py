@@ -99,6 +99,9 @@ def test_a_bad_configuration_is_a_load_error_naming_it():
     host.start()
     with pytest.raises(EngineLoadError, match="no_such_knob"):
         host.wait_loaded(60)
+    assert host._proc.wait(60) == 0  # noqa: SLF001 (the child ended after reporting it)
+    wait_for(lambda: not host._reader.is_alive())  # noqa: SLF001 (and the proxy saw its pipe close)
+    assert host.crashed is None  # a failed load, not a crash: the registry does not restart it in a loop
     host.close()
 
 

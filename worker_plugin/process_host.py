@@ -118,12 +118,15 @@ class ProcessEngineHost:
         self.pid = self._proc.pid
         self._down = Connection(down_w, readable=False)
         up = Connection(up_r, writable=False)
-        import dask
-
-        self._send(("init", self.name, settings, dask.config.get("agents", default={})))
         self._reader = threading.Thread(target=self._read, args=(up,), name=f"dask-agents-engine-proc-{self.name}",
                                         daemon=True)
-        self._reader.start()
+        self._reader.start()  # first: a child that dies at once is seen (EOF) and reported as a load error
+        import dask
+
+        try:  # the worker's agents.* configuration goes with it (the KV policy, the emulation's time scale)
+            self._send(("init", self.name, settings, dask.config.get("agents", default={})))
+        except Exception as e:  # it died before reading: the reader reports the exit too
+            logger.error("engine %s: its process (pid %s) did not take its settings: %s", self.name, self.pid, e)
 
     def wait_loaded(self, timeout: float | None = None) -> None:
         """Block until the child loaded the engine; re-raise its load failure."""
@@ -293,7 +296,7 @@ class ProcessEngineHost:
             why = e
         finally:
             up.close()
-        if not self._closing:
+        if not self._closing and self.load_error is None:  # (a failed load ends the child: not a crash)
             code = self._proc.poll() if self._proc is not None else None
             self.crashed = why if isinstance(why, BaseException) and not isinstance(why, EOFError) else \
                 RuntimeError(f"the engine's process exited (code {code})")
