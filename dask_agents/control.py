@@ -7,6 +7,7 @@ from typing import Any
 from distributed import Client
 
 from dask_agents.client_api import _call
+from dask_agents.errors import NotAllowedError
 
 
 class Control:
@@ -18,6 +19,8 @@ class Control:
     def _op(self, op: str) -> Any:
         def check(reply: dict) -> dict:
             if "error" in reply:
+                if reply.get("refused"):
+                    raise NotAllowedError(reply["error"])
                 raise RuntimeError(reply["error"])
             return reply
 

@@ -160,6 +160,11 @@ class ResultNotSerializableError(CallFailedError):
     keep such objects inside a stateful component's instance."""
 
 
+class NotAllowedError(AgentsError, PermissionError):
+    """The scheduler refused a client's request: a cluster-wide change its configuration keeps
+    from clients (``agents.control.client-actions``). The message names the setting."""
+
+
 from distributed.client import ClosedClientError as _DaskClosedClientError  # noqa: E402
 
 

@@ -35,7 +35,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from dask_agents.scheduler_plugin import dask_compat
+from dask_agents.scheduler_plugin import dask_compat, validate
 from dask_agents.scheduler_plugin.dashboard_data import (
     COMPONENT_COLUMNS,
     DECISION_COLUMNS,
@@ -137,6 +137,19 @@ def install(plugin: "AgentsSchedulerPlugin") -> Dashboard | None:
         return None
 
 
+def _wanted_session(args: dict) -> str:
+    """The session a page URL asks for (``?session=<id>``; "" for none). A query that is not a
+    session id is the browser's mistake: 400, naming what is wrong (never a 500)."""
+    from tornado.web import HTTPError
+
+    raw = (args.get("session") or [b""])[0]
+    try:
+        wanted = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+        return validate.session_id(wanted, "session") if wanted else ""
+    except (UnicodeDecodeError, ValueError) as e:
+        raise HTTPError(400, reason="session is not a session id") from e
+
+
 def _document(ref: Any, scheduler: Any, extra: dict, doc: Any) -> None:
     """Build one browser session's document (Bokeh calls this per page load)."""
     theme, env = dask_compat.dashboard_theme()
@@ -144,8 +157,7 @@ def _document(ref: Any, scheduler: Any, extra: dict, doc: Any) -> None:
     if dash is None:
         return
     args = doc.session_context.request.arguments if doc.session_context and doc.session_context.request else {}
-    wanted = args.get("session", [b""])[0]
-    page = AgentsPage(dash, wanted.decode() if isinstance(wanted, bytes) else str(wanted))
+    page = AgentsPage(dash, _wanted_session(args))
     doc.title = "Dask: Agents"
     doc.add_root(page.root)
     doc.template = env.get_template("simple.html")

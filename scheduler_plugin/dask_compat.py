@@ -657,6 +657,34 @@ def add_worker_stream_handler(scheduler: Scheduler, op: str, handler: Callable,
     scheduler.stream_handlers[op] = worker_only
 
 
+def add_client_stream_handler(scheduler: Scheduler, op: str, handler: Callable,
+                              on_refused: Callable[[str, dict], None] | None = None) -> None:
+    """Register a stream op that only *client* streams may use, with the stream's own client.
+
+    The counterpart of :func:`add_worker_stream_handler`: the wrapper reads the stream's
+    identity from ``handle_stream``'s ``extra`` and calls ``handler(client=<the stream's
+    client id>, **other fields)``; a message's own ``client`` (or ``worker``) field is dropped,
+    never trusted. A message on a worker's stream, or one not delivered by Dask's stream loop
+    (no stream identity to read: a test, or a Dask whose loop changed, which
+    ``tests/test_dask_compat.py`` would show), is refused (``on_refused(op, origin)``): an
+    operation on a session is never done for a client we cannot name."""
+    code = type(scheduler).handle_stream.__code__
+
+    def client_only(**msg: Any) -> Any:
+        origin = _stream_origin(code)
+        msg.pop("worker", None)
+        msg.pop("client", None)
+        client = (origin or {}).get("client")
+        if origin is None or "worker" in origin or not isinstance(client, str):
+            if on_refused is not None:
+                on_refused(op, origin or {})
+            return None
+        return handler(client=client, **msg)
+
+    client_only.__name__ = f"client_only_{getattr(handler, '__name__', 'handler')}"
+    scheduler.stream_handlers[op] = client_only
+
+
 def task_holders(ts: Any) -> set[str]:
     """Addresses of the workers holding the task's result (empty when none)."""
     return {ws.address for ws in (ts.who_has or ())}

@@ -113,7 +113,7 @@ class Drainer:
 
     async def _swap(self, d: Drain) -> None:
         try:
-            hosted = await self.roster.scheduler.rpc(d.worker).agents_swap_model(remove=d.source, add=d.target)  # 4.
+            hosted = await self.roster.call_worker(d.worker, "agents_swap_model", remove=d.source, add=d.target)  # 4.
         except Exception as e:
             logger.warning("dask-agents: swapping %s on %s failed: %s", d.target, d.worker, e)
             self._rollback(d, f"swap failed: {e}")

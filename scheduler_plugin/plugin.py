@@ -197,11 +197,12 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         dask_compat.add_worker_stream_handler(scheduler, REPORT_OP, self._on_reports,
                                               on_refused=self.aggregates.rejected.stream_refused)
-        dask_compat.add_stream_handler(scheduler, SESSION_END_OP, self.sessions.on_end_msg)
-        dask_compat.add_stream_handler(scheduler, SESSION_OPEN_OP, self.sessions.on_open_msg)
+        # a session's owner is the client stream the message came on, never a field of it
+        for op, handler in ((SESSION_END_OP, self.sessions.on_end_msg), (SESSION_OPEN_OP, self.sessions.on_open_msg)):
+            dask_compat.add_client_stream_handler(scheduler, op, handler,
+                                                  on_refused=self.aggregates.rejected.client_stream_refused)
         for name, handler in {
             "agents_worker_hello": self._hello,
-            "agents_session_end": self.sessions.end,
             "agents_session_graph": self._session_graph,
             "agents_telemetry": self._telemetry,
             "agents_workflow_graph": self._workflow_graph,
@@ -597,7 +598,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
 
     async def _assign_model(self, worker: str, model: str) -> None:
         try:
-            hosted = await self.scheduler.rpc(worker).agents_swap_model(remove=None, add=model)
+            hosted = await self.roster.call_worker(worker, "agents_swap_model", remove=None, add=model)
         except Exception as e:
             logger.warning("dask-agents: giving %s to new worker %s failed: %s", model, worker, e)
             return
@@ -726,9 +727,16 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         return {m: sorted(ws) for m, ws in self.model_workers.items() if ws}
 
     async def _control(self, action: str = "stats") -> dict:
+        """The control loop's stats, or (``agents.control.client-actions``) start, stop or one
+        pass of it asked by a client: cluster-wide changes are the scheduler's configuration
+        unless it lets clients make them."""
         loop = self.control
         if loop is None:
             return {"error": "the control loop is not initialised"}
+        if action in ("start", "stop", "run_once") and not agents_config.get("control.client-actions"):
+            return {"refused": True,
+                    "error": f"control action {action!r} refused: clients may not change the control loop "
+                             "unless the scheduler's agents.control.client-actions is true"}
         if action == "start":
             loop.start()
         elif action == "stop":

@@ -8,12 +8,15 @@ of them needs the plugin for that. The plugin fills the roster from hellos, swap
 
 from __future__ import annotations
 
+import secrets
 from collections import defaultdict
 from typing import Any
 
 from distributed import Scheduler
 
 from dask_agents.scheduler_plugin import dask_compat
+
+SECRET_OP = "agents-secret"  # scheduler -> worker: dask_agents.worker_plugin.plugin.SECRET_OP
 
 
 class Roster:
@@ -23,6 +26,10 @@ class Roster:
         self.scheduler: Scheduler | None = None
         self.ready: dict[str, dict[str, Any]] = {}  # address -> its hello (since, pid, models)
         self.hosts: defaultdict[str, set[str]] = defaultdict(set)  # model -> workers hosting it now
+        # Proves to a worker that an RPC to its mutating handlers (end sessions, swap engines,
+        # KV directives) comes from this scheduler: sent on each worker's own stream, where
+        # only the scheduler writes, and passed with every such call (:meth:`call_worker`).
+        self.secret = secrets.token_urlsafe(32)
 
     def alive(self, worker: str) -> bool:
         """Whether ``worker`` is a connected, running worker of the scheduler (O(1))."""
@@ -31,6 +38,16 @@ class Roster:
     def running(self) -> list[str]:
         """Every running worker's address (O(workers))."""
         return dask_compat.worker_addresses(self.scheduler) if self.scheduler is not None else []
+
+    def tell_secret(self, worker: str) -> None:
+        """Send ``worker`` the secret on its own stream, where only it reads (once its plugin
+        answered the hello's confirmation: it registered the op)."""
+        if self.alive(worker):
+            dask_compat.send_to_worker(self.scheduler, worker, {"op": SECRET_OP, "secret": self.secret})
+
+    async def call_worker(self, worker: str, op: str, **kwargs: Any) -> Any:
+        """Call one of ``worker``'s handlers that only the scheduler may call."""
+        return await dask_compat.call_worker(self.scheduler, worker, op, secret=self.secret, **kwargs)
 
     def soon(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` on the scheduler's event loop soon (outside the current handler)."""

@@ -48,6 +48,7 @@ class Sessions:
         # sessions that ended, per worker holding their instances or KV, not yet told (batched)
         self._ending: defaultdict[str, list[str]] = defaultdict(list)
         self._flushing_ends = False
+        self.refused = 0  # ends asked by a client that does not own the session
 
     # -- owners ------------------------------------------------------------------------------
     def on_call(self, rec: Any, client: str | None) -> None:
@@ -107,24 +108,32 @@ class Sessions:
             self.orphans.pop(sid, None)
 
     # -- ending ------------------------------------------------------------------------------
-    def end(self, session: str, cancel: bool = False, client: str | None = None) -> dict:
-        """The driver left its ``da.session`` block (``cancel``: with an exception, so its open
-        calls can no longer matter). An unknown session is not created: it made no call. Only
-        the owner's end counts (``client``, when known): another client that joined the session
-        leaving its own block ends nothing."""
-        session = validate.session_id(session, "agents_session_end: session")
+    def end(self, session: Any, cancel: Any = False, client: str | None = None) -> dict:
+        """The driver ``client`` left its ``da.session`` block (``cancel``: with an exception,
+        so its open calls can no longer matter). Only the owner's end counts, and ``client``
+        is the stream the message came on (:meth:`on_end_msg`), never a field of it: another
+        client (one that joined the session, or one naming someone else's session) ends
+        nothing, and neither does an end from nobody we can name. An unknown session is not
+        created: it made no call."""
+        session = validate.session_id(session, "agents-session-end: session")
         rec = self.state.sessions.get(session)
         if rec is None:
             return {"state": "unknown"}
-        if client is not None and rec.owner is not None and client != rec.owner:
+        if client is None or client != rec.owner:
+            if client is not None and rec.owner is not None:
+                self.refused += 1
+                logger.warning("dask-agents: client %s may not end session %s (its owner is another client)",
+                               client, session)
             return {"state": rec.state}
         reason = "its driver left the da.session block with an exception" if cancel is True else None
         self.close(session, time.time(), reason, abort=cancel is True)
         return {"state": self.state.sessions[session].state}
 
     def on_end_msg(self, session: Any = None, cancel: Any = False, client: Any = None, **kw: Any) -> None:
-        """The client-stream form of :meth:`end`: it arrives after the client's earlier submits
-        (same stream), so a session cannot complete before its last calls are seen."""
+        """The driver's end of ``session``, on its client stream (``client``: the stream's own
+        identity, ``dask_compat.add_client_stream_handler``). It arrives after the client's
+        earlier submits (same stream), so a session cannot complete before its last calls are
+        seen."""
         try:
             self.end(session, cancel, client if isinstance(client, str) else None)
         except Exception as e:  # raising here would close the client's stream
@@ -226,7 +235,7 @@ class Sessions:
 
     async def _end_on_worker(self, addr: str, sids: list[str]) -> None:
         try:
-            await self.roster.scheduler.rpc(addr).agents_end_session(sessions=sids)
+            await self.roster.call_worker(addr, "agents_end_session", sessions=sids)
         except Exception as e:  # the worker left: its instances went with it
             logger.debug("dask-agents: end_session on %s failed: %s", addr, e)
 

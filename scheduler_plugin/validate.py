@@ -221,6 +221,11 @@ class Rejections:
         """A worker-only stream op arrived on another stream (``dask_compat.add_worker_stream_handler``)."""
         self.add(op, "not sent on a worker's stream", origin.get("client") or origin.get("worker") or origin)
 
+    def client_stream_refused(self, op: str, origin: dict) -> None:
+        """A client-only stream op arrived on a worker's stream, or from no stream we can name
+        (``dask_compat.add_client_stream_handler``)."""
+        self.add(op, "not sent on a client's stream", origin.get("worker") or origin.get("client") or origin)
+
     def total(self) -> int:
         """Everything refused so far."""
         return sum(self.counts.values())
@@ -581,9 +586,13 @@ async def hosted_models(plugin: "AgentsSchedulerPlugin", worker: str, timeout: f
     try:
         if not isinstance(hosted, (list, tuple)):  # None: no dask-agents plugin answered (Dask replies None)
             raise Invalid("no list")
-        return models(hosted, None, f"agents_worker_hello: {worker} reported models")
+        hosted = models(hosted, None, f"agents_worker_hello: {worker} reported models")
     except Invalid:
         raise Invalid(f"agents_worker_hello: {worker} reported no list of models ({_text(info)})") from None
+    # its dask-agents plugin answered, so it registered the secret's stream op (an op it does
+    # not know would close its stream): the scheduler's calls to it may carry the secret now
+    plugin.roster.tell_secret(worker)
+    return hosted
 
 
 async def confirm(plugin: "AgentsSchedulerPlugin", worker: str, timeout: float | None = None) -> bool:

@@ -26,7 +26,8 @@ def work(i: int) -> int:
     return i
 
 
-MANUAL = {"agents.control.enabled": False}  # the tests drive the loop with run_once
+# the tests drive the loop with run_once (a client may: client-actions)
+MANUAL = {"agents.control.enabled": False, "agents.control.client-actions": True}
 
 
 def submit_call(c: Client, fn: Callable, *args: Any, session: Any, component: str = "work", kind: str = "tool",

@@ -551,6 +551,25 @@ async def test_worker_stream_handler_takes_the_worker_from_the_stream(c: Client,
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_client_stream_handler_takes_the_client_from_the_stream(c: Client, s: Scheduler, a: Worker):
+    """The counterpart for client-only ops: the handler gets the stream's own client id,
+    whatever ``client`` the message claims; a worker's stream, and a call from outside Dask's
+    stream loop (no identity to read), are refused."""
+    got: list[dict] = []
+    refused: list[tuple[str, dict]] = []
+    sc.add_client_stream_handler(s, "compat-probe-c", lambda **kw: got.append(kw),
+                                 on_refused=lambda op, origin: refused.append((op, origin)))
+    c._send_to_scheduler({"op": "compat-probe-c", "client": "forged", "n": 1})
+    wc.send_to_scheduler(a, {"op": "compat-probe-c", "client": c.id, "n": 2})
+    await async_wait_for(lambda: got and refused, timeout=10)
+    assert got == [{"client": c.id, "n": 1}]
+    assert refused == [("compat-probe-c", {"worker": a.address})]
+    assert c.status == "running" and a.address in s.workers  # neither stream was closed
+    s.stream_handlers["compat-probe-c"](client=c.id, n=3)  # not from the loop: nobody to name
+    assert len(got) == 1 and refused[-1] == ("compat-probe-c", {})
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_task_holders_and_erred_on(c: Client, s: Scheduler, a: Worker):
     def boom() -> None:
         raise ValueError("boom")

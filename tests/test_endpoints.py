@@ -172,7 +172,7 @@ async def test_session_ids_and_lists_are_bounded(c: Client, s: Scheduler, a: Wor
     sess, _rec = await _ran(c, plugin, "bounded")
     sessions = dict(plugin.state.sessions)
     for bad in ["x" * 10**6, "<b>x</b>-0123456789abcdef", "no-suffix", "", 42]:
-        for op in ("agents_session_end", "agents_session_graph", "agents_telemetry"):
+        for op in ("agents_session_graph", "agents_telemetry"):
             with pytest.raises(ValueError, match="session"):
                 await getattr(c.scheduler, op)(session=bad)
     with pytest.raises(ValueError, match="at most"):
@@ -253,13 +253,14 @@ async def test_a_hello_for_a_worker_without_the_plugin_does_not_stick(c: Client,
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60, config=CONFIG)
-async def test_a_swap_asked_of_the_worker_directly_reaches_the_scheduler(c: Client, s: Scheduler, a: Worker):
-    """Before: anyone calling a worker's ``agents_swap_model`` changed what it hosts behind the
-    scheduler's back, which kept placing the model's calls there."""
+async def test_a_swap_on_the_worker_reaches_the_scheduler(c: Client, s: Scheduler, a: Worker):
+    """Before: a worker's ``agents_swap_model`` changed what it hosts behind the scheduler's
+    back, which kept placing the model's calls there. (Only the scheduler may call it now,
+    tests/test_ownership.py; what a swap changes is announced to it all the same.)"""
     await da.install(c, models=["emu"])
     plugin = s.plugins[NAME]
     await async_wait_for(lambda: a.address in plugin.model_workers.get("emu", ()))
-    hosted = await c.rpc(a.address).agents_swap_model(remove="emu", add="emu2")
+    hosted = await plugin.roster.call_worker(a.address, "agents_swap_model", remove="emu", add="emu2")
     assert list(hosted) == ["emu2"]
     await async_wait_for(lambda: a.address not in plugin.model_workers.get("emu", ())
                          and a.address in plugin.model_workers.get("emu2", ()))

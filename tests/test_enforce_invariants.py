@@ -35,7 +35,7 @@ class Suggest:
 
 
 # only the custom policy: nothing else moves or re-prioritizes calls behind the test's back
-CUSTOM = {"agents.control.enabled": False,
+CUSTOM = {"agents.control.enabled": False, "agents.control.client-actions": True,
           "agents.control.policies": {"suggest": {"class": "tests.test_enforce_invariants.Suggest"}}}
 
 

@@ -906,7 +906,7 @@ async def test_fuzzed_input_through_the_real_rpcs_never_crashes_or_wedges_the_cl
     assert await c.gather(futs) == [i + 1 for i in range(40)]
 
     # 2. the scheduler plugin's RPC handlers (the client API), with junk arguments
-    handlers = {"agents_session_end": ["session"], "agents_session_graph": ["session"],
+    handlers = {"agents_session_graph": ["session"],
                 "agents_telemetry": ["session", "table"], "agents_progress": ["sessions"],
                 "agents_scale_requests": ["interval"], "agents_worker_hello": ["worker", "models", "pid"],
                 "agents_control": ["action"], "agents_workflow_graph": [], "agents_models": [], "agents_ping": []}
@@ -933,6 +933,8 @@ async def test_fuzzed_input_through_the_real_rpcs_never_crashes_or_wedges_the_cl
         for _ in range(80):
             op = rng.choice(sorted(worker_ops))
             kwargs = {k: _rpc_junk(rng) for k in worker_ops[op] if rng.random() < 0.8}
+            if op != "agents_worker_info" and rng.random() < 0.8:  # past the caller check: the arguments' own
+                kwargs["secret"] = plugin.roster.secret
             if op == "agents_swap_model" and ("emu" in kwargs.values()):
                 continue
             try:

@@ -208,8 +208,9 @@ def test_without_restarts_a_crash_is_a_clear_error_on_the_future(client):
 
 
 def test_kv_directives_over_the_workers_rpc(client):
-    """``agents_kv`` is reachable like any worker RPC (its ``directive`` argument does not clash
-    with Dask's own ``op``); a bad argument comes back as a clear error."""
+    """``agents_kv`` is reachable like any worker RPC, for the scheduler (with the secret it sent
+    the worker; anyone else is refused: tests/test_ownership.py), and its ``directive`` argument
+    does not clash with Dask's own ``op``; a bad argument comes back as a clear error."""
 
     from distributed.core import rpc
 
@@ -217,9 +218,11 @@ def test_kv_directives_over_the_workers_rpc(client):
     with da.session(client) as s:
         r = coder.generate(SYSTEM + " Over the RPC, please.", max_tokens=2).value(300)
 
+        secret = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["dask-agents"].roster.secret)
+
         async def call(**kw):
             async with rpc(r.worker) as w:
-                return await w.agents_kv(model="coder", session=s.id, **kw)
+                return await w.agents_kv(model="coder", session=s.id, secret=secret, **kw)
 
         out = client.sync(call, directive="inspect")
         assert out["residency"]["device_blocks"] == r.prompt_tokens // 128

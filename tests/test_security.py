@@ -236,6 +236,35 @@ def test_no_endpoint_of_ours_accepts_unauthenticated_commands(secured, pki):
     assert list(info["models"]) == ["emu"]
 
 
+def test_a_second_client_with_the_credentials_cannot_end_anothers_session(secured):
+    """TLS authenticates every holder of the cluster's certificates alike: a second driver with
+    them connects, and still cannot end or cancel another driver's session (as itself or
+    naming the owner's client id), stop the control loop, or call a worker's handlers that
+    change shared state (tests/test_ownership.py: the same on plain TCP)."""
+    cluster, client, sec = secured
+    plugin, worker = _plugin(cluster), _worker(cluster)
+    refused_before = plugin.sessions.refused
+    with da.session(client, name="owned-tls") as s:
+        assert isinstance(da.stub(Triage).handle("first").value(60), str)
+        with Client(cluster.scheduler.address, security=sec) as other:
+            end = {"op": "agents-session-end", "session": s.id, "cancel": True}
+            other._send_to_scheduler(dict(end))
+            other._send_to_scheduler({**end, "client": client.id})
+            wait_for(lambda: plugin.sessions.refused == refused_before + 2, timeout=30)
+            with pytest.raises(da.NotAllowedError):
+                da.control(other).stop()
+
+            async def end_on_worker() -> Any:
+                return await other.rpc(worker.address).agents_end_session(sessions=[s.id])
+
+            with pytest.raises(PermissionError, match="only the scheduler"):
+                other.sync(end_on_worker)
+        assert plugin.state.sessions[s.id].state == "active" and plugin.control.running
+        assert isinstance(da.stub(Triage).handle("second").value(60), str)
+    wait_for(lambda: plugin.state.sessions[s.id].state == "completed", timeout=30)
+    assert plugin.state.sessions[s.id].closed_reason is None
+
+
 def test_our_handlers_live_only_on_the_schedulers_and_workers_tls_comms(secured):
     """The plugins register handlers on Dask's own servers (no listener of their own): every
     listening comm of the cluster is TLS, and our ops are among its handlers."""

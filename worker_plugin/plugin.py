@@ -34,6 +34,8 @@ REPRIORITIZE_OP = "agents-reprioritize"  # dask_agents.scheduler_plugin.enforce.
 KV_HINT_OP = "agents-kv-hint"  # dask_agents.scheduler_plugin.kv_hints.HINT_OP
 ROUTES_OP = "agents-routes"  # dask_agents.scheduler_plugin.plugin.ROUTES_OP
 LEASE_OP = "agents-lease"  # dask_agents.scheduler_plugin.admission.LEASE_OP
+SECRET_OP = "agents-secret"  # dask_agents.scheduler_plugin.roster.SECRET_OP
+SECRET_WAIT = 30.0  # s a scheduler's call may wait for the secret its stream brings
 _END = ("memory", "error", "released", "cancelled", "forgotten", "rescheduled")
 _ARRIVED = ("waiting", "ready", "constrained", "executing")
 
@@ -87,6 +89,10 @@ class AgentsWorkerPlugin(WorkerPlugin):
         self._metrics: dict[Any, dict] = {}
         self._reports: list[dict] = []
         self._engines_sent = 0.0  # when engine stats last went to the scheduler
+        # what proves that a call of our mutating handlers comes from the scheduler: it sends
+        # it on this worker's own stream (only the scheduler can), nobody else knows it
+        self._secret: str | None = None
+        self._secret_known = threading.Event()
 
     def __getstate__(self) -> dict:
         return {"models": self.models, "client_interval": self.client_interval}
@@ -117,6 +123,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         dask_compat.add_stream_handler(worker, KV_HINT_OP, self._kv_hint)
         dask_compat.add_stream_handler(worker, ROUTES_OP, self._routes)
         dask_compat.add_stream_handler(worker, LEASE_OP, self._lease)
+        dask_compat.add_stream_handler(worker, SECRET_OP, self._secret_msg)
         self.ready.set()
         if dask_compat.registered(worker):
             await self._hello(models)
@@ -279,10 +286,32 @@ class AgentsWorkerPlugin(WorkerPlugin):
         return out
 
     # -- handlers ---------------------------------------------------------------------
-    def _end_session_handler(self, session: str | None = None, sessions: list | None = None) -> int:
+    def _secret_msg(self, secret: Any = None, **kw: Any) -> None:
+        """The scheduler's secret, on this worker's stream (after each hello)."""
+        if isinstance(secret, str) and secret:
+            self._secret = secret
+            self._secret_known.set()
+
+    async def _from_scheduler(self, op: str, secret: Any) -> None:
+        """Raise PermissionError unless ``secret`` is the one the scheduler sent on this
+        worker's stream: ending sessions, swapping engines and KV directives change what every
+        driver relies on, so only the scheduler may ask for them (a client calling the worker
+        directly is refused). A call that arrives before the stream's message waits for it."""
+        import asyncio
+        import hmac
+
+        if self._secret is None:
+            await asyncio.to_thread(self._secret_known.wait, SECRET_WAIT)
+        if not isinstance(secret, str) or self._secret is None or not hmac.compare_digest(secret, self._secret):
+            addr = self.worker.address if self.worker is not None else "?"
+            raise PermissionError(f"dask-agents: {op} on worker {addr} refused: only the scheduler may call it")
+
+    async def _end_session_handler(self, session: str | None = None, sessions: list | None = None,
+                                   secret: Any = None) -> int:
         """Sessions ended: drop their KV and release their stateful instances. The scheduler
         batches the sessions that end together (``sessions``): one RPC per worker, not one per
         session, when thousands end at once. Returns the instances released."""
+        await self._from_scheduler("agents_end_session", secret)
         ended = ([session] if session is not None else []) + list(sessions or ())
         n = 0
         for sid in ended:
@@ -291,11 +320,13 @@ class AgentsWorkerPlugin(WorkerPlugin):
             n += self.instances.end_session(sid)
         return n
 
-    async def _kv_handler(self, model: str, directive: str, session: str, args: dict | None = None) -> dict:
+    async def _kv_handler(self, model: str, directive: str, session: str, args: dict | None = None,
+                          secret: Any = None) -> dict:
         """A KV directive from the controller (``Engines.kv_directive``); errors go back to it.
         (``directive``, not ``op``: Dask's RPC message carries its own ``op``.)"""
         import asyncio
 
+        await self._from_scheduler("agents_kv", secret)
         if not isinstance(args, (dict, type(None))):
             from dask_agents.kv.runtime.engine_kv import KVDirectiveError
 
@@ -334,9 +365,10 @@ class AgentsWorkerPlugin(WorkerPlugin):
         except TypeError as e:  # a malformed message changes nothing and never closes the stream
             logger.warning("dask-agents: priorities ignored: %s", e)
 
-    async def _swap_handler(self, remove: str | None = None, add: str | None = None) -> list[str]:
+    async def _swap_handler(self, remove: str | None = None, add: str | None = None, secret: Any = None) -> list[str]:
         import asyncio
 
+        await self._from_scheduler("agents_swap_model", secret)
         return await asyncio.to_thread(self.engines.swap, remove, add, 600)
 
     def _info_handler(self) -> dict:
