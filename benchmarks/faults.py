@@ -50,9 +50,21 @@ a user would do); the class of its last attempt decides the request's: ``complet
 ``wrong_results``, ``hung``. ``wrong_results`` and ``hung`` must be 0 (the exit status is 1
 otherwise).
 
+Scenarios (``--scenarios retire,blip,...`` or ``all``): each fault alone, on a fresh cluster:
+``retire`` (a graceful ``retire_workers`` of the busiest worker), ``blip`` (the driver's
+connection down 1 s; the driver does what the README says: asks its agent futures again, re-submits
+plain Dask work), ``graph-fault`` / ``transition-fault`` (the scheduler plugin's ``update_graph``
+/ ``transition`` hook raises for 1 s), ``lifetime`` (workers with ``--lifetime 7s
+--lifetime-stagger 3s --lifetime-restart``), ``adapt`` (``cluster.adapt(minimum=1, maximum=3)``),
+and ``mixed`` (the schedule above). The JSON's ``summary`` then has, per scenario, ``sessions``,
+``completed_correct``, ``failed_with_clear_error``, ``wrong_results``, ``hung``, ``failed``
+(requests with any attempt not correct; must be 0 for retire, lifetime, adapt and blip) and, after
+a plugin fault, ``latency_before_s`` / ``latency_after_s``.
+
 Reproduce::
 
     .venv/bin/python benchmarks/faults.py --json benchmarks/results/faults.json   # ~35 s on 2 cores
+    .venv/bin/python benchmarks/faults.py --scenarios all --json benchmarks/results/faults-scenarios.json
     .venv/bin/python benchmarks/faults.py --quick                                  # 12 shorter sessions, faults at 2/5/8 s
 
 JSON: ``{"config", "events", "requests", "plugin", "summary"}``; ``summary`` holds the counts
@@ -112,6 +124,30 @@ class Config:
     timeout: float = 60.0  # per attempt: no answer by then is "hung"
     retry: bool = True  # a clear failure is retried once in a new session
     seed: int = 0
+    plugin_fault: str | None = None  # "update_graph" or "transition": that hook of the plugin raises ...
+    plugin_fault_at: float = 6.0  # ... from then ...
+    plugin_fault_for: float = 1.0  # ... for this long
+    lifetime: float | None = None  # workers' --lifetime (s), restarted by their nannies, with ...
+    lifetime_stagger: float = 3.0  # ... this --lifetime-stagger
+    adapt: bool = False  # cluster.adapt(minimum=1, maximum=workers) instead of a fixed size
+    scenario: str = "mixed"
+
+
+SCENARIOS: dict[str, dict] = {
+    # the original schedule: a worker SIGKILLed, another retired, the driver disconnected
+    "mixed": {},
+    "retire": {"kill_at": None, "retire_at": 6.0, "disconnect_at": None},
+    "blip": {"kill_at": None, "retire_at": None, "disconnect_at": 6.0, "drop": 1.0},
+    "graph-fault": {"kill_at": None, "retire_at": None, "disconnect_at": None, "plugin_fault": "update_graph"},
+    "transition-fault": {"kill_at": None, "retire_at": None, "disconnect_at": None, "plugin_fault": "transition"},
+    # dask-jobqueue's --lifetime with a stagger and restart, as docs/production.md recommends
+    "lifetime": {"kill_at": None, "retire_at": None, "disconnect_at": None, "lifetime": 7.0},
+    "adapt": {"kill_at": None, "retire_at": None, "disconnect_at": None, "adapt": True},
+}
+"""Each fault alone (``--scenarios``), plus the original mixed schedule. Scale-down scenarios
+(retire, lifetime, adapt) and the blip must fail no session; no scenario may give a wrong answer
+or hang."""
+NO_FAILURES = ("retire", "lifetime", "adapt", "blip")
 
 
 @dataclass
@@ -163,7 +199,12 @@ def drive(client: Client, req: Request, cfg: Config, t0: float) -> Attempt:
                 patches[failing] = dev.implement(subtasks, failing, rnd, fc.swe_feedback(failing, rnd - 1), model, ts)
             combined = client.submit(fc.swe_combine, patches, pure=False)  # plain Dask work in the session
             summary = traj.summary().value(timeout=left())
-            patch_digest = combined.result(timeout=left())
+            try:
+                patch_digest = combined.result(timeout=left())
+            except FutureCancelledError as e:  # the README: Dask cancels plain futures on a lost
+                if LOST_CONNECTION not in str(e):  # connection; plain work is re-submitted (agent
+                    raise  # calls are not: their futures get their results after the reconnect)
+                patch_digest = client.submit(fc.swe_combine, patches, pure=False).result(timeout=left())
         att.answer = {"trajectory": summary["digest"], "steps": summary["steps"], "patches": patch_digest,
                       "retries": rnd}
         att.repeats = summary["repeats"]
@@ -296,6 +337,35 @@ def drop_connection(client: Client, t0: float, at: float, drop: float) -> dict:
     return ev
 
 
+def _break_hook(hook: str, dask_scheduler: Any = None) -> None:
+    plugin = dask_scheduler.plugins["dask-agents"]
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"dask-agents fault benchmark: injected {hook} fault")
+
+    setattr(plugin, hook, broken)
+
+
+def _mend_hook(hook: str, dask_scheduler: Any = None) -> None:
+    plugin = dask_scheduler.plugins["dask-agents"]
+    if hook in plugin.__dict__:
+        delattr(plugin, hook)
+
+
+def plugin_fault(client: Client, t0: float, at: float, hook: str, duration: float) -> dict:
+    """The scheduler plugin's ``hook`` (``update_graph`` or ``transition``) raises for
+    ``duration`` seconds (Dask logs it and goes on without the plugin's part)."""
+    time.sleep(max(0.0, t0 + at - time.time()))
+    ev = {"event": f"{hook}-fault", "t": time.time() - t0, "duration_s": duration}
+    client.run_on_scheduler(_break_hook, hook)
+    try:
+        time.sleep(duration)
+    finally:
+        client.run_on_scheduler(_mend_hook, hook)
+    ev["removed_t"] = time.time() - t0
+    return ev
+
+
 def faults(client: Client, cfg: Config, t0: float, events: list[dict]) -> None:
     """The fault schedule, one after another (in its own thread)."""
     gone: set[str] = set()
@@ -309,6 +379,8 @@ def faults(client: Client, cfg: Config, t0: float, events: list[dict]) -> None:
             events.append(ev)
         if cfg.disconnect_at is not None:
             events.append(drop_connection(client, t0, cfg.disconnect_at, cfg.drop))
+        if cfg.plugin_fault is not None:
+            events.append(plugin_fault(client, t0, cfg.plugin_fault_at, cfg.plugin_fault, cfg.plugin_fault_for))
     except Exception as e:  # noqa: BLE001 (reported: a fault that could not be injected)
         events.append({"event": "fault-injection-failed", "t": time.time() - t0, "error": f"{type(e).__name__}: {e}"})
 
@@ -349,13 +421,18 @@ def run(cfg: Config, log=print) -> dict:
     events: list[dict] = []
     plugin: dict = {}
     with dask.config.set(settings):
+        extra = ({"lifetime": f"{cfg.lifetime}s", "lifetime_stagger": f"{cfg.lifetime_stagger}s",
+                  "lifetime_restart": True} if cfg.lifetime is not None else {})
         cluster = LocalCluster(n_workers=cfg.workers, threads_per_worker=cfg.threads, processes=True,
-                               dashboard_address=":0", worker_dashboard_address=":0")
+                               dashboard_address=":0", worker_dashboard_address=":0", **extra)
         client = Client(cluster)
         try:
             da.install(client, models=["emu"] if cfg.llm else [])
             if cfg.llm:
                 _wait(lambda: len(hosted_models(client).get("emu", [])) == cfg.workers, 60)
+            if cfg.adapt:  # Dask's adaptive scaling decides; it scales down idle workers as sessions end
+                cluster.adapt(minimum=1, maximum=cfg.workers, interval="500ms", wait_count=2)
+                events.append({"event": "adapt", "t": 0.0, "minimum": 1, "maximum": cfg.workers})
             log(f"faults: cluster up in {time.time() - t_start:.1f}s; {cfg.sessions} sessions over {cfg.spread}s")
             t0 = time.time()
             injector = threading.Thread(target=faults, args=(client, cfg, t0, events), daemon=True)
@@ -419,8 +496,21 @@ def summarize(requests: list[Request], events: list[dict], cfg: Config, wall: fl
         for a in r.attempts:
             if a.error_type:
                 errors[a.error_type] = errors.get(a.error_type, 0) + 1
+    failed = sum(1 for r in requests if any(a.outcome != "correct" for a in r.attempts))
+    latency: dict[str, float | None] = {}
+    fault = next((ev for ev in events if ev["event"].endswith("-fault")), None)
+    if fault is not None:  # session latency before the fault and after it ended (+ 2 s)
+        def mean_of(pred):
+            xs = [a.ended - a.started for r in requests for a in r.attempts[:1]
+                  if a.ended is not None and a.outcome == "correct" and pred(a)]
+            return round(sum(xs) / len(xs), 3) if xs else None
+
+        latency = {"latency_before_s": mean_of(lambda a: a.ended < fault["t"]),
+                   "latency_after_s": mean_of(lambda a: a.started > fault["removed_t"] + 2.0)}
     return {
-        "sessions": len(requests), **counts,
+        "scenario": cfg.scenario, "sessions": len(requests), **counts,
+        "failed": failed,  # requests with any attempt that did not end correct (retried or not)
+        **latency,
         "completed_correct_first_try": sum(1 for r in requests if r.attempts and r.attempts[0].outcome == "correct"),
         "retries": len(retried), "retries_correct": sum(1 for r in retried if r.attempts[-1].outcome == "correct"),
         "attempts": sum(len(r.attempts) for r in requests),
@@ -432,10 +522,12 @@ def summarize(requests: list[Request], events: list[dict], cfg: Config, wall: fl
                              "open_sessions", "orphaned_sessions_while_down", "orphaned_sessions_after",
                              "scheduler_saw", "client_batched_send_interval_before_s",
                              "client_batched_send_interval_after_s", "error")} | {"in_flight": in_flight(ev["t"])} for ev in events],
-        "ok": counts["wrong_results"] == 0 and counts["hung"] == 0,
+        "ok": counts["wrong_results"] == 0 and counts["hung"] == 0 and (cfg.scenario not in NO_FAILURES or failed == 0),
         "wall_s": round(wall, 1),
         "config": {k: getattr(cfg, k) for k in ("sessions", "workers", "threads", "spread", "time_scale", "llm",
-                                                 "kill_at", "retire_at", "disconnect_at", "drop", "timeout")},
+                                                 "kill_at", "retire_at", "disconnect_at", "drop", "timeout",
+                                                 "plugin_fault", "plugin_fault_at", "plugin_fault_for", "lifetime",
+                                                 "lifetime_stagger", "adapt")},
     }
 
 
@@ -477,25 +569,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-llm", action="store_true", help="emulated think times instead of EMULATED engine calls")
     p.add_argument("--no-retry", action="store_true", help="do not retry a failed request in a new session")
     p.add_argument("--seed", type=int)
+    p.add_argument("--scenarios", help=f"comma-separated, each its own run on a fresh cluster: "
+                                       f"{', '.join(SCENARIOS)} (or all); the JSON summary then has one block each")
     args = p.parse_args(argv)
-    cfg = (Config(sessions=12, spread=5.0, time_scale=2.0, kill_at=2.0, retire_at=5.0, disconnect_at=8.0)
-           if args.quick else Config())
-    for k in ("sessions", "workers", "threads", "spread", "time_scale", "kill_at", "retire_at", "disconnect_at",
-              "drop", "timeout", "seed"):
-        v = getattr(args, k)
-        if v is not None:
-            setattr(cfg, k, v)
-    cfg.llm = not args.no_llm
-    cfg.retry = not args.no_retry
-    doc = run(cfg)
-    print_table(doc)
+    names = ([n.strip() for n in args.scenarios.split(",")] if args.scenarios else [None])
+    if names == ["all"]:
+        names = list(SCENARIOS)
+    unknown = [n for n in names if n is not None and n not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    docs = {}
+    for name in names:
+        cfg = (Config(sessions=12, spread=5.0, time_scale=2.0, kill_at=2.0, retire_at=5.0, disconnect_at=8.0)
+               if args.quick else Config())
+        if name is not None:
+            for k, v in SCENARIOS[name].items():
+                setattr(cfg, k, v)
+            cfg.scenario = name
+        for k in ("sessions", "workers", "threads", "spread", "time_scale", "kill_at", "retire_at", "disconnect_at",
+                  "drop", "timeout", "seed"):
+            v = getattr(args, k)
+            if v is not None:
+                setattr(cfg, k, v)
+        cfg.llm = not args.no_llm
+        cfg.retry = not args.no_retry
+        docs[name or "mixed"] = doc = run(cfg)
+        print(f"== scenario {cfg.scenario}")
+        print_table(doc)
+    if args.scenarios:
+        out = {"scenarios": docs, "summary": {n: {k: d["summary"][k] for k in (
+            "sessions", "completed_correct", "failed_with_clear_error", "wrong_results", "hung", "failed", "ok",
+            *(k for k in ("latency_before_s", "latency_after_s") if k in d["summary"]))} for n, d in docs.items()}}
+        out["ok"] = all(v["ok"] for v in out["summary"].values())
+    else:
+        out = docs["mixed"]
+        out["ok"] = out["summary"]["ok"]
     if args.json:
         path = os.path.abspath(args.json)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
+            json.dump(out, f, indent=1, default=str)
         print(f"wrote {path}")
-    return 0 if doc["summary"]["ok"] else 1
+    return 0 if out["ok"] else 1
 
 
 if __name__ == "__main__":

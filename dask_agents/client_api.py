@@ -86,10 +86,23 @@ def end_session(client: Client, session: str, cancel: bool = False) -> Any:
     return _stream(client, {"op": SESSION_END_OP, "session": session, "cancel": bool(cancel)})
 
 
+async def reattach(client: Client, keys: list) -> bool:
+    """After ``client`` reconnected: ask the scheduler again for calls whose futures Dask
+    cancelled when the connection dropped (``dask_agents.scheduler_plugin.sessions``). False
+    when the scheduler has no dask-agents plugin (nothing was kept). On the client's loop,
+    after the futures were given live states, so that the answers find them."""
+    if client.status != "running" or not await _has_plugin(client):
+        return False
+    client._send_to_scheduler({"op": REATTACH_OP, "keys": list(keys)})  # noqa: SLF001 (its stream)
+    return True
+
+
 SESSION_END_OP = "agents-session-end"
 """The client-stream op of :func:`end_session` (``dask_agents.scheduler_plugin.plugin.SESSION_END_OP``)."""
 SESSION_OPEN_OP = "agents-session-open"
 """The client-stream op of :func:`open_session` (``dask_agents.scheduler_plugin.plugin.SESSION_OPEN_OP``)."""
+REATTACH_OP = "agents-reattach"
+"""The client-stream op of :func:`reattach` (``dask_agents.scheduler_plugin.plugin.REATTACH_OP``)."""
 
 
 def session_graph(client: Client, session: Any) -> SessionGraph:

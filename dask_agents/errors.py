@@ -160,6 +160,12 @@ class ResultNotSerializableError(CallFailedError):
     keep such objects inside a stateful component's instance."""
 
 
+class CallLostError(CallFailedError):
+    """The driver's connection dropped while it held this call's future, and the call was
+    gone when it asked again: it did not reconnect within ``agents.scheduler.session-grace``
+    or the session was closed meanwhile. The message names the call, session and cause."""
+
+
 class NotAllowedError(AgentsError, PermissionError):
     """The scheduler refused a client's request: a cluster-wide change its configuration keeps
     from clients (``agents.control.client-actions``). The message names the setting."""

@@ -21,6 +21,8 @@ from typing import Any
 from distributed import Future
 
 from dask_agents.errors import CallTimeoutError, ClientClosedError, ResultNotSerializableError, where
+
+LOST_REASON = "dask-agents: lost with the driver's connection"  # scheduler_plugin.sessions.LOST_REASON
 from dask_agents.models import CallMeta
 from dask_agents.worker_plugin.local import SCHEDULER as _SCHEDULER
 
@@ -168,6 +170,17 @@ class AgentFuture(Future):
             value = call.controller.result(call, timeout)
             if value is not _SCHEDULER:
                 return value
+        try:
+            return self._scheduler_result(timeout)
+        except Exception as e:
+            if not _lost_with_connection(e) or not self.client.sync(self._reattach, timeout):
+                raise
+        try:
+            return self._scheduler_result(timeout)
+        except Exception as e:
+            raise _not_kept(e) from None
+
+    def _scheduler_result(self, timeout: float | None) -> Any:
         if not self.done():
             waiting_elsewhere()
             release_worker_slot()
@@ -208,12 +221,45 @@ class AgentFuture(Future):
 
     async def _async_result(self, timeout: float | None) -> Any:
         try:
+            return await self._async_result_once(timeout)
+        except Exception as e:
+            if not _lost_with_connection(e) or not await self._reattach(timeout):
+                raise
+        try:
+            return await self._async_result_once(timeout)
+        except Exception as e:
+            raise _not_kept(e) from None
+
+    async def _async_result_once(self, timeout: float | None) -> Any:
+        try:
             return await Future.result(self, timeout=timeout)
         except TypeError as e:
             err = self._not_serializable(e)
             if err is None:
                 raise
         raise err
+
+    async def _reattach(self, timeout: float | None) -> bool:
+        """Dask cancelled this future because the client lost its scheduler connection (a
+        blip): wait for the client to reconnect (Dask retries for its ``timeout``), then ask
+        for the call again. The scheduler plugin held it meanwhile (for
+        ``agents.scheduler.session-grace``), so a call that ran is not run again and its result
+        is the one it produced. True once asked; False if the client did not come back or the
+        scheduler has no plugin (the cancellation stands)."""
+        from dask_agents import client_api
+        from dask_agents.worker_plugin import dask_compat
+
+        client = self.client
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        while client.status in ("connecting", "newly-created") and (
+                deadline is None or asyncio.get_running_loop().time() < deadline):
+            await asyncio.sleep(0.02)  # Dask's reconnect has no event to wait on
+        if client.status != "running":
+            return False
+        dask_compat.rebind_future(self)
+        if not await client_api.reattach(client, [self.key]):
+            return False
+        return True
 
     def _not_serializable(self, e: TypeError) -> ResultNotSerializableError | None:
         """The da.* error for Dask's report that this call's result did not serialize on its
@@ -277,6 +323,22 @@ class AgentFuture(Future):
 
     def __abs__(self) -> Any:
         return abs(self._materialize())
+
+
+def _lost_with_connection(e: BaseException) -> bool:
+    from dask_agents.worker_plugin import dask_compat
+
+    return dask_compat.lost_with_connection(e)
+
+
+def _not_kept(e: Exception) -> Exception:
+    """The error of a call asked for again after a reconnect: :class:`CallLostError` (naming
+    the call, its session and why) if the scheduler no longer had it, else ``e`` itself."""
+    from dask_agents.errors import CallLostError
+
+    if getattr(e, "reason", None) == LOST_REASON:
+        return CallLostError(str(getattr(e, "msg", None) or e))
+    return e
 
 
 def _value(x: Any) -> Any:

@@ -120,12 +120,34 @@ def _plugin():
     return get_plugin()
 
 
+PIN_ANNOTATION = "agents_pin"  # dask_agents.scheduler_plugin.dask_compat.PIN_ANNOTATION
+
+
+def _check_pinned(plugin: Any, header: Header) -> None:
+    """A session's stateful call runs only where the scheduler plugin pinned it (the task's
+    pin annotation names this worker): one that reached a worker unpinned (the plugin's
+    ``update_graph`` failed for it) could otherwise start a fresh instance here while the
+    session's state lives elsewhere, a silently wrong answer. It fails clearly instead."""
+    from dask_agents.worker_plugin import dask_compat
+
+    component, method, sid, key, _stateful, _batching = header
+    worker = plugin.worker
+    pinned = dask_compat.task_annotations(worker, key).get(PIN_ANNOTATION) if worker is not None else None
+    if worker is not None and pinned != worker.address:
+        raise CallFailedError(
+            f"{where(component, method, sid)}: the scheduler did not pin this stateful call to its session's "
+            f"instance ({'pinned to ' + str(pinned) if pinned else 'no pin'}; the scheduler plugin may have failed "
+            f"while it was submitted); it was not run here, where its instance may not be (call {key})")
+
+
 def run_method(header: Header, cls: type, args: tuple, kwargs: dict) -> Any:
     """Run ``cls.<method>(*args, **kwargs)`` on the instance the worker plugin hosts."""
     component, method, sid, key, stateful, batching = header
     plugin = _plugin()
     with call_context(header):
         if stateful:
+            if sid is not None:
+                _check_pinned(plugin, header)
             with plugin.instances.turn(component, sid, key, cls, method) as instance:
                 return _invoke(header, getattr(instance, method), args, kwargs)
         instance = plugin.instances.shared(component, cls)

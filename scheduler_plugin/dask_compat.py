@@ -9,6 +9,7 @@ attributes or scheduler dictionaries directly.
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from typing import Any, Callable, Iterable
 
@@ -71,6 +72,18 @@ def restrict_to_worker(ts: Any, address: str) -> None:
     """
     ts.worker_restrictions = {address}
     ts.loose_restrictions = False
+
+
+PIN_ANNOTATION = "agents_pin"
+"""The task annotation naming the worker the scheduler plugin pinned a call to; workers run a
+stateful call only with it naming them (``dask_agents.runtime.PIN_ANNOTATION``)."""
+
+
+def mark_pinned(ts: Any, address: str) -> None:
+    """Record on the task (its annotations travel with it to the worker) that the plugin
+    pinned it to ``address``: a stateful call without the mark was not pinned (a fault in the
+    plugin's ``update_graph``) and its worker refuses to run it on a possibly fresh instance."""
+    ts.annotations = {**(ts.annotations or {}), PIN_ANNOTATION: address}
 
 
 def restrictions(ts: Any) -> tuple:
@@ -683,6 +696,110 @@ def add_client_stream_handler(scheduler: Scheduler, op: str, handler: Callable,
 
     client_only.__name__ = f"client_only_{getattr(handler, '__name__', 'handler')}"
     scheduler.stream_handlers[op] = client_only
+
+
+def before_remove_client(scheduler: Scheduler, hook: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``hook(client)`` when a client's connection ends, *before* Dask releases the keys
+    the client wanted; returns the undo.
+
+    Why: Dask's ``remove_client`` releases every key the client wanted and only then calls
+    the plugins' ``remove_client``: a call still running is released (its worker drops the
+    result when it ends) although the client may reconnect within a second. The hook can make
+    another wanter (``desire_keys``) hold them first. Dask calls ``self.remove_client`` when a
+    client's stream closes; an attribute on the instance shadows the method."""
+    original = scheduler.remove_client
+
+    def remove_client(client: str, stimulus_id: str | None = None) -> None:
+        try:
+            hook(client)
+        except Exception:  # never keep Dask from removing the client
+            logging.getLogger(__name__).exception("dask-agents: before remove_client(%s)", client)
+        return original(client=client, stimulus_id=stimulus_id)
+
+    scheduler.remove_client = remove_client  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if scheduler.__dict__.get("remove_client") is remove_client:
+            del scheduler.remove_client
+
+    return undo
+
+
+def before_retire_workers(scheduler: Scheduler, hook: Callable[[list[str]], Any]) -> Callable[[], None]:
+    """Await ``hook(addresses)`` before Dask's ``retire_workers`` starts retiring them; returns
+    the undo.
+
+    Why: a graceful retirement (``client.retire_workers``, ``cluster.adapt`` scaling down, a
+    worker's ``--lifetime``) only waits for Dask's data to be replicated; a stateful instance is
+    no Dask data, and Dask has no hook to wait for it. Every path reaches the scheduler's
+    ``retire_workers`` handler (an RPC; the handler table holds the bound method, so the table
+    entry is replaced along with the attribute). Without a list of workers, Dask's own choice
+    (``workers_to_close``, which asks the plugins' ``valid_workers_downscaling``) is made here
+    first, so the hook sees the workers it will retire."""
+    original = scheduler.retire_workers
+    choose = ("memory_ratio", "n", "key", "minimum", "target", "attribute")
+
+    async def retire_workers(workers: Any = None, *, names: Any = None, **kwargs: Any) -> Any:
+        if workers is None and names is None:
+            workers = scheduler.workers_to_close(**{k: kwargs.pop(k) for k in choose if k in kwargs})
+            if not workers:
+                return {}
+        else:
+            for k in choose:
+                kwargs.pop(k, None)
+        if names is not None:
+            wanted = {str(n) for n in names}
+            targets = [a for a, ws in scheduler.workers.items() if str(ws.name) in wanted]
+        else:
+            targets = [w for w in workers if w in scheduler.workers]
+        if targets:
+            await hook(targets)
+        return await original(workers=workers, names=names, **kwargs)
+
+    scheduler.retire_workers = retire_workers  # type: ignore[method-assign]
+    scheduler.handlers["retire_workers"] = retire_workers
+
+    def undo() -> None:
+        if scheduler.__dict__.get("retire_workers") is retire_workers:
+            del scheduler.retire_workers
+        if scheduler.handlers.get("retire_workers") is retire_workers:
+            scheduler.handlers["retire_workers"] = original
+
+    return undo
+
+
+def worker_state_address(ws: Any) -> str:
+    """A WorkerState's address (what ``valid_workers_downscaling`` is given)."""
+    return ws.address
+
+
+def wanted_by(scheduler: Scheduler, client: str) -> list:
+    """The keys ``client`` wants (holds futures of), as the scheduler knows."""
+    cs = scheduler.clients.get(client)
+    return [ts.key for ts in cs.wants_what] if cs is not None else []
+
+
+def desire_keys(scheduler: Scheduler, keys: Iterable[Any], client: str) -> list:
+    """Make ``client`` (a real client or a name of ours, as Dask's ``fire-and-forget``) want
+    the known ``keys``: they are kept while it does. A real client is told at once of those
+    already finished or erred. Returns the keys that were known."""
+    known = [k for k in keys if k in scheduler.tasks]
+    if known:
+        scheduler.client_desires_keys(keys=known, client=client)
+    return known
+
+
+def release_keys(scheduler: Scheduler, keys: Iterable[Any], client: str, stimulus_id: str) -> None:
+    """``client`` no longer wants ``keys`` (released if nobody else does)."""
+    keys = [k for k in keys if k in scheduler.tasks]
+    if keys and client in scheduler.clients:
+        scheduler.client_releases_keys(keys=keys, client=client, stimulus_id=stimulus_id)
+
+
+def tell_cancelled(scheduler: Scheduler, client: str, keys: list, reason: str, msg: str) -> None:
+    """Tell ``client`` that its futures of ``keys`` are cancelled (``reason``, ``msg``): what
+    Dask sends when a key is cancelled; the client's futures raise ``FutureCancelledError``."""
+    scheduler.report({"op": "cancelled-keys", "keys": list(keys), "reason": reason, "msg": msg}, client=client)
 
 
 def task_holders(ts: Any) -> set[str]:

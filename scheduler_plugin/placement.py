@@ -91,11 +91,15 @@ class Placement:
         routed = self.routes(component)
         if routed:
             pool = [w for w in pool if w in routed] or pool
+        if self.roster.retiring:  # draining for a graceful retirement: no new sessions there
+            pool = [w for w in pool if w not in self.roster.retiring] or pool
         return engine_health.exclude_dropped(self, model, [w for w in pool if self.roster.alive(w)])
 
     def bound_ok(self, bound: str, model: str | None, component: str) -> bool:
         """Whether ``bound`` is still among ``candidates(model, component)``, in O(1) (the
         candidates are O(workers) to list: not per call on the critical path)."""
+        if self.roster.retiring and bound in self.roster.retiring:
+            return bound in self.candidates(model, component)  # retiring: elsewhere if anywhere else
         if self.routes(component):
             return bound in self.candidates(model, component)  # routed: rare, the slow way
         pool = self.roster.hosts.get(model) if model is not None else None
@@ -156,6 +160,7 @@ class Placement:
 
     def _pin(self, ts: Any, worker: str, what: str) -> None:
         dask_compat.restrict_to_worker(ts, worker)
+        dask_compat.mark_pinned(ts, worker)
         self.placed[dask_compat.task_key(ts)] = (worker, what)
         self.open_placed[(worker, what)] += 1
 
@@ -289,6 +294,17 @@ class Placement:
             self.open_placed.pop((worker, what), None)
         self.assigned.pop(worker, None)
         return dropped_llm
+
+    def live_stateful(self, worker: str) -> list[tuple[str, str]]:
+        """The (session, component) stateful instances on ``worker`` whose session is not over:
+        what a graceful retirement of it must wait for. O(its bindings)."""
+        out = []
+        for sid, what in self.bindings.keys_on(worker):
+            if not what.startswith("llm:"):
+                s = self.state.sessions.get(sid)
+                if s is not None and s.state != "completed":
+                    out.append((sid, what))
+        return out
 
     def has_instances(self, sid: str) -> bool:
         """Whether session ``sid`` is bound to a stateful instance somewhere."""

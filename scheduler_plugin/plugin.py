@@ -55,6 +55,7 @@ ROUTES_OP = "agents-routes"  # dask_agents.worker_plugin.plugin.ROUTES_OP
 MAX_UNLINKED = 10_000  # calls parked until the record of their fast-path creator arrives
 SESSION_END_OP = "agents-session-end"  # client -> scheduler, on the client's stream (ordered with its submits)
 SESSION_OPEN_OP = "agents-session-open"  # client -> scheduler, on entering a da.session block
+REATTACH_OP = "agents-reattach"  # client -> scheduler: a reconnected driver asks for its calls again
 ORPHANED = "inproc://dask-agents-orphaned-call"
 """Where a call whose creator ended before it arrived waits until its cancel lands (it must not
 start meanwhile); one another client also wants is placed again then."""
@@ -87,6 +88,11 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.control: ControlLoop | None = None
         self.prioritizing = False
         self._unkeep_stealing: Any = None  # undoes keeping our calls out of Dask's stealing
+        self._unkeep_calls: Any = None  # undoes holding a disconnected driver's calls
+        self._undrain: Any = None  # undoes waiting for sessions before a graceful retirement
+        self._reconcile_queue: list[str] = []  # open sessions whose calls are still to compare with Dask's
+        self.reconciled = 0  # calls ended from Dask's states (missed transitions)
+        self._gone_since: dict[str, float] = {}  # open call whose task is gone -> when first seen so
         # scale requests for the client-side cluster link (dask_agents.scaling)
         self.link_seen: float | None = None
         self.link_interval = 0.5
@@ -198,7 +204,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         dask_compat.add_worker_stream_handler(scheduler, REPORT_OP, self._on_reports,
                                               on_refused=self.aggregates.rejected.stream_refused)
         # a session's owner is the client stream the message came on, never a field of it
-        for op, handler in ((SESSION_END_OP, self.sessions.on_end_msg), (SESSION_OPEN_OP, self.sessions.on_open_msg)):
+        for op, handler in ((SESSION_END_OP, self.sessions.on_end_msg), (SESSION_OPEN_OP, self.sessions.on_open_msg),
+                            (REATTACH_OP, self.sessions.on_reattach_msg)):
             dask_compat.add_client_stream_handler(scheduler, op, handler,
                                                   on_refused=self.aggregates.rejected.client_stream_refused)
         for name, handler in {
@@ -222,6 +229,10 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if self.admission.enabled:
             dask_compat.add_periodic(scheduler, "dask-agents-admission", self.admission.tick,
                                      agents_config.seconds("scheduler.admission.interval"))
+        # a driver's blip: its calls are held before Dask releases them (Sessions.before_client_left)
+        self._unkeep_calls = dask_compat.before_remove_client(scheduler, self.sessions.before_client_left)
+        # graceful scale-down waits for the stateful sessions of the workers it retires
+        self._undrain = dask_compat.before_retire_workers(scheduler, self.drain_for_retirement)
         # A bad policy configuration fails here, loudly (register_plugin / scheduler start-up).
         self.control = ControlLoop(self)
         self.prioritizing = any(isinstance(p, prioritize.Prioritize) for p in self.control.policies.values())
@@ -255,6 +266,12 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             if self._unkeep_stealing is not None:
                 self._unkeep_stealing()
                 self._unkeep_stealing = None
+            if self._unkeep_calls is not None:
+                self._unkeep_calls()
+                self._unkeep_calls = None
+            if self._undrain is not None:
+                self._undrain()
+                self._undrain = None
 
     def _is_call_task(self, ts: Any) -> bool:
         """Whether ``ts`` is a component, tool or LLM call we recorded (O(1))."""
@@ -265,12 +282,47 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if self.placement.awaiting:
             scheduler.loop.add_callback(self.placement.place_awaiting)
 
+    def valid_workers_downscaling(self, scheduler: Scheduler, workers: list) -> list:
+        """Dask's choice of workers to retire (adaptive scaling, ``retire_workers`` without a
+        list): only those holding no stateful instance of a live session; none if all do (the
+        cluster waits for sessions to end rather than fail them)."""
+        return [ws for ws in workers if not self.placement.live_stateful(dask_compat.worker_state_address(ws))]
+
+    async def drain_for_retirement(self, workers: list[str]) -> None:
+        """Before Dask retires ``workers`` gracefully: they take no new sessions (placement and
+        admission skip them; engine sessions bound there rebind elsewhere on their next call,
+        their KV recomputed there), and the retirement waits until the live sessions holding
+        stateful instances on them have ended, at most ``agents.scheduler.drain-timeout``; past
+        it they lose those instances (their next calls fail with InstanceLostError naming the
+        retirement). Polls: sessions end on many paths, none of which knows a drain waits."""
+        import asyncio
+
+        timeout = agents_config.seconds("scheduler.drain-timeout")
+        deadline = time.time() + timeout
+        for w in workers:
+            self.roster.retiring[w] = deadline
+        waiting = [w for w in workers if self.placement.live_stateful(w)]
+        if waiting:
+            logger.info("dask-agents: retiring %s waits for %d live stateful sessions (at most %s)", waiting,
+                        sum(len(self.placement.live_stateful(w)) for w in waiting),
+                        agents_config.get("scheduler.drain-timeout"))
+        while waiting and time.time() < deadline:
+            await asyncio.sleep(0.1)
+            waiting = [w for w in waiting if self.roster.alive(w) and self.placement.live_stateful(w)]
+        for w in waiting:
+            left = self.placement.live_stateful(w)
+            cause = (f"worker {w} was retired with {len(left)} live stateful session(s) after "
+                     f"agents.scheduler.drain-timeout ({agents_config.get('scheduler.drain-timeout')})")
+            self.recovery.note_cause(w, cause)
+            logger.warning("dask-agents: %s", cause)
+
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         """``worker`` left: drop what it held, then recover the calls pinned to it.
 
         O(the worker's bindings and placed calls + models): the by-worker indexes of
         ``bindings`` and ``placed`` find them without scanning every session's."""
         self.ready_workers.pop(worker, None)
+        self.roster.retiring.pop(worker, None)
         for ws in self.model_workers.values():
             ws.discard(worker)
         cause = self.recovery.cause(worker, kwargs.get("stimulus_id"))
@@ -446,6 +498,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             try:
                 self.state.on_report(r["key"], r["started"], r["finished"], worker, r["metrics"])
                 rec = self.state.calls.get(r["key"])
+                if rec is not None and r["state"] is not None:
+                    rec.ran_to = r["state"]
                 self.aggregates.on_report(rec)
                 if rec is not None and rec.kind == "llm" and rec.session is not None:
                     self.admission.on_llm_report(rec)
@@ -622,6 +676,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         """Drop completed sessions past retention (bounded memory); close the sessions whose
         driver did not come back within the grace, and idle ones; fold tick times into metrics."""
         self.sessions.housekeeping(time.time())
+        self.reconcile()
         self.aggregates.fold_ticks(self.control)
         # per-call reports are only read over the dashboard's window: keep two
         self.aggregates.forget_before(time.time() - 2 * agents_config.seconds("dashboard.window"))
@@ -631,6 +686,49 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             int(agents_config.get("scheduler.max-retained-sessions")),
         )
         self.sessions.forget(dropped)
+
+    RECONCILE_BATCH = 4096  # open calls compared with Dask's task states per housekeeping
+    REPORT_WAIT = 1.0  # s a gone call waits for its worker's report of how it ran
+
+    def reconcile(self) -> int:
+        """Apply the transitions this plugin missed (its ``transition`` raised: a bug, a fault)
+        from Dask's own task states: an open call whose task ended (in memory, erred) or is
+        gone (released and wanted by nobody, forgotten) is ended here as Dask ended it, so its
+        session completes and its slots, KV and instances are released. Dask calls the
+        transition hook synchronously, so a state that differs here was missed, not in flight.
+        Bounded: sessions are visited in turn until :attr:`RECONCILE_BATCH` calls were looked
+        at, resuming where the last run stopped. Returns the calls ended."""
+        if not self._reconcile_queue:
+            self._reconcile_queue = [sid for sid, s in self.state.sessions.items()
+                                     if s.state != "completed" and s.open_calls > 0]
+        looked = ended = 0
+        now = time.time()
+        while self._reconcile_queue and looked < self.RECONCILE_BATCH:
+            s = self.state.sessions.get(self._reconcile_queue.pop())
+            if s is None or s.state == "completed":
+                continue
+            for key, rec in list(s.calls.items()):
+                if rec.state in TERMINAL or rec.local:
+                    continue
+                looked += 1
+                finish = dask_compat.task_state_on(self.scheduler, key) or "forgotten"
+                if finish not in ("memory", "erred", "forgotten") and not (
+                        finish == "released" and not dask_compat.is_wanted(self.scheduler, key)):
+                    continue
+                if finish in ("forgotten", "released"):  # gone: how it ran, as its worker reports
+                    if rec.ran_to is None and now - self._gone_since.setdefault(key, now) < self.REPORT_WAIT:
+                        continue  # its worker's report (sent in batches) may still be on its way
+                    self._gone_since.pop(key, None)
+                    finish = {"memory": "memory", "error": "erred"}.get(rec.ran_to or "", finish)
+                ts = dask_compat.task(self.scheduler, key)
+                error = dask_compat.task_error(ts) if finish == "erred" and ts is not None else None
+                self._call_event(rec, finish, None, ts, error)
+                ended += 1
+        if ended:
+            self.reconciled += ended
+            logger.warning("dask-agents: %d call(s) ended from Dask's task states (their transitions were missed)",
+                           ended)
+        return ended
 
     # -- RPC handlers (client API) ---------------------------------------------------------
     async def _hello(self, comm: Any, worker: Any = None, models: Any = None, pid: Any = None) -> dict:

@@ -79,6 +79,11 @@ class Recovery:
         """Why ``worker`` is gone, in words (for errors and the session's lost instances)."""
         return self.gone.get(worker) or f"worker {worker} died or left the cluster ({stimulus_id or 'remove-worker'})"
 
+    def note_cause(self, worker: str, cause: str) -> None:
+        """Why ``worker`` will be gone, known before it goes (a retirement that drained too
+        long): the errors of what it held say this instead of "died or left"."""
+        self.gone[worker] = cause
+
     def strand(self, key: Any) -> None:
         """Recover ``key`` soon (a call the plugin pinned where it cannot run)."""
         self.stranded.add(key)

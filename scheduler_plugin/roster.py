@@ -30,6 +30,8 @@ class Roster:
         # KV directives) comes from this scheduler: sent on each worker's own stream, where
         # only the scheduler writes, and passed with every such call (:meth:`call_worker`).
         self.secret = secrets.token_urlsafe(32)
+        # workers being retired gracefully -> when their drain ends: no new sessions go there
+        self.retiring: dict[str, float] = {}
 
     def alive(self, worker: str) -> bool:
         """Whether ``worker`` is a connected, running worker of the scheduler (O(1))."""

@@ -32,6 +32,12 @@ from dask_agents.scheduler_plugin.state import WorkflowState
 
 logger = logging.getLogger(__name__)
 
+KEEPER = "dask-agents-keeper"
+"""The scheduler's own wanter of the calls a disconnected driver held (as Dask's
+``fire-and-forget``): they run on and their results stay until the driver is back."""
+LOST_REASON = "dask-agents: lost with the driver's connection"
+MAX_REATTACH = 10_000  # keys in one reattach message
+
 
 class Sessions:
     """Ownership, closing and ending of sessions (see the module docstring)."""
@@ -49,6 +55,8 @@ class Sessions:
         self._ending: defaultdict[str, list[str]] = defaultdict(list)
         self._flushing_ends = False
         self.refused = 0  # ends asked by a client that does not own the session
+        # a disconnected client -> (when its grace ends, the call keys held for it by KEEPER)
+        self.kept: dict[str, tuple[float, set]] = {}
 
     # -- owners ------------------------------------------------------------------------------
     def on_call(self, rec: Any, client: str | None) -> None:
@@ -103,9 +111,70 @@ class Sessions:
                     client, len(sids), agents_config.get("scheduler.session-grace"))
 
     def client_back(self, client: str) -> None:
-        """``client`` (re)connected: its sessions in their grace are kept, everything with them."""
+        """``client`` (re)connected: its sessions in their grace are kept, everything with them,
+        and it wants again the calls held for it while it was away (its futures of them come
+        back to life when it asks for their results: :meth:`on_reattach_msg`)."""
         for sid in self.client_sessions.get(client, ()):
             self.orphans.pop(sid, None)
+        held = self.kept.pop(client, None)
+        if held is not None:
+            scheduler = self.roster.scheduler
+            dask_compat.desire_keys(scheduler, held[1], client)
+            dask_compat.release_keys(scheduler, held[1], KEEPER, f"dask-agents-client-back-{time.time()}")
+
+    def before_client_left(self, client: str) -> None:
+        """``client``'s connection ended and Dask is about to release every key it wanted
+        (``dask_compat.before_remove_client``). Its agent calls among them are held first
+        (:data:`KEEPER`) for ``session-grace``: a call running goes on to its end, its result
+        stays, and a driver that reconnects gets it, so nothing is cancelled under a call that
+        ran and no step is re-submitted (run twice). Plain Dask work is left to Dask."""
+        scheduler = self.roster.scheduler
+        keys = [k for k in dask_compat.wanted_by(scheduler, client) if k in self.state.calls]
+        if not keys:
+            return
+        dask_compat.desire_keys(scheduler, keys, KEEPER)
+        old = self.kept.get(client)
+        self.kept[client] = (time.time() + agents_config.seconds("scheduler.session-grace"),
+                             (old[1] if old is not None else set()) | set(keys))
+
+    def on_reattach_msg(self, keys: Any = None, client: Any = None, **kw: Any) -> None:
+        """A reconnected driver asks again for calls whose futures Dask cancelled when its
+        connection dropped (on its client stream; ``client`` is the stream's). It is told of
+        each at once if finished or erred, when it ends otherwise; one no longer kept (its
+        grace passed, its session was closed) is cancelled for it with a reason naming it."""
+        try:
+            if not isinstance(client, str):
+                raise ValueError("a reattach from no client")
+            if not isinstance(keys, (list, tuple)) or len(keys) > MAX_REATTACH or not all(
+                    isinstance(k, str) and len(k) <= validate.MAX_KEY for k in keys):
+                raise ValueError(f"keys must be a list of at most {MAX_REATTACH} call keys")
+            scheduler = self.roster.scheduler
+            known = set(dask_compat.desire_keys(scheduler, keys, client))
+            for k in keys:
+                if k not in known:
+                    dask_compat.tell_cancelled(scheduler, client, [k], LOST_REASON, self._lost_text(k))
+        except Exception as e:  # raising here would close the client's stream
+            logger.warning("dask-agents: reattach ignored: %s", e)
+
+    def _lost_text(self, key: str) -> str:
+        from dask_agents.errors import where
+
+        rec = self.state.calls.get(key)
+        if rec is None:
+            return (f"call {key}: its driver's connection dropped and the call is no longer known "
+                    f"(not an agent call, or its session ended and was dropped)")
+        s = self.state.sessions.get(rec.session) if rec.session else None
+        why = (f"its session was closed: {s.closed_reason}" if s is not None and s.closed_reason
+               else f"its driver did not ask for it within agents.scheduler.session-grace "
+                    f"({agents_config.get('scheduler.session-grace')})")
+        return (f"{where(rec.component, rec.method, rec.session)}: its driver's connection dropped and the call "
+                f"was released ({why}) (call {key})")
+
+    def _expire_kept(self, now: float) -> None:
+        """Release what was held for clients that did not come back within their grace."""
+        for client in [c for c, (deadline, _) in self.kept.items() if deadline <= now]:
+            _, keys = self.kept.pop(client)
+            dask_compat.release_keys(self.roster.scheduler, keys, KEEPER, f"dask-agents-grace-over-{now}")
 
     # -- ending ------------------------------------------------------------------------------
     def end(self, session: Any, cancel: Any = False, client: str | None = None) -> dict:
@@ -242,6 +311,8 @@ class Sessions:
     # -- periodic ----------------------------------------------------------------------------
     def housekeeping(self, now: float) -> None:
         """Close the sessions whose driver did not come back within the grace, and idle ones."""
+        if self.kept:
+            self._expire_kept(now)
         for sid in [sid for sid, t in self.orphans.items() if t <= now]:
             s = self.state.sessions.get(sid)
             owner = s.owner if s is not None else None

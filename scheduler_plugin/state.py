@@ -56,6 +56,7 @@ class CallRecord:
     client: str | None = None  # the Dask client that submitted it
     error: str | None = None  # why it erred (the exception's text, as Dask's task page shows it)
     local: bool = False  # ran on its caller's worker's fast path (recorded from the worker's report)
+    ran_to: str | None = None  # the worker's state of the task after it ran (memory, error), from its report
 
     def meta(self) -> CallMeta:
         """As the shared pydantic model."""

@@ -307,7 +307,7 @@ def metrics(value: Any) -> dict:
 
 def report(plugin: "AgentsSchedulerPlugin", worker: str, value: Any) -> dict:
     """One call report from ``worker``'s stream, checked: ``{"key", "started", "finished",
-    "metrics"}``. ``key`` names a call the plugin records that was placed on, processes at or
+    "state", "metrics"}`` (``state``: the worker's state of the task after it ran, or None). ``key`` names a call the plugin records that was placed on, processes at or
     ran on ``worker`` (:func:`ran_on`); ``started <= finished``, both finite and >= 0."""
     if not isinstance(value, dict):
         raise Invalid(f"a report must be a mapping, got {_text(value)}", "report is not a mapping")
@@ -327,7 +327,8 @@ def report(plugin: "AgentsSchedulerPlugin", worker: str, value: Any) -> dict:
     state = value.get("state")
     if state is not None:
         label(state, "report 'state'", 32)
-    return {"key": key, "started": started, "finished": finished, "metrics": metrics(value.get("metrics"))}
+    return {"key": key, "started": started, "finished": finished, "state": state,
+            "metrics": metrics(value.get("metrics"))}
 
 
 def reports(plugin: "AgentsSchedulerPlugin", worker: str, value: Any, rejections: Rejections | None = None) -> list[dict]:

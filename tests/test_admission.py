@@ -28,6 +28,7 @@ EMU = {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte",
        "emulation": {"time_scale": 0.001, "kv_blocks": 64, "block_size": 16, "max_batch": 1}}
 # slot-factor 1: an engine's one batch slot is all it gets (no call queued in the engine)
 CONFIG = {"agents.llm.models": {"emu": EMU}, "agents.control.enabled": False,
+          "agents.control.client-actions": True,  # the tests run passes by hand
           "agents.scheduler.admission.slot-factor": 1}
 LONG = list(range(3, 403))  # 400 prompt tokens: with max_tokens=100, a 32-block working set
 

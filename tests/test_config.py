@@ -167,7 +167,8 @@ POSITIVE = ["client.batched-send-interval", "scheduler.batched-send-interval", "
             "dashboard.timeseries-window", "kv.tick", "kv.ttl-max", "llm.load-timeout",
             "scheduler.session-idle-timeout", "scheduler.admission.interval", "worker.fast-path.max-wait"]
 NON_NEGATIVE = ["scheduler.session-retention", "kv.prefetch-margin", "scheduler.session-grace",
-                "scheduler.instance-linger", "scheduler.admission.max-wait", "control.pass-budget"]
+                "scheduler.instance-linger", "scheduler.admission.max-wait", "control.pass-budget",
+                "scheduler.drain-timeout"]
 
 
 @pytest.mark.parametrize("key", POSITIVE)

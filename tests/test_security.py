@@ -275,7 +275,7 @@ def test_our_handlers_live_only_on_the_schedulers_and_workers_tls_comms(secured)
     assert {"agents_control", "agents_worker_hello", "agents_telemetry", "agents_ping"} <= ours_s
     assert {"agents_kv", "agents_swap_model", "agents_end_session", "agents_worker_info"} <= ours_w
     assert {op for op in s.stream_handlers if op.startswith("agents")} == {"agents-report", "agents-session-end",
-                                                                          "agents-session-open"}
+                                                                          "agents-session-open", "agents-reattach"}
     for server in (s, w):
         assert server.listeners and all(lst.contact_address.startswith("tls://") for lst in server.listeners)
 

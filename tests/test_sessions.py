@@ -173,8 +173,10 @@ async def test_a_call_after_the_instance_was_released_fails(c: Client, s: Schedu
     assert sess.id in str(ei.value) and "Counter.add" in str(ei.value) and "released" in str(ei.value)
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 2), ("127.0.0.1", 2)], timeout=60, config=FAST)
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2), ("127.0.0.1", 2)], timeout=60,
+             config={**FAST, "agents.scheduler.drain-timeout": "200ms"})
 async def test_retired_worker_loses_its_instances_for_good(c: Client, s: Scheduler, a: Worker, b: Worker) -> None:
+    """A retirement that outlasts its drain (tests/test_scale_down.py: one that does not)."""
     await da.install(c)
     counter = da.stub(Counter)
     async with da.session(c) as sess:

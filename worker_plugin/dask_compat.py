@@ -231,6 +231,27 @@ def fail_future(client: Any, key: Any, exc: BaseException) -> None:
         st.set_error(exc, exc.__traceback__)
 
 
+def lost_with_connection(exc: BaseException) -> bool:
+    """Whether ``exc`` is Dask cancelling a future because its client lost the scheduler
+    connection (``Client._reconnect`` cancels and forgets every future's state)."""
+    from distributed.client import FutureCancelledError
+
+    return isinstance(exc, FutureCancelledError) and exc.reason == "scheduler-connection-lost"
+
+
+def rebind_future(fut: Any) -> None:
+    """On the client's loop, after it reconnected: give ``fut`` a live state of its key again
+    (the one the client's other futures of the key will share). The client's reference count
+    for the key outlived the reconnect, so releasing ``fut`` later releases the key as usual."""
+    from distributed.client import FutureState
+
+    client = fut.client
+    st = client.futures.get(fut.key)
+    if st is None:
+        st = client.futures[fut.key] = FutureState(fut.key)
+    fut._state = st
+
+
 def cancel_future(client: Any, key: Any, msg: str) -> None:
     """On the client's loop: the pending shared state of ``key`` becomes cancelled."""
     st = _future_state(client, key)
