@@ -55,11 +55,14 @@ Scenarios (``--scenarios retire,blip,...`` or ``all``): each fault alone, on a f
 connection down 1 s; the driver does what the README says: asks its agent futures again, re-submits
 plain Dask work), ``graph-fault`` / ``transition-fault`` (the scheduler plugin's ``update_graph``
 / ``transition`` hook raises for 1 s), ``lifetime`` (workers with ``--lifetime 7s
---lifetime-stagger 3s --lifetime-restart``), ``adapt`` (``cluster.adapt(minimum=1, maximum=3)``),
-and ``mixed`` (the schedule above). The JSON's ``summary`` then has, per scenario, ``sessions``,
+--lifetime-stagger 3s --lifetime-restart``), ``adapt`` (``cluster.adapt(minimum=1, maximum=3)``;
+6 sessions whose drivers pause 1 s between steps, so workers idle while their sessions live),
+``none`` (no fault: the reference for the plugin faults) and ``mixed`` (the schedule above). The JSON's ``summary`` then has, per scenario, ``sessions``,
 ``completed_correct``, ``failed_with_clear_error``, ``wrong_results``, ``hung``, ``failed``
 (requests with any attempt not correct; must be 0 for retire, lifetime, adapt and blip) and, after
-a plugin fault, ``latency_before_s`` / ``latency_after_s``.
+a plugin fault, ``latency_before_s`` / ``latency_after_s`` and, paired with the no-fault run
+``none`` (same requests), the median ratio of the later sessions' latencies
+``latency_after_vs_none`` (with its range); ``workers_added`` / ``workers_removed`` during the run.
 
 Reproduce::
 
@@ -130,19 +133,24 @@ class Config:
     lifetime: float | None = None  # workers' --lifetime (s), restarted by their nannies, with ...
     lifetime_stagger: float = 3.0  # ... this --lifetime-stagger
     adapt: bool = False  # cluster.adapt(minimum=1, maximum=workers) instead of a fixed size
+    pause: float = 0.0  # the driver's pause (s) between its steps (a user reading, a slow client)
     scenario: str = "mixed"
 
 
 SCENARIOS: dict[str, dict] = {
     # the original schedule: a worker SIGKILLed, another retired, the driver disconnected
     "mixed": {},
+    # no fault: the reference the plugin faults' later sessions are compared with (same requests)
+    "none": {"kill_at": None, "retire_at": None, "disconnect_at": None},
     "retire": {"kill_at": None, "retire_at": 6.0, "disconnect_at": None},
     "blip": {"kill_at": None, "retire_at": None, "disconnect_at": 6.0, "drop": 1.0},
     "graph-fault": {"kill_at": None, "retire_at": None, "disconnect_at": None, "plugin_fault": "update_graph"},
     "transition-fault": {"kill_at": None, "retire_at": None, "disconnect_at": None, "plugin_fault": "transition"},
     # dask-jobqueue's --lifetime with a stagger and restart, as docs/production.md recommends
     "lifetime": {"kill_at": None, "retire_at": None, "disconnect_at": None, "lifetime": 7.0},
-    "adapt": {"kill_at": None, "retire_at": None, "disconnect_at": None, "adapt": True},
+    # few sessions whose drivers pause 1 s between steps: workers go idle while their sessions live
+    "adapt": {"kill_at": None, "retire_at": None, "disconnect_at": None, "adapt": True, "sessions": 6,
+              "spread": 3.0, "pause": 1.0},
 }
 """Each fault alone (``--scenarios``), plus the original mixed schedule. Scale-down scenarios
 (retire, lifetime, adapt) and the blip must fail no session; no scenario may give a wrong answer
@@ -189,10 +197,12 @@ def drive(client: Client, req: Request, cfg: Config, t0: float) -> Attempt:
             att.session = s.id
             subtasks = planner.plan(req.id, req.seed, model, ts)
             n = len(subtasks.value(timeout=left()))
+            time.sleep(cfg.pause)
             patches = [dev.implement(subtasks, k, 0, None, model, ts) for k in range(n)]
             rnd = 0
             while True:
                 passed, failing = tester.test(req.seed, patches, rnd, model, ts).value(timeout=left())
+                time.sleep(cfg.pause)
                 if passed:
                     break
                 rnd += 1
@@ -450,6 +460,11 @@ def run(cfg: Config, log=print) -> dict:
                     r.attempts.append(Attempt(session="?", outcome="unclear_error", error=repr(f.exception())))
             injector.join(timeout=60)
             pool.shutdown(wait=False, cancel_futures=True)
+            churn = [(t - t0, e.get("action"), e.get("worker")) for t, e in client.get_events("all")
+                     if isinstance(e, dict) and e.get("action") in ("add-worker", "remove-worker") and t >= t0]
+            events.append({"event": "workers", "t": 0.0, "added": sum(a == "add-worker" for _, a, _ in churn),
+                           "removed": sum(a == "remove-worker" for _, a, _ in churn),
+                           "changes": [[round(t, 2), a, w] for t, a, w in churn]})
             try:  # every session ends and its instances go (instance-linger): nothing left behind
                 _wait(lambda: not (v := plugin_view(client))["open_sessions"] and not v["instances_per_worker"], 15, 0.2)
                 plugin = plugin_view(client)
@@ -518,7 +533,7 @@ def summarize(requests: list[Request], events: list[dict], cfg: Config, wall: fl
         "trajectory_repeats": sum(a.repeats for r in requests for a in r.attempts),
         "max_in_flight": max((in_flight(a) for a, _ in spans), default=0),
         "events": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in ev.items()
-                    if k in ("event", "t", "removed_t", "reconnected_t", "worker", "instances_on_worker",
+                    if k in ("event", "t", "removed_t", "reconnected_t", "worker", "instances_on_worker", "added", "removed",
                              "open_sessions", "orphaned_sessions_while_down", "orphaned_sessions_after",
                              "scheduler_saw", "client_batched_send_interval_before_s",
                              "client_batched_send_interval_after_s", "error")} | {"in_flight": in_flight(ev["t"])} for ev in events],
@@ -527,7 +542,7 @@ def summarize(requests: list[Request], events: list[dict], cfg: Config, wall: fl
         "config": {k: getattr(cfg, k) for k in ("sessions", "workers", "threads", "spread", "time_scale", "llm",
                                                  "kill_at", "retire_at", "disconnect_at", "drop", "timeout",
                                                  "plugin_fault", "plugin_fault_at", "plugin_fault_for", "lifetime",
-                                                 "lifetime_stagger", "adapt")},
+                                                 "lifetime_stagger", "adapt", "pause")},
     }
 
 
@@ -596,10 +611,31 @@ def main(argv: list[str] | None = None) -> int:
         docs[name or "mixed"] = doc = run(cfg)
         print(f"== scenario {cfg.scenario}")
         print_table(doc)
+    if "none" in docs:  # the plugin faults' later sessions against the same requests without a fault
+        ref = {r["id"]: r for r in docs["none"]["requests"]}
+        for d in docs.values():
+            fault = next((ev for ev in d["events"] if ev["event"].endswith("-fault")), None)
+            if fault is None:
+                continue
+            ratios = []
+            for r in d["requests"]:
+                other = ref.get(r["id"])
+                if r["start_at"] <= fault["removed_t"] + 2.0 or other is None or not r["attempts"] or not other["attempts"]:
+                    continue
+                a, b = r["attempts"][0], other["attempts"][0]
+                if a["outcome"] == b["outcome"] == "correct":
+                    ratios.append((a["ended"] - a["started"]) / (b["ended"] - b["started"]))
+            ratios.sort()
+            d["summary"]["latency_after_vs_none"] = (round(ratios[len(ratios) // 2], 3) if ratios else None)
+            d["summary"]["latency_after_vs_none_range"] = [round(ratios[0], 3), round(ratios[-1], 3)] if ratios else None
     if args.scenarios:
         out = {"scenarios": docs, "summary": {n: {k: d["summary"][k] for k in (
             "sessions", "completed_correct", "failed_with_clear_error", "wrong_results", "hung", "failed", "ok",
-            *(k for k in ("latency_before_s", "latency_after_s") if k in d["summary"]))} for n, d in docs.items()}}
+            *(k for k in ("latency_before_s", "latency_after_s", "latency_after_vs_none", "latency_after_vs_none_range")
+              if k in d["summary"]))} for n, d in docs.items()}}
+        for n, v in out["summary"].items():
+            v["workers_added"], v["workers_removed"] = next(
+                ((ev["added"], ev["removed"]) for ev in docs[n]["events"] if ev["event"] == "workers"), (None, None))
         out["ok"] = all(v["ok"] for v in out["summary"].values())
     else:
         out = docs["mixed"]

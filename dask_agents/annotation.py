@@ -28,7 +28,8 @@ def sanitize_annotation(ann: Any) -> dict | None:
     strings of at most ``MAX_LABEL`` characters or None; ``deps`` a list of strings;
     ``created`` a finite number or None; ``stateful`` a bool (only ``True`` is true);
     ``batching`` None or ``{"max_batch": int >= 1, "max_wait": finite float >= 0}``;
-    ``llm_prompt_len`` and ``llm_max_tokens`` ints in ``[0, 2**31]`` or None. Wrong
+    ``llm_prompt_len`` and ``llm_max_tokens`` ints in ``[0, 2**31]`` or None; ``timeout`` a
+    finite number > 0 or None. Wrong
     values become None (or the empty default); unknown fields are dropped."""
     import math
 
@@ -49,6 +50,9 @@ def sanitize_annotation(ann: Any) -> dict | None:
         if f in ann:
             v = ann[f]
             out[f] = v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**31 else None
+    t = ann.get("timeout")
+    ok = isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+    out["timeout"] = float(t) if ok else None
     b = ann.get("batching")
     out["batching"] = None
     if isinstance(b, dict):

@@ -132,6 +132,8 @@ def submit_call(
         ann.update(extra)
     if hints.batching is not None:
         ann["batching"] = {"max_batch": hints.batching.max_batch, "max_wait": hints.batching.max_wait}
+    if hints.timeout is not None:
+        ann["timeout"] = hints.timeout
     header = (spec.name, method, sid, key, hints.stateful, ann.get("batching"))
     resources = dict(hints.resources) or None
     local = _local_calls(client, spec, creator, ann) if creator != DRIVER else None

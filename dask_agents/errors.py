@@ -57,7 +57,9 @@ class NotInstalledError(AgentsError, RuntimeError):
 
 
 class CallTimeoutError(AgentsError, TimeoutError):
-    """``AgentFuture.value(timeout=...)`` ran out of time."""
+    """``AgentFuture.value(timeout=...)`` ran out of time, or the call itself did: it was still
+    open its ``timeout`` hint (or ``agents.scheduler.call-timeout``) after being sent to a
+    worker, and was failed. The message names the call, its session and the timeout."""
 
 
 class CallFailedError(AgentsError, RuntimeError):

@@ -31,7 +31,9 @@ class ComponentHints(BaseModel):
     ``stateful``: all calls of one session go, in order, to one instance whose state lives
     for the session. ``model``: the LLM the component mostly calls (placement hint).
     ``resources``: Dask worker resources each call holds. ``min_replicas``/``max_replicas``:
-    bounds for reallocation. ``batching``: coalescing hint.
+    bounds for reallocation. ``batching``: coalescing hint. ``timeout``: seconds a call may
+    take once sent to a worker (default ``agents.scheduler.call-timeout``); past it the call
+    fails with :class:`~dask_agents.errors.CallTimeoutError`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -41,6 +43,9 @@ class ComponentHints(BaseModel):
     min_replicas: StrictInt = Field(1, ge=0)
     max_replicas: StrictInt | None = Field(None, ge=1)
     batching: BatchingHint | None = None
+    # seconds a call may take once the scheduler sent it to a worker; past it the call fails
+    # with CallTimeoutError (None: agents.scheduler.call-timeout)
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _resources(self) -> "ComponentHints":

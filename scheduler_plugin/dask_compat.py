@@ -576,6 +576,25 @@ def fail_task(scheduler: Scheduler, key: Any, exc: BaseException, stimulus_id: s
     return True
 
 
+def fail_running_task(scheduler: Scheduler, key: Any, exc: BaseException, stimulus_id: str) -> bool:
+    """Err a task that a worker is processing with ``exc``, as if the worker had reported it,
+    and tell that worker to let it go (its thread may run on: Python cannot stop it; an LLM
+    call's engine request is aborted by the worker plugin on the release). The client's future
+    raises ``exc``; dependents err with it. False (nothing done) for tasks in other states."""
+    from distributed.protocol import pickle
+
+    ts = scheduler.tasks.get(key)
+    if ts is None or ts.state != "processing" or ts.processing_on is None:
+        return False
+    worker = ts.processing_on.address
+    recs = scheduler.transition(key, "erred", stimulus_id, worker=worker, cause=key, exception=pickle.dumps(exc),
+                                traceback=None, exception_text=str(exc))
+    scheduler.transitions(recs, stimulus_id=stimulus_id)
+    if worker in scheduler.workers:
+        scheduler.worker_send(worker, {"op": "free-keys", "keys": [key], "stimulus_id": stimulus_id})
+    return True
+
+
 def cancel_tasks(scheduler: Scheduler, keys: Iterable[Any], reason: str, client: str | None = None) -> int:
     """Cancel ``keys``, their dependents too; futures raise ``CancelledError`` with ``reason``.
 

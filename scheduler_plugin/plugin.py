@@ -43,6 +43,7 @@ from dask_agents.scheduler_plugin.policies import prioritize
 from dask_agents.scheduler_plugin.recovery import Recovery
 from dask_agents.scheduler_plugin.roster import Roster, model_bounds
 from dask_agents.scheduler_plugin.sessions import Sessions
+from dask_agents.scheduler_plugin.deadlines import Deadlines
 from dask_agents.scheduler_plugin.state import TERMINAL, WorkflowState
 from dask_agents.scheduler_plugin.timeseries import TimeSeries
 from dask_agents.scheduler_plugin.view_index import BindingMap, PlacedMap, Tally, ViewIndex, ViewSources
@@ -92,6 +93,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self._undrain: Any = None  # undoes waiting for sessions before a graceful retirement
         self._reconcile_queue: list[str] = []  # open sessions whose calls are still to compare with Dask's
         self.reconciled = 0  # calls ended from Dask's states (missed transitions)
+        self.deadlines = Deadlines()  # open calls' own deadlines (timeout hint, agents.scheduler.call-timeout)
+        self._call_timeout = agents_config.seconds("scheduler.call-timeout") or None  # 0: none
+        self.timed_out = 0  # calls failed past their timeout
         self._gone_since: dict[str, float] = {}  # open call whose task is gone -> when first seen so
         # scale requests for the client-side cluster link (dask_agents.scaling)
         self.link_seen: float | None = None
@@ -447,6 +451,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if finish == "processing":
             ts = dask_compat.task(self.scheduler, key)
             worker = dask_compat.processing_on(ts) if ts is not None else None
+            timeout = rec.timeout or self._call_timeout
+            if timeout:
+                self.deadlines.start(key, time.time() + timeout)
         if finish == "released" and dask_compat.is_wanted(self.scheduler, key):
             self._call_event(rec, finish, worker, ts, None, rerun=True)
             return  # released to run again (its worker was lost), not cancelled: the call goes on
@@ -475,6 +482,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             return
         if not self.state.on_transition(key, finish, now if now is not None else time.time(), worker, error):
             return
+        self.deadlines.discard(key)
         self.placement.unplace(key)
         if rec.children and rec.state in ("erred", "cancelled"):
             self._cancel_children(rec)
@@ -677,6 +685,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         driver did not come back within the grace, and idle ones; fold tick times into metrics."""
         self.sessions.housekeeping(time.time())
         self.reconcile()
+        self.expire_calls(time.time())
         self.aggregates.fold_ticks(self.control)
         # per-call reports are only read over the dashboard's window: keep two
         self.aggregates.forget_before(time.time() - 2 * agents_config.seconds("dashboard.window"))
@@ -686,6 +695,33 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             int(agents_config.get("scheduler.max-retained-sessions")),
         )
         self.sessions.forget(dropped)
+
+    def expire_calls(self, now: float) -> int:
+        """Fail the calls whose own time is up (``scheduler_plugin/deadlines.py``) with
+        CallTimeoutError naming the call, its session and the timeout. Returns how many."""
+        from dask_agents.errors import CallTimeoutError, where
+
+        n = 0
+        for key in self.deadlines.due(now):
+            rec = self.state.calls.get(key)
+            if rec is None or rec.state in TERMINAL or rec.local:
+                continue
+            timeout = rec.timeout or self._call_timeout
+            why = "its timeout hint" if rec.timeout else "agents.scheduler.call-timeout"
+            exc = CallTimeoutError(
+                f"{where(rec.component, rec.method, rec.session)} did not finish within {timeout:g}s of being sent to "
+                f"worker {rec.worker} ({why}): it was failed (a thread still running it goes on to its end: Python "
+                f"cannot stop a thread) (call {key})")
+            stimulus = f"dask-agents-call-timeout-{now}"
+            try:
+                if dask_compat.fail_running_task(self.scheduler, key, exc, stimulus) or \
+                        dask_compat.fail_task(self.scheduler, key, exc, stimulus):
+                    n += 1
+            except Exception:  # one call's failure must not stop the others'
+                logger.exception("dask-agents: failing call %s past its timeout failed", key)
+        if n:
+            self.timed_out += n
+        return n
 
     RECONCILE_BATCH = 4096  # open calls compared with Dask's task states per housekeeping
     REPORT_WAIT = 1.0  # s a gone call waits for its worker's report of how it ran

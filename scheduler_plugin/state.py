@@ -57,6 +57,7 @@ class CallRecord:
     error: str | None = None  # why it erred (the exception's text, as Dask's task page shows it)
     local: bool = False  # ran on its caller's worker's fast path (recorded from the worker's report)
     ran_to: str | None = None  # the worker's state of the task after it ran (memory, error), from its report
+    timeout: float | None = None  # its own timeout (the component's hint), s; None: the default
 
     def meta(self) -> CallMeta:
         """As the shared pydantic model."""
@@ -230,6 +231,7 @@ class WorkflowState:
             dependencies=deps, created=ann.get("created") or now,
             stateful=bool(ann.get("stateful")), model=ann.get("llm_model"), tool_kind=ann.get("tool_kind"),
             batch_max=(ann.get("batching") or {}).get("max_batch"), tenant=ann.get("tenant"),
+            timeout=ann.get("timeout"),
         )
         self.calls[key] = rec
         self.calls_per_component[rec.component] += 1

@@ -168,7 +168,7 @@ POSITIVE = ["client.batched-send-interval", "scheduler.batched-send-interval", "
             "scheduler.session-idle-timeout", "scheduler.admission.interval", "worker.fast-path.max-wait"]
 NON_NEGATIVE = ["scheduler.session-retention", "kv.prefetch-margin", "scheduler.session-grace",
                 "scheduler.instance-linger", "scheduler.admission.max-wait", "control.pass-budget",
-                "scheduler.drain-timeout"]
+                "scheduler.drain-timeout", "scheduler.call-timeout"]
 
 
 @pytest.mark.parametrize("key", POSITIVE)
