@@ -24,6 +24,8 @@ from dask_agents.errors import (
     AgentsError,
     CallFailedError,
     CallLostError,
+    CallDepthError,
+    LimitError,
     ClientClosedError,
     CallTimeoutError,
     ConfigError,
@@ -56,7 +58,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgentFuture", "AgentsError", "ClusterLink", "attach_cluster", "BatchingHint", "CallFailedError", "ClientClosedError", "CallMeta", "CallTimeoutError",
-    "ComponentHints", "ConfigError", "ComponentSpec", "Control", "control", "EngineLoadError", "EngineStepError", "EngineStoppedError", "FunctionStub", "HintError", "InstanceLostError", "InvalidRequestError", "NotAllowedError", "CallLostError", "SessionClosedError", "LLM", "LLMResult",
+    "ComponentHints", "ConfigError", "ComponentSpec", "Control", "control", "EngineLoadError", "EngineStepError", "EngineStoppedError", "FunctionStub", "HintError", "InstanceLostError", "InvalidRequestError", "NotAllowedError", "CallLostError", "CallDepthError", "LimitError", "SessionClosedError", "LLM", "LLMResult",
     "NoClientError", "NotAComponentError", "NotInstalledError", "PromptTooLongError", "ResultNotSerializableError", "Session",
     "SessionGraph", "Stub", "ToolHints", "UnknownModelError", "WorkflowGraph", "agent", "current_call", "current_session", "install",
     "installed", "llm", "progress", "session", "session_graph", "spec_of", "stub", "telemetry", "tool",

@@ -50,9 +50,10 @@ def sanitize_annotation(ann: Any) -> dict | None:
         if f in ann:
             v = ann[f]
             out[f] = v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**31 else None
-    t = ann.get("timeout")
-    ok = isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
-    out["timeout"] = float(t) if ok else None
+    if "timeout" in ann:
+        t = ann["timeout"]
+        ok = isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+        out["timeout"] = float(t) if ok else None
     b = ann.get("batching")
     out["batching"] = None
     if isinstance(b, dict):

@@ -113,6 +113,14 @@ def submit_call(
     check_client_open(client, spec.name, method, sid)
     key = new_key(spec.name)
     creator = context.creator()
+    depth = context.current_depth.get() + 1
+    if depth > _max_depth():
+        from dask_agents.errors import CallDepthError
+
+        raise CallDepthError(
+            f"{where(spec.name, method, sid)}: this call would be nested {depth} deep, past "
+            f"agents.client.max-call-depth ({_max_depth()}): a component calling itself without end? "
+            f"(made by call {creator})")
     futures = _future_args(args, kwargs)
     deps = [f.key for f in futures]
     # Trusted values built right here: skip pydantic validation on the hot path (~10 us a call).
@@ -134,7 +142,7 @@ def submit_call(
         ann["batching"] = {"max_batch": hints.batching.max_batch, "max_wait": hints.batching.max_wait}
     if hints.timeout is not None:
         ann["timeout"] = hints.timeout
-    header = (spec.name, method, sid, key, hints.stateful, ann.get("batching"))
+    header = (spec.name, method, sid, key, hints.stateful, ann.get("batching"), depth)
     resources = dict(hints.resources) or None
     local = _local_calls(client, spec, creator, ann) if creator != DRIVER else None
     if local is not None:
@@ -148,6 +156,10 @@ def submit_call(
             local.escape(d)
     fut = _submit(client, runner, header, target, args, kwargs, ann, resources)
     return AgentFuture.adopt(fut, meta)
+
+
+def _max_depth() -> int:
+    return int(dask.config.get("agents.client.max-call-depth", 64))
 
 
 def _submit(client: Client, runner: Any, header: tuple, target: Any, args: tuple, kwargs: dict, ann: dict,

@@ -27,6 +27,7 @@ class SessionContext:
 
 current_session: ContextVar[SessionContext | None] = ContextVar("dask_agents_session", default=None)
 current_call: ContextVar[str | None] = ContextVar("dask_agents_call", default=None)
+current_depth: ContextVar[int] = ContextVar("dask_agents_depth", default=0)  # calls nested here (0: driver)
 
 
 def session_id() -> str | None:

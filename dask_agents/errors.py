@@ -168,6 +168,16 @@ class CallLostError(CallFailedError):
     or the session was closed meanwhile. The message names the call, session and cause."""
 
 
+class CallDepthError(AgentsError, RecursionError):
+    """A call would nest deeper than ``agents.client.max-call-depth`` (a component calling
+    itself without end): raised where it is made, naming the call and its creator."""
+
+
+class LimitError(AgentsError, RuntimeError):
+    """A call was refused because a configured limit was reached (the message names the
+    setting, the call and its session): e.g. ``agents.scheduler.max-calls-per-session``."""
+
+
 class NotAllowedError(AgentsError, PermissionError):
     """The scheduler refused a client's request: a cluster-wide change its configuration keeps
     from clients (``agents.control.client-actions``). The message names the setting."""

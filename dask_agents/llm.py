@@ -76,19 +76,35 @@ def check_generate_args(model: str, prompt: object, max_tokens: object, temperat
 
     from distributed import Future
 
+    limit = agents_config.parse_size(agents_config.get("llm.max-prompt-bytes"))
+
+    def too_long(size: int) -> Exception:
+        from dask_agents.errors import PromptTooLongError
+
+        from dask.utils import format_bytes
+
+        return PromptTooLongError(f"da.llm({model!r}).generate: the prompt is {format_bytes(size)}, past "
+                                  f"agents.llm.max-prompt-bytes ({format_bytes(limit)}): refused before it was "
+                                  f"sent{in_session}")
+
     if isinstance(prompt, Future):
         pass  # a future's value becomes the prompt on the worker (a Dask dependency)
     elif isinstance(prompt, str):
         if not prompt:
             raise bad(InvalidRequestError, "prompt must not be empty", prompt)
+        if len(prompt) > limit:  # characters are at least a byte each: too long without encoding it
+            raise too_long(len(prompt))
         try:
-            prompt.encode("utf-8")
+            if len(prompt.encode("utf-8")) > limit:
+                raise too_long(len(prompt.encode("utf-8")))
         except UnicodeEncodeError as e:  # lone surrogates: no tokenizer can encode them
             raise bad(InvalidRequestError, f"the prompt text cannot be encoded ({e.reason} at position {e.start})",
                       prompt[e.start:e.end]) from None
     elif isinstance(prompt, (list, tuple)):
         if not prompt:
             raise bad(InvalidRequestError, "prompt must not be empty", prompt)
+        if 4 * len(prompt) > limit:
+            raise too_long(4 * len(prompt))
         for t in prompt:
             if isinstance(t, bool) or not isinstance(t, Integral):
                 raise bad(TypeError, "token ids must be ints", t)

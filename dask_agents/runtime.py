@@ -13,7 +13,7 @@ from typing import Any, Iterator, NoReturn
 from dask_agents import context
 from dask_agents.errors import CallFailedError, where
 
-Header = tuple  # (component, method, session, key, stateful, batching or None)
+Header = tuple  # (component, method, session, key, stateful, batching or None, depth)
 
 
 @contextmanager
@@ -22,9 +22,11 @@ def call_context(header: Header) -> Iterator[None]:
     sid, key = header[2], header[3]
     tok_s = context.current_session.set(context.SessionContext(sid) if sid else None)
     tok_c = context.current_call.set(key)
+    tok_d = context.current_depth.set(header[6] if len(header) > 6 else 1)
     try:  # only stub and LLM calls made here carry these (calls.submit_call): plain work is left alone
         yield
     finally:
+        context.current_depth.reset(tok_d)
         context.current_call.reset(tok_c)
         context.current_session.reset(tok_s)
 
@@ -130,7 +132,7 @@ def _check_pinned(plugin: Any, header: Header) -> None:
     session's state lives elsewhere, a silently wrong answer. It fails clearly instead."""
     from dask_agents.worker_plugin import dask_compat
 
-    component, method, sid, key, _stateful, _batching = header
+    component, method, sid, key = header[:4]
     worker = plugin.worker
     pinned = dask_compat.task_annotations(worker, key).get(PIN_ANNOTATION) if worker is not None else None
     if worker is not None and pinned != worker.address:
@@ -142,7 +144,7 @@ def _check_pinned(plugin: Any, header: Header) -> None:
 
 def run_method(header: Header, cls: type, args: tuple, kwargs: dict) -> Any:
     """Run ``cls.<method>(*args, **kwargs)`` on the instance the worker plugin hosts."""
-    component, method, sid, key, stateful, batching = header
+    component, method, sid, key, stateful, batching = header[:6]
     plugin = _plugin()
     with call_context(header):
         if stateful:

@@ -57,6 +57,8 @@ MAX_UNLINKED = 10_000  # calls parked until the record of their fast-path creato
 SESSION_END_OP = "agents-session-end"  # client -> scheduler, on the client's stream (ordered with its submits)
 SESSION_OPEN_OP = "agents-session-open"  # client -> scheduler, on entering a da.session block
 REATTACH_OP = "agents-reattach"  # client -> scheduler: a reconnected driver asks for its calls again
+REFUSED = "inproc://dask-agents-refused-call"
+"""Where a call past a limit waits (it never runs) until it is failed, outside update_graph."""
 ORPHANED = "inproc://dask-agents-orphaned-call"
 """Where a call whose creator ended before it arrived waits until its cancel lands (it must not
 start meanwhile); one another client also wants is placed again then."""
@@ -96,6 +98,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.deadlines = Deadlines()  # open calls' own deadlines (timeout hint, agents.scheduler.call-timeout)
         self._call_timeout = agents_config.seconds("scheduler.call-timeout") or None  # 0: none
         self.timed_out = 0  # calls failed past their timeout
+        self._max_calls = int(agents_config.get("scheduler.max-calls-per-session") or 0)  # 0: no limit
+        self._refusing: dict[str, BaseException] = {}  # calls past a limit -> their error (failed soon)
         self._gone_since: dict[str, float] = {}  # open call whose task is gone -> when first seen so
         # scale requests for the client-side cluster link (dask_agents.scaling)
         self.link_seen: float | None = None
@@ -376,6 +380,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             ts = dask_compat.task(scheduler, key)
             if ts is None:
                 continue
+            if self._past_limits(ts, key, ann):
+                continue
             rec = self.state.add_call(key, ann, dask_compat.dependency_keys(ts), now)
             if rec is None:
                 continue
@@ -412,6 +418,37 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             if orphaned:  # and must not start before its cancel lands (measured: it did)
                 self._orphaned[key] = dask_compat.restrictions(ts)
                 dask_compat.restrict_to_worker(ts, ORPHANED)
+
+    def _past_limits(self, ts: Any, key: str, ann: dict) -> bool:
+        """A call its session may not make any more (``agents.scheduler.max-calls-per-session``):
+        not recorded, held where it cannot run, and failed soon with LimitError naming the
+        setting (failing it inside update_graph would race Dask's own handling of the graph).
+        Bounds what one runaway session costs the scheduler. True if refused."""
+        sid = ann.get("session")
+        if sid is None or not self._max_calls:
+            return False
+        s = self.state.sessions.get(sid)
+        if s is None or len(s.calls) < self._max_calls:
+            return False
+        from dask_agents.errors import LimitError, where
+
+        dask_compat.restrict_to_worker(ts, REFUSED)
+        if not self._refusing:
+            self.scheduler.loop.add_callback(self._flush_refused)
+        self._refusing[key] = LimitError(
+            f"{where(ann.get('component'), ann.get('method'), sid)}: the session made {len(s.calls)} calls, "
+            f"agents.scheduler.max-calls-per-session ({self._max_calls}): this one is refused (call {key})")
+        return True
+
+    def _flush_refused(self) -> None:
+        pending, self._refusing = self._refusing, {}
+        stimulus = f"dask-agents-limit-{time.time()}"
+        for key, exc in pending.items():
+            try:
+                dask_compat.fail_task(self.scheduler, key, exc, stimulus)
+            except Exception:  # never leave it waiting silently: cancel it instead
+                logger.exception("dask-agents: failing refused call %s failed", key)
+                dask_compat.cancel_tasks(self.scheduler, [key], str(exc))
 
     def _link_to_creator(self, rec: Any) -> Any:
         """Add ``rec`` to its creator's children and return the creator's record; a creator not

@@ -127,7 +127,12 @@ class Sessions:
         (``dask_compat.before_remove_client``). Its agent calls among them are held first
         (:data:`KEEPER`) for ``session-grace``: a call running goes on to its end, its result
         stays, and a driver that reconnects gets it, so nothing is cancelled under a call that
-        ran and no step is re-submitted (run twice). Plain Dask work is left to Dask."""
+        ran and no step is re-submitted (run twice). Only for drivers owning sessions; plain
+        Dask work is left to Dask."""
+        if not self.client_sessions.get(client):
+            # not a driver that owns sessions (a worker's own client, gone with its worker: the
+            # calls it made are its caller's, which runs again elsewhere and makes them anew)
+            return
         scheduler = self.roster.scheduler
         keys = [k for k in dask_compat.wanted_by(scheduler, client) if k in self.state.calls]
         if not keys:

@@ -509,7 +509,8 @@ def test_fuzzed_annotations_sanitize_to_the_types_the_plugins_read(ann):
         assert out is None
         return
     assert set(out) <= {"call", "component", "method", "kind", "session", "tenant", "creator", "model", "tool_kind",
-                        "llm_model", "deps", "created", "stateful", "batching", "llm_prompt_len", "llm_max_tokens"}
+                        "llm_model", "deps", "created", "stateful", "batching", "llm_prompt_len", "llm_max_tokens",
+                        "timeout"}
     for k, v in out.items():
         if k == "deps":
             assert isinstance(v, list) and all(isinstance(d, str) for d in v)
@@ -519,6 +520,8 @@ def test_fuzzed_annotations_sanitize_to_the_types_the_plugins_read(ann):
             assert type(v) is bool
         elif k == "batching":
             assert v is None or (type(v["max_batch"]) is int and v["max_batch"] >= 1 and math.isfinite(v["max_wait"]))
+        elif k == "timeout":  # a call's own timeout, s
+            assert v is None or (type(v) is float and math.isfinite(v) and v > 0)
         elif k in ("llm_prompt_len", "llm_max_tokens"):  # sizes for KV admission
             assert v is None or (type(v) is int and 0 <= v <= 2**31)
         else:
@@ -531,7 +534,7 @@ def test_our_own_annotations_survive_sanitizing_unchanged():
     ann = {"call": "Dev-1", "component": "Dev", "method": "run", "kind": "agent", "session": "s-1", "tenant": None,
            "creator": "driver", "deps": ["Tool-2"], "created": 1.5, "stateful": True, "model": "coder",
            "tool_kind": None, "llm_model": "coder", "batching": {"max_batch": 4, "max_wait": 0.01},
-           "llm_prompt_len": 120, "llm_max_tokens": 16}
+           "llm_prompt_len": 120, "llm_max_tokens": 16, "timeout": 30.0}
     assert sanitize_annotation(ann) == ann
 
 

@@ -11,7 +11,6 @@ task states by the next housekeeping (``AgentsSchedulerPlugin.reconcile``).
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Iterator
 
 import pytest
@@ -100,48 +99,3 @@ async def test_missed_transitions_are_applied_from_dasks_task_states(c: Client, 
         assert await ledger.write(7) == [7]
     await async_wait_for(lambda: plugin.state.sessions[later.id].state == "completed")
     assert plugin.reconciled == reconciled  # nothing to reconcile without a fault
-
-
-STUCK = threading.Event()
-
-
-@da.tool(timeout=0.3)
-def hangs(x: int) -> int:
-    """A tool that does not return until the test lets it (a hung web call)."""
-    STUCK.wait(30)
-    return x
-
-
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], timeout=60, config=CONFIG)
-async def test_a_call_past_its_timeout_fails_clearly_and_its_session_goes_on(c: Client, s: Scheduler, a: Worker):
-    await da.install(c)
-    plugin = s.plugins[NAME]
-    STUCK.clear()
-    async with da.session(c, name="hung") as sess:
-        stuck = da.stub(hangs)(1)
-        with pytest.raises(da.CallTimeoutError) as ei:
-            await stuck
-        text = str(ei.value)
-        assert "hangs" in text and sess.id in text and "0.3s" in text and "timeout hint" in text and stuck.key in text
-        assert await da.stub(double)(5) == 10  # the session goes on
-    await async_wait_for(lambda: plugin.state.sessions[sess.id].state == "completed")
-    assert plugin.state.calls[stuck.key].state == "erred" and plugin.timed_out == 1
-    STUCK.set()
-
-
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)], timeout=60,
-             config={**CONFIG, "agents.scheduler.call-timeout": "300ms"})
-async def test_the_default_call_timeout_bounds_calls_without_a_hint(c: Client, s: Scheduler, a: Worker):
-    await da.install(c)
-    STUCK.clear()
-    async with da.session(c, name="default"):
-        with pytest.raises(da.CallTimeoutError, match=r"within 0.3s .*agents.scheduler.call-timeout"):
-            await da.stub(stalls)(1)
-    STUCK.set()
-
-
-@da.tool
-def stalls(x: int) -> int:
-    """The same without a timeout hint."""
-    STUCK.wait(30)
-    return x
