@@ -21,10 +21,10 @@ from typing import Any
 from distributed import Future
 
 from dask_agents.errors import CallTimeoutError, ClientClosedError, ResultNotSerializableError, where
-
-LOST_REASON = "dask-agents: lost with the driver's connection"  # scheduler_plugin.sessions.LOST_REASON
 from dask_agents.models import CallMeta
 from dask_agents.worker_plugin.local import SCHEDULER as _SCHEDULER
+
+LOST_REASON = "dask-agents: lost with the driver's connection"  # scheduler_plugin.sessions.LOST_REASON
 
 _NOT_SERIALIZABLE = "Could not serialize object of type "
 """How Dask reports a result its worker could not serialize: the worker sends an error

@@ -768,3 +768,44 @@ async def test_task_running_is_false_once_the_scheduler_lets_go(c: Client, s: Sc
     await fut.cancel()  # the thread runs on; the worker's state machine let the task go
     await async_wait_for(lambda: not wc.task_running(a, key))
     EV.set()
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_before_remove_client_runs_while_the_clients_keys_are_still_wanted(c: Client, s: Scheduler, a: Worker):
+    """Dask's ``remove_client`` releases a client's keys, then tells the plugins: the hook
+    runs first, so another wanter can hold them; a deliberate close (``close-client``) keeps
+    Dask's own method; the undo restores it."""
+    seen: list[tuple[str, list]] = []
+    undo = sc.before_remove_client(s, lambda client: seen.append((client, sc.wanted_by(s, client))))
+    try:
+        other = await Client(s.address, asynchronous=True)
+        fut = other.submit(inc, 1, key="kept-by-hook")
+        await fut
+        sc.desire_keys(s, ["kept-by-hook"], "compat-keeper")
+        await other.scheduler_comm.comm.close()  # a dropped connection: Dask calls remove_client
+        await async_wait_for(lambda: seen)
+        assert seen[0] == (other.id, ["kept-by-hook"])
+        assert "kept-by-hook" in s.tasks and s.tasks["kept-by-hook"].state == "memory"  # held by the keeper
+        sc.release_keys(s, ["kept-by-hook"], "compat-keeper", "compat-test")
+        await other.close()
+    finally:
+        undo()
+    assert "remove_client" not in s.__dict__
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 1)])
+async def test_before_retire_workers_sees_the_workers_dask_will_retire(c: Client, s: Scheduler, a: Worker, b: Worker):
+    seen: list[list[str]] = []
+
+    async def hook(workers: list[str]) -> None:
+        seen.append(sorted(workers))
+
+    undo = sc.before_retire_workers(s, hook)
+    try:
+        await c.retire_workers(workers=[a.address], close_workers=False, remove=False)
+        assert seen == [[a.address]]
+        await c.retire_workers(n=1, close_workers=False, remove=False)  # Dask's own choice, made first
+        assert len(seen) == 2 and len(seen[1]) == 1
+    finally:
+        undo()
+    assert "retire_workers" not in s.__dict__ and s.handlers["retire_workers"] == s.retire_workers
