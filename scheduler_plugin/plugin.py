@@ -94,6 +94,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self._unkeep_calls: Any = None  # undoes holding a disconnected driver's calls
         self._undrain: Any = None  # undoes waiting for sessions before a graceful retirement
         self._reconcile_queue: list[str] = []  # open sessions whose calls are still to compare with Dask's
+        self._reconcile_keys: Any = None  # the calls of the session being compared (an iterator)
         self.reconciled = 0  # calls ended from Dask's states (missed transitions)
         self.deadlines = Deadlines()  # open calls' own deadlines (timeout hint, agents.scheduler.call-timeout)
         self._call_timeout = agents_config.seconds("scheduler.call-timeout") or None  # 0: none
@@ -520,6 +521,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if not self.state.on_transition(key, finish, now if now is not None else time.time(), worker, error):
             return
         self.deadlines.discard(key)
+        self._gone_since.pop(key, None)
         self.placement.unplace(key)
         if rec.children and rec.state in ("erred", "cancelled"):
             self._cancel_children(rec)
@@ -769,34 +771,46 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         gone (released and wanted by nobody, forgotten) is ended here as Dask ended it, so its
         session completes and its slots, KV and instances are released. Dask calls the
         transition hook synchronously, so a state that differs here was missed, not in flight.
-        Bounded: sessions are visited in turn until :attr:`RECONCILE_BATCH` calls were looked
-        at, resuming where the last run stopped. Returns the calls ended."""
-        if not self._reconcile_queue:
-            self._reconcile_queue = [sid for sid, s in self.state.sessions.items()
-                                     if s.state != "completed" and s.open_calls > 0]
+        Bounded: at most :attr:`RECONCILE_BATCH` calls a run, going through the open sessions'
+        calls from a snapshot of each session's keys, resuming where the last run stopped (a
+        session of n calls is gone through in n / batch runs). Returns the calls ended."""
         looked = ended = 0
         now = time.time()
-        while self._reconcile_queue and looked < self.RECONCILE_BATCH:
-            s = self.state.sessions.get(self._reconcile_queue.pop())
-            if s is None or s.state == "completed":
+        rebuilt = False
+        while looked < self.RECONCILE_BATCH:
+            if self._reconcile_keys is None:
+                if not self._reconcile_queue:
+                    if rebuilt:
+                        break
+                    rebuilt = True
+                    self._reconcile_queue = [sid for sid, s in self.state.sessions.items()
+                                             if s.state != "completed" and s.open_calls > 0]
+                    if not self._reconcile_queue:
+                        break
+                s = self.state.sessions.get(self._reconcile_queue.pop())
+                if s is None or s.state == "completed" or s.open_calls == 0:
+                    continue
+                self._reconcile_keys = iter(list(s.calls))
+            key = next(self._reconcile_keys, None)
+            if key is None:
+                self._reconcile_keys = None
                 continue
-            for key, rec in list(s.calls.items()):
-                if rec.state in TERMINAL or rec.local:
-                    continue
-                looked += 1
-                finish = dask_compat.task_state_on(self.scheduler, key) or "forgotten"
-                if finish not in ("memory", "erred", "forgotten") and not (
-                        finish == "released" and not dask_compat.is_wanted(self.scheduler, key)):
-                    continue
-                if finish in ("forgotten", "released"):  # gone: how it ran, as its worker reports
-                    if rec.ran_to is None and now - self._gone_since.setdefault(key, now) < self.REPORT_WAIT:
-                        continue  # its worker's report (sent in batches) may still be on its way
-                    self._gone_since.pop(key, None)
-                    finish = {"memory": "memory", "error": "erred"}.get(rec.ran_to or "", finish)
-                ts = dask_compat.task(self.scheduler, key)
-                error = dask_compat.task_error(ts) if finish == "erred" and ts is not None else None
-                self._call_event(rec, finish, None, ts, error)
-                ended += 1
+            looked += 1
+            rec = self.state.calls.get(key)
+            if rec is None or rec.state in TERMINAL or rec.local:
+                continue
+            finish = dask_compat.task_state_on(self.scheduler, key) or "forgotten"
+            if finish not in ("memory", "erred", "forgotten") and not (
+                    finish == "released" and not dask_compat.is_wanted(self.scheduler, key)):
+                continue
+            if finish in ("forgotten", "released"):  # gone: how it ran, as its worker reports
+                if rec.ran_to is None and now - self._gone_since.setdefault(key, now) < self.REPORT_WAIT:
+                    continue  # its worker's report (sent in batches) may still be on its way
+                finish = {"memory": "memory", "error": "erred"}.get(rec.ran_to or "", finish)
+            ts = dask_compat.task(self.scheduler, key)
+            error = dask_compat.task_error(ts) if finish == "erred" and ts is not None else None
+            self._call_event(rec, finish, None, ts, error)
+            ended += 1
         if ended:
             self.reconciled += ended
             logger.warning("dask-agents: %d call(s) ended from Dask's task states (their transitions were missed)",

@@ -90,9 +90,12 @@ def test_a_paused_session_is_kept_within_its_tool_ttl_and_an_expired_one_is_evic
     wait_for(lambda: residency(host, "ttl-lost").pinned_blocks == 0, timeout=2)
     assert residency(host, "ttl-kept").pinned_blocks == 4
     # pressure: 13 of 15 blocks in use (above theta-low, below theta-high): expired sessions go
-    run(host, tokens(100, 600))
+    # (40 output tokens keep the pressure on for a few of the manager's 20 ms looks: with 4, the
+    # request could end between two looks and leave nothing to act on; 600 + 40 = 5 blocks)
+    run(host, tokens(100, 600), max_tokens=40)
     assert residency(host, "ttl-kept").device_blocks == 4
-    assert residency(host, "ttl-lost").device_blocks < 4
+    wait_for(lambda: residency(host, "ttl-lost").device_blocks < 4, timeout=1)
+    assert residency(host, "ttl-kept").device_blocks == 4
     on_demand = host.kv.stats.restored_on_demand_bytes
     again, cached = run(host, kept, "ttl-kept")
     assert cached == 4 * BLOCK and again == cold  # a prefix hit on resume, from the device

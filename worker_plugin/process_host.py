@@ -172,6 +172,10 @@ class ProcessEngineHost:
         except Exception as e:  # the pipe broke: the reader fails everyone as it sees EOF
             with self._lock:
                 self._pending.pop(request_id, None)
+            if isinstance(e, OSError) and self.crashed is None and not self._closing:
+                # the child is gone: say so now, not when the reader gets to the EOF, so the
+                # registry's retry restarts the engine instead of handing this host back
+                self.crashed = e
             resolve(fut, exc=self._stopped_error(e))
         return fut
 
