@@ -95,8 +95,9 @@ def check_generate_args(model: str, prompt: object, max_tokens: object, temperat
         if len(prompt) > limit:  # characters are at least a byte each: too long without encoding it
             raise too_long(len(prompt))
         try:
-            if len(prompt.encode("utf-8")) > limit:
-                raise too_long(len(prompt.encode("utf-8")))
+            size = len(prompt.encode("utf-8"))
+            if size > limit:
+                raise too_long(size)
         except UnicodeEncodeError as e:  # lone surrogates: no tokenizer can encode them
             raise bad(InvalidRequestError, f"the prompt text cannot be encoded ({e.reason} at position {e.start})",
                       prompt[e.start:e.end]) from None
