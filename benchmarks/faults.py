@@ -39,7 +39,7 @@ The driver of each request checks its answer against the expected one. An attemp
 - ``correct``: the answer is the expected one;
 - ``wrong``: an answer came back and it is not the expected one (must never happen);
 - ``clear_error``: a ``da.*`` error (``InstanceLostError``, ``SessionClosedError``,
-  ``CallFailedError``, ``EngineStoppedError``) or Dask's ``FutureCancelledError`` naming the
+  ``CallFailedError`` and its ``CallLostError``, ``EngineStoppedError``) or Dask's ``FutureCancelledError`` naming the
   cause "Client lost the connection", and the message names the session or the call;
 - ``unclear_error``: any other exception (reported with its message);
 - ``hung``: no answer within ``--timeout`` seconds (every wait has that deadline).
@@ -57,6 +57,11 @@ plain Dask work), ``graph-fault`` / ``transition-fault`` (the scheduler plugin's
 / ``transition`` hook raises for 1 s), ``lifetime`` (workers with ``--lifetime 7s
 --lifetime-stagger 3s --lifetime-restart``), ``adapt`` (``cluster.adapt(minimum=1, maximum=3)``;
 6 sessions whose drivers pause 1 s between steps, so workers idle while their sessions live),
+``restart`` (``dask scheduler`` and ``dask worker`` processes with the preload; at 6 s the
+scheduler is SIGKILLed and started again on its port; the driver's client reconnects, Dask's
+workers close with their scheduler and are started again, as a deployment would: in-flight
+calls fail with ``da.CallLostError``, sessions started before fail their stateful calls with
+``da.InstanceLostError`` and are retried in new sessions),
 ``none`` (no fault: the reference for the plugin faults) and ``mixed`` (the schedule above). The JSON's ``summary`` then has, per scenario, ``sessions``,
 ``completed_correct``, ``failed_with_clear_error``, ``wrong_results``, ``hung``, ``failed``
 (requests with any attempt not correct; must be 0 for retire, lifetime, adapt and blip) and, after
@@ -133,6 +138,7 @@ class Config:
     lifetime: float | None = None  # workers' --lifetime (s), restarted by their nannies, with ...
     lifetime_stagger: float = 3.0  # ... this --lifetime-stagger
     adapt: bool = False  # cluster.adapt(minimum=1, maximum=workers) instead of a fixed size
+    restart_at: float | None = None  # the scheduler process SIGKILLed then and started again (same port)
     pause: float = 0.0  # the driver's pause (s) between its steps (a user reading, a slow client)
     scenario: str = "mixed"
 
@@ -148,6 +154,9 @@ SCENARIOS: dict[str, dict] = {
     "transition-fault": {"kill_at": None, "retire_at": None, "disconnect_at": None, "plugin_fault": "transition"},
     # dask-jobqueue's --lifetime with a stagger and restart, as docs/production.md recommends
     "lifetime": {"kill_at": None, "retire_at": None, "disconnect_at": None, "lifetime": 7.0},
+    # `dask scheduler` / `dask worker` processes; the scheduler SIGKILLed and restarted with its
+    # preload on the same port; Dask's workers close with it and are started again (the deployment)
+    "restart": {"kill_at": None, "retire_at": None, "disconnect_at": None, "restart_at": 6.0},
     # few sessions whose drivers pause 1 s between steps: workers go idle while their sessions live
     "adapt": {"kill_at": None, "retire_at": None, "disconnect_at": None, "adapt": True, "sessions": 6,
               "spread": 3.0, "pause": 1.0},
@@ -376,10 +385,101 @@ def plugin_fault(client: Client, t0: float, at: float, hook: str, duration: floa
     return ev
 
 
-def faults(client: Client, cfg: Config, t0: float, events: list[dict]) -> None:
+class ProcessCluster:
+    """``dask scheduler`` and ``dask worker`` processes with ``--preload dask_agents.preload``
+    on loopback (the ``restart`` scenario: a LocalCluster's scheduler cannot be restarted on
+    its port). A supervisor thread plays the deployment (SLURM's requeue, a Kubernetes
+    restart): a worker process that exits is started again."""
+
+    def __init__(self, cfg: Config, log_dir: str):
+        import socket
+        import subprocess
+
+        self._subprocess = subprocess
+        with socket.socket() as sock:  # a port the restarted scheduler takes again
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.log_dir = log_dir
+        dask_bin = os.path.join(os.path.dirname(sys.executable), "dask")
+        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join([_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+                        DASK_AGENTS__LLM__MODELS=json.dumps(EMU),
+                        DASK_AGENTS__WORKER__MODELS=json.dumps(["emu"] if cfg.llm else []),
+                        DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="5")
+        self.scheduler_args = [dask_bin, "scheduler", "--host", "127.0.0.1", "--port", str(self.port),
+                               "--no-dashboard", "--preload", "dask_agents.preload"]
+        self.worker_args = [dask_bin, "worker", self.address, "--host", "127.0.0.1", "--nthreads", str(cfg.threads),
+                            "--no-dashboard", "--preload", "dask_agents.preload", "--death-timeout", "60"]
+        self.n = 0
+        self.scheduler = self._start(self.scheduler_args, "scheduler")
+        self.workers = [self._start(self.worker_args, "worker") for _ in range(cfg.workers)]
+        self.restarted_workers = 0
+        self._stop = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True)
+        self._supervisor.start()
+
+    def _start(self, args: list[str], name: str) -> Any:
+        self.n += 1
+        log = open(os.path.join(self.log_dir, f"{name}-{self.n}.log"), "wb")
+        return self._subprocess.Popen(args, stdout=log, stderr=self._subprocess.STDOUT, env=self.env, cwd=_ROOT,
+                                      start_new_session=True)
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.2):
+            for i, w in enumerate(self.workers):
+                if w.poll() is not None and not self._stop.is_set():
+                    self.workers[i] = self._start(self.worker_args, "worker")
+                    self.restarted_workers += 1
+
+    def restart_scheduler(self) -> None:
+        """SIGKILL the scheduler's process group, start it again on the same port."""
+        _killpg(self.scheduler, signal.SIGKILL)
+        self.scheduler.wait(10)
+        self.scheduler = self._start(self.scheduler_args, "scheduler")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._supervisor.join(5)
+        for p in [*self.workers, self.scheduler]:
+            _killpg(p, signal.SIGTERM)
+        for p in [*self.workers, self.scheduler]:
+            try:
+                p.wait(15)
+            except self._subprocess.TimeoutExpired:
+                _killpg(p, signal.SIGKILL)
+
+
+def _killpg(p: Any, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def restart_scheduler(client: Client, cluster: ProcessCluster, t0: float, at: float) -> dict:
+    """The scheduler process SIGKILLed and started again with its preload on its port; the
+    driver's client reconnects (Dask: for its timeout), Dask's workers close and the
+    deployment starts new ones."""
+    time.sleep(max(0.0, t0 + at - time.time()))
+    view = plugin_view(client)
+    before = client.scheduler_info()["id"]
+    ev = {"event": "restart", "t": time.time() - t0, "open_sessions": view["open_sessions"],
+          "instances": sum(view["instances_per_worker"].values()), "scheduler_before": before}
+    cluster.restart_scheduler()
+    _wait(lambda: client.status == "running" and client.scheduler_info().get("id") != before, 90)
+    ev["reconnected_t"] = time.time() - t0
+    ev["scheduler_after"] = client.scheduler_info().get("id")
+    _wait(lambda: len(client.scheduler_info()["workers"]) == len(cluster.workers), 90)
+    ev["removed_t"] = time.time() - t0  # workers back
+    return ev
+
+
+def faults(client: Client, cfg: Config, t0: float, events: list[dict], cluster: Any = None) -> None:
     """The fault schedule, one after another (in its own thread)."""
     gone: set[str] = set()
     try:
+        if cfg.restart_at is not None:
+            events.append(restart_scheduler(client, cluster, t0, cfg.restart_at))
         if cfg.kill_at is not None:
             ev = kill_busiest(client, t0, cfg.kill_at)
             events.append(ev)
@@ -407,6 +507,9 @@ def cause_of(att: Attempt, events: list[dict]) -> str | None:
             return ev["event"]
     if "closed" in att.error and any(ev["event"] == "disconnect" for ev in events):
         return "disconnect"
+    for ev in events:
+        if ev["event"] == "restart" and ev.get("scheduler_before") and ev["scheduler_before"] in att.error:
+            return "restart"
     return "other"
 
 
@@ -433,11 +536,19 @@ def run(cfg: Config, log=print) -> dict:
     with dask.config.set(settings):
         extra = ({"lifetime": f"{cfg.lifetime}s", "lifetime_stagger": f"{cfg.lifetime_stagger}s",
                   "lifetime_restart": True} if cfg.lifetime is not None else {})
-        cluster = LocalCluster(n_workers=cfg.workers, threads_per_worker=cfg.threads, processes=True,
-                               dashboard_address=":0", worker_dashboard_address=":0", **extra)
-        client = Client(cluster)
+        if cfg.restart_at is not None:
+            import tempfile
+
+            cluster: Any = ProcessCluster(cfg, tempfile.mkdtemp(prefix="faults-restart-"))
+            client = Client(cluster.address, timeout="90s")  # also how long it tries to reconnect
+            _wait(lambda: len(client.scheduler_info()["workers"]) == cfg.workers, 90)
+        else:
+            cluster = LocalCluster(n_workers=cfg.workers, threads_per_worker=cfg.threads, processes=True,
+                                   dashboard_address=":0", worker_dashboard_address=":0", **extra)
+            client = Client(cluster)
         try:
-            da.install(client, models=["emu"] if cfg.llm else [])
+            if cfg.restart_at is None:
+                da.install(client, models=["emu"] if cfg.llm else [])
             if cfg.llm:
                 _wait(lambda: len(hosted_models(client).get("emu", [])) == cfg.workers, 60)
             if cfg.adapt:  # Dask's adaptive scaling decides; it scales down idle workers as sessions end
@@ -445,7 +556,7 @@ def run(cfg: Config, log=print) -> dict:
                 events.append({"event": "adapt", "t": 0.0, "minimum": 1, "maximum": cfg.workers})
             log(f"faults: cluster up in {time.time() - t_start:.1f}s; {cfg.sessions} sessions over {cfg.spread}s")
             t0 = time.time()
-            injector = threading.Thread(target=faults, args=(client, cfg, t0, events), daemon=True)
+            injector = threading.Thread(target=faults, args=(client, cfg, t0, events, cluster), daemon=True)
             injector.start()
             pool = cf.ThreadPoolExecutor(max_workers=cfg.sessions, thread_name_prefix="request")
             futs = [pool.submit(run_request, client, r, cfg, t0) for r in requests]
@@ -472,7 +583,11 @@ def run(cfg: Config, log=print) -> dict:
                 plugin = {"error": repr(e)}
         finally:
             client.close()
-            cluster.close(timeout=30)
+            if isinstance(cluster, ProcessCluster):
+                events.append({"event": "worker-restarts", "t": 0.0, "added": cluster.restarted_workers})
+                cluster.close()
+            else:
+                cluster.close(timeout=30)
     for r in requests:
         for a in r.attempts:
             a.cause = cause_of(a, events) if a.outcome in ("clear_error", "unclear_error") else None
@@ -484,8 +599,11 @@ def run(cfg: Config, log=print) -> dict:
 def describe(cfg: Config) -> dict:
     return {**asdict(cfg), "python": sys.version.split()[0], "dask": dask.__version__,
             "distributed": distributed.__version__, "dask_agents": da.__version__, "platform": platform.platform(),
-            "cpu_count": os.cpu_count(), "cluster": f"LocalCluster(n_workers={cfg.workers}, "
-            f"threads_per_worker={cfg.threads}, processes=True), nannies",
+            "cpu_count": os.cpu_count(),
+            "cluster": (f"dask scheduler + {cfg.workers} dask worker processes (nannies, --nthreads {cfg.threads}), "
+                        "--preload dask_agents.preload; exited workers started again" if cfg.restart_at is not None
+                        else f"LocalCluster(n_workers={cfg.workers}, threads_per_worker={cfg.threads}, "
+                        "processes=True), nannies"),
             "llm": "EMULATED engine 'emu' on every worker" if cfg.llm else "none (emulated think times)",
             "session_grace": dask.config.get("agents.scheduler.session-grace"), "emulated": True}
 
@@ -534,13 +652,14 @@ def summarize(requests: list[Request], events: list[dict], cfg: Config, wall: fl
         "max_in_flight": max((in_flight(a) for a, _ in spans), default=0),
         "events": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in ev.items()
                     if k in ("event", "t", "removed_t", "reconnected_t", "worker", "instances_on_worker", "added", "removed",
+                             "instances", "scheduler_before", "scheduler_after",
                              "open_sessions", "orphaned_sessions_while_down", "orphaned_sessions_after",
                              "scheduler_saw", "client_batched_send_interval_before_s",
                              "client_batched_send_interval_after_s", "error")} | {"in_flight": in_flight(ev["t"])} for ev in events],
         "ok": counts["wrong_results"] == 0 and counts["hung"] == 0 and (cfg.scenario not in NO_FAILURES or failed == 0),
         "wall_s": round(wall, 1),
         "config": {k: getattr(cfg, k) for k in ("sessions", "workers", "threads", "spread", "time_scale", "llm",
-                                                 "kill_at", "retire_at", "disconnect_at", "drop", "timeout",
+                                                 "kill_at", "retire_at", "disconnect_at", "restart_at", "drop", "timeout",
                                                  "plugin_fault", "plugin_fault_at", "plugin_fault_for", "lifetime",
                                                  "lifetime_stagger", "adapt", "pause")},
     }

@@ -51,6 +51,19 @@ Reproduce::
 
 ``--quick``: 2,000 sessions in 4 rounds of 500 concurrent (about 2-3 minutes on 2 cores);
 the full run: 10,000 sessions in 5 rounds of 2,000 concurrent.
+
+One long session (``--long-session N``)
+---------------------------------------
+What one runaway session costs the scheduler: N cheap tool calls in one session (``--wave``
+in flight at once, each future dropped once done), then, on the same cluster, the same N calls
+as plain ``client.submit`` work (what Dask itself keeps per call). The scheduler's RSS is
+sampled (after ``gc.collect()``) every tenth of the run; ``summary`` has the bytes per call
+while the session is open (its call records are kept until it ends, for its graph and
+telemetry), the same for plain Dask, the RSS left after the session ended and
+``--retention`` passed, and what a second session of as many calls adds to it (nothing much
+when the first left nothing held: its memory is reused from the allocator's pools)::
+
+    .venv/bin/python benchmarks/soak.py --long-session 100000 --json benchmarks/results/soak-long-session.json
 """
 
 from __future__ import annotations
@@ -109,6 +122,16 @@ async def one_session(client: Client, i: int, think: float = 1.0) -> None:
         await asyncio.sleep(think * (i % 7) / 3)  # the user reads before the follow-up: the session stays open
         summary = await planner.finish(first.text, found)
         await da.llm("emu").generate(f"You are a helpful agent. {plan} {summary}", max_tokens=4)
+
+
+@da.tool
+def step(i: int) -> int:
+    """One cheap call of a long session (``--long-session``)."""
+    return i
+
+
+def plain_step(i: int) -> int:
+    return i
 
 
 # -- what is measured ------------------------------------------------------------------------------
@@ -338,6 +361,112 @@ async def run(args: argparse.Namespace, log_path: str) -> dict:
     return {"warmup": warm, "baseline": baseline, "rounds": rounds, "afters": afters, "peaks": peaks}
 
 
+async def _rss_of(client: Client, proc: psutil.Process) -> float:
+    import gc
+
+    def collect(dask_scheduler: Any = None) -> int:
+        return gc.collect()
+
+    await client.run_on_scheduler(collect)
+    return proc.memory_info().rss / 2**20
+
+
+async def long_session(client: Client, proc: psutil.Process, n: int, wave: int, agents: bool) -> dict:
+    """``n`` calls of one session (``agents``: stub calls in a ``da.session``; else plain
+    ``client.submit`` calls, Dask's own cost for the same work), ``wave`` in flight at once,
+    each future dropped once done (the driver keeps nothing); the scheduler's RSS sampled
+    every tenth of the run. Per-call cost = growth / calls."""
+    marks, errors = [], 0
+    start_rss = await _rss_of(client, proc)
+    t0 = time.monotonic()
+    tool = da.stub(step)
+
+    async def waves(sid: str | None) -> None:
+        nonlocal errors
+        done = 0
+        while done < n:
+            k = min(wave, n - done)
+            futs = ([tool(done + j) for j in range(k)] if agents
+                    else [client.submit(plain_step, done + j, pure=False) for j in range(k)])
+            res = await asyncio.gather(*futs, return_exceptions=True)
+            errors += sum(1 for r in res if isinstance(r, BaseException))
+            del futs, res
+            done += k
+            if done % max(wave, n // 10) == 0 or done == n:
+                sizes = await client.run_on_scheduler(_scheduler_sizes) if agents else {}
+                marks.append({"calls": done, "s": time.monotonic() - t0, "rss_mb": await _rss_of(client, proc),
+                              "plugin_calls": sizes.get("plugin.state.calls"), "dask_tasks": sizes.get("dask.tasks")})
+                print(f"    {'session' if agents else 'plain Dask'}: {done} calls, {marks[-1]['s']:.1f}s, "
+                      f"scheduler RSS {marks[-1]['rss_mb']:.1f} MB", flush=True)
+
+    if agents:
+        async with da.session(client, name="long") as s:
+            await waves(s.id)
+    else:
+        await waves(None)
+    wall = time.monotonic() - t0
+    open_rss = marks[-1]["rss_mb"]
+    return {"calls": n, "errors": errors, "wall_s": wall, "calls_per_s": n / wall, "rss_before_mb": start_rss,
+            "rss_open_mb": open_rss, "bytes_per_call_open": (open_rss - start_rss) * 2**20 / n, "marks": marks}
+
+
+async def run_long(args: argparse.Namespace, log_path: str) -> dict:
+    """``--long-session N``: one session of N calls, then the same calls as plain Dask work,
+    alternated (plain first), on the same cluster; the scheduler's memory per call."""
+    tmp = tempfile.mkdtemp(prefix="agents-soak-")
+    log = open(log_path, "w")
+    popen, address = start_cluster(tmp, args, log)
+    out: dict = {}
+    try:
+        async with Client(address, asynchronous=True, timeout="60s") as client:
+            await client.wait_for_workers(2, timeout=120)
+            await da.install(client)
+            proc = psutil.Process(popen[0].pid)
+            # warm both paths (imports, caches) before anything is measured
+            await long_session(client, proc, 2 * args.wave, args.wave, agents=False)
+            await long_session(client, proc, 2 * args.wave, args.wave, agents=True)
+            await asyncio.sleep(args.retention + 2)
+            out["plain"] = await long_session(client, proc, args.long_session, args.wave, agents=False)
+            out["session"] = ses = await long_session(client, proc, args.long_session, args.wave, agents=True)
+            await asyncio.sleep(args.retention + 2)  # the session completes and is dropped after retention
+            sizes = await client.run_on_scheduler(_scheduler_sizes)
+            ses["rss_after_end_mb"] = await _rss_of(client, proc)
+            ses["plugin_calls_after_end"] = sizes.get("plugin.state.calls")
+            ses["plugin_sessions_after_end"] = sizes.get("plugin.state.sessions")
+            ses["gc_objects_after_end"] = sizes.get("gc.objects")
+            # a second session of the same size: it reuses what the first freed (the allocator
+            # keeps freed memory in its pools) if nothing of the first is still held
+            out["second"] = again = await long_session(client, proc, args.long_session, args.wave, agents=True)
+            await asyncio.sleep(args.retention + 2)
+            sizes = await client.run_on_scheduler(_scheduler_sizes)
+            again["rss_after_end_mb"] = await _rss_of(client, proc)
+            again["gc_objects_after_end"] = sizes.get("gc.objects")
+            again["plugin_calls_after_end"] = sizes.get("plugin.state.calls")
+    finally:
+        for p in reversed(popen):
+            p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    plain, ses = out["plain"], out["session"]
+    out["summary"] = {
+        "calls": args.long_session, "errors": plain["errors"] + ses["errors"],
+        "session_bytes_per_call_open": round(ses["bytes_per_call_open"]),
+        "plain_dask_bytes_per_call": round(plain["bytes_per_call_open"]),
+        "session_rss_growth_mb": round(ses["rss_open_mb"] - ses["rss_before_mb"], 1),
+        "session_rss_after_end_minus_before_mb": round(ses["rss_after_end_mb"] - ses["rss_before_mb"], 1),
+        "session_calls_per_s": round(ses["calls_per_s"], 1), "plain_calls_per_s": round(plain["calls_per_s"], 1),
+        "plugin_calls_after_end": ses["plugin_calls_after_end"],
+        "second_session_rss_growth_mb": round(out["second"]["rss_open_mb"] - ses["rss_after_end_mb"], 1),
+        "gc_objects_after_first_and_second": [ses["gc_objects_after_end"], out["second"]["gc_objects_after_end"]],
+        "emulated": True,
+    }
+    return out
+
+
 def summarize(out: dict, args: argparse.Namespace) -> dict:
     base, final = out["baseline"], out["afters"][-1]
     fb, ff = _flat(base), _flat(final)
@@ -412,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample", type=float, default=3.0, help="seconds between memory samples under load")
     p.add_argument("--rss-tolerance-mb", type=float, default=64.0, help="final RSS this close to baseline passes")
     p.add_argument("--log", default=None, help="cluster log (default: a temporary file)")
+    p.add_argument("--long-session", type=int, default=None, metavar="N",
+                   help="instead: one session of N cheap calls, and the same N as plain Dask work; the "
+                        "scheduler's memory per call")
+    p.add_argument("--wave", type=int, default=1000, help="--long-session: calls in flight at once")
     args = p.parse_args(argv)
     args.sessions = args.sessions or (2000 if args.quick else 10_000)
     args.rounds = args.rounds or (4 if args.quick else 5)
@@ -423,6 +556,22 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: v for k, v in vars(args).items() if k not in ("json", "log")}
     print(f"soak: {config}; EMULATED engines and tools; cluster log {log_path}", flush=True)
     t0 = time.monotonic()
+    if args.long_session:
+        res = asyncio.run(run_long(args, log_path))
+        s = res["summary"]
+        print(f"\none session of {s['calls']} calls: the scheduler grew {s['session_rss_growth_mb']} MB while it was "
+              f"open ({s['session_bytes_per_call_open']} bytes per call; plain Dask, the same calls: "
+              f"{s['plain_dask_bytes_per_call']} bytes per call); after its end and retention "
+              f"{s['session_rss_after_end_minus_before_mb']} MB above before (allocator pools: a second session "
+              f"of as many calls grew it {s['second_session_rss_growth_mb']} MB more; live objects after each "
+              f"{s['gc_objects_after_first_and_second']}); {s['session_calls_per_s']} calls/s "
+              f"(plain Dask {s['plain_calls_per_s']}); errors {s['errors']}")
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump({**res, "config": config, "machine": {"cpus": os.cpu_count(),
+                           "python": platform.python_version()}}, f, indent=1, default=str)
+        return 0 if s["errors"] == 0 else 1
     out = asyncio.run(run(args, log_path))
     summary = summarize(out, args)
     summary["wall_s"] = time.monotonic() - t0

@@ -142,6 +142,11 @@ def submit_call(
         ann["batching"] = {"max_batch": hints.batching.max_batch, "max_wait": hints.batching.max_wait}
     if hints.timeout is not None:
         ann["timeout"] = hints.timeout
+    if s is not None:  # which scheduler the session lives on: see scheduler_plugin.sessions
+        if s.opened_on is None and client.status == "running":  # (not while reconnecting: unknown)
+            s.opened_on = _scheduler_id(client)
+        if s.opened_on is not None:
+            ann["opened_on"] = s.opened_on
     header = (spec.name, method, sid, key, hints.stateful, ann.get("batching"), depth)
     resources = dict(hints.resources) or None
     local = _local_calls(client, spec, creator, ann) if creator != DRIVER else None
@@ -154,8 +159,16 @@ def submit_call(
             return _defer(local, client, runner, header, target, args, kwargs, ann, meta, here)
         for d in deps_here:  # the scheduler must know them before this call depends on them
             local.escape(d)
-    fut = _submit(client, runner, header, target, args, kwargs, ann, resources)
-    return AgentFuture.adopt(fut, meta)
+    fut = AgentFuture.adopt(_submit(client, runner, header, target, args, kwargs, ann, resources), meta)
+    if creator == DRIVER:  # which scheduler it went to: a restart loses it (AgentFuture._reattach)
+        fut.__dict__["_agents_scheduler"] = _scheduler_id(client)
+    return fut
+
+
+def _scheduler_id(client: Client) -> str | None:
+    from dask_agents.worker_plugin import dask_compat as worker_compat
+
+    return worker_compat.scheduler_id(client)
 
 
 def _max_depth() -> int:

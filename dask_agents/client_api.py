@@ -14,14 +14,17 @@ _NOT_INSTALLED = (
     "the scheduler has no dask-agents plugin: call da.install(client), "
     "or start the scheduler with --preload dask_agents.preload"
 )
-# Clients whose scheduler was seen with the plugin. Checked once per client because a
-# scheduler without our handlers does not answer an unknown RPC at all (it only logs), so
-# calling one blindly would hang.
-_verified: set[tuple[str, str]] = set()
+# Clients whose scheduler was seen with the plugin. Checked once per client and scheduler
+# (a restarted one, at the same address, may lack it) because a scheduler without our
+# handlers does not answer an unknown RPC at all (it only logs), so calling one blindly would
+# hang.
+_verified: set[tuple[str, str, str | None]] = set()
 
 
-def _ident(client: Client) -> tuple[str, str]:
-    return (client.id, str(client.scheduler.address))
+def _ident(client: Client) -> tuple[str, str, str | None]:
+    from dask_agents.worker_plugin import dask_compat
+
+    return (client.id, str(client.scheduler.address), dask_compat.scheduler_id(client))
 
 
 async def _has_plugin(client: Client) -> bool:

@@ -23,6 +23,9 @@ class SessionContext:
     id: str
     tenant: str | None = None
     client: "Client | None" = None
+    # the id of the scheduler the session's first call here went to (None before it): its
+    # calls carry it, so that a restarted scheduler knows the session's instances are gone
+    opened_on: str | None = None
 
 
 current_session: ContextVar[SessionContext | None] = ContextVar("dask_agents_session", default=None)

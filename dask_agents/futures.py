@@ -20,7 +20,8 @@ from typing import Any
 
 from distributed import Future
 
-from dask_agents.errors import CallTimeoutError, ClientClosedError, ResultNotSerializableError, where
+from dask_agents.errors import (CallLostError, CallTimeoutError, ClientClosedError, ResultNotSerializableError,
+                                 where)
 from dask_agents.models import CallMeta
 from dask_agents.worker_plugin.local import SCHEDULER as _SCHEDULER
 
@@ -244,8 +245,9 @@ class AgentFuture(Future):
         blip): wait for the client to reconnect (Dask retries for its ``timeout``), then ask
         for the call again. The scheduler plugin held it meanwhile (for
         ``agents.scheduler.session-grace``), so a call that ran is not run again and its result
-        is the one it produced. True once asked; False if the client did not come back or the
-        scheduler has no plugin (the cancellation stands)."""
+        is the one it produced. True once asked; False if the scheduler has no plugin (the
+        cancellation stands). Raises :class:`CallLostError` naming the call when the client did
+        not come back, or came back to another scheduler (a restart: nothing was kept)."""
         from dask_agents import client_api
         from dask_agents.worker_plugin import dask_compat
 
@@ -254,8 +256,19 @@ class AgentFuture(Future):
         while client.status in ("connecting", "newly-created") and (
                 deadline is None or asyncio.get_running_loop().time() < deadline):
             await asyncio.sleep(0.02)  # Dask's reconnect has no event to wait on
+        m = self.meta
         if client.status != "running":
-            return False
+            raise CallLostError(
+                f"{where(m.component, m.method, m.session)}: the client lost its scheduler connection and is "
+                f"{client.status} (it did not reconnect within its timeout); the call may or may not have run "
+                f"(call {self.key})")
+        was, now = self.__dict__.get("_agents_scheduler"), dask_compat.scheduler_id(client)
+        if was is not None and now is not None and was != now:
+            raise CallLostError(
+                f"{where(m.component, m.method, m.session)}: the scheduler restarted while the call was in "
+                f"flight ({was} -> {now}); the call may or may not have run and its result is gone; a "
+                f"session's stateful instances went with the old scheduler's workers: start a new session "
+                f"(call {self.key})")
         dask_compat.rebind_future(self)
         if not await client_api.reattach(client, [self.key]):
             return False
@@ -334,8 +347,6 @@ def _lost_with_connection(e: BaseException) -> bool:
 def _not_kept(e: Exception) -> Exception:
     """The error of a call asked for again after a reconnect: :class:`CallLostError` (naming
     the call, its session and why) if the scheduler no longer had it, else ``e`` itself."""
-    from dask_agents.errors import CallLostError
-
     if getattr(e, "reason", None) == LOST_REASON:
         return CallLostError(str(getattr(e, "msg", None) or e))
     return e

@@ -173,6 +173,8 @@ class Placement:
             self.place(ts, None, component, None, None, component)
             return
         s = self.state.sessions[sid]
+        if s.outlived is not None and component not in s.lost:
+            s.lost[component] = s.outlived
         bound = self.bindings.get((sid, component))
         if bound is not None and component not in s.lost and not self.roster.alive(bound):
             s.lost[component] = self.faults.cause(bound)  # gone without remove_worker having run yet

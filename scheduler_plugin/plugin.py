@@ -100,6 +100,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self._call_timeout = agents_config.seconds("scheduler.call-timeout") or None  # 0: none
         self.timed_out = 0  # calls failed past their timeout
         self._max_calls = int(agents_config.get("scheduler.max-calls-per-session") or 0)  # 0: no limit
+        self._max_live = int(agents_config.get("scheduler.max-live-calls-per-client") or 0)  # 0: no limit
         self._refusing: dict[str, BaseException] = {}  # calls past a limit -> their error (failed soon)
         self._gone_since: dict[str, float] = {}  # open call whose task is gone -> when first seen so
         # scale requests for the client-side cluster link (dask_agents.scaling)
@@ -381,12 +382,11 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             ts = dask_compat.task(scheduler, key)
             if ts is None:
                 continue
-            if self._past_limits(ts, key, ann):
+            if self._past_limits(ts, key, ann, client):
                 continue
-            rec = self.state.add_call(key, ann, dask_compat.dependency_keys(ts), now)
+            rec = self.state.add_call(key, ann, dask_compat.dependency_keys(ts), now, client)
             if rec is None:
                 continue
-            rec.client = client
             parent = self._link_to_creator(rec)
             orphaned = parent is not None and parent.state in ("erred", "cancelled")
             if orphaned:  # it ended before its call arrived (its thread ran on)
@@ -401,7 +401,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             else:
                 dask_compat.set_priority(ts, prioritize.fifo(user, next(self.arrivals)))
             if rec.session is not None:
-                self.sessions.on_call(rec, client)
+                self.sessions.on_call(rec, client, ann.get("opened_on"))
             if ann.get("stateful"):
                 self.placement.place_stateful(ts, rec)
             elif rec.kind == "llm":
@@ -420,16 +420,23 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 self._orphaned[key] = dask_compat.restrictions(ts)
                 dask_compat.restrict_to_worker(ts, ORPHANED)
 
-    def _past_limits(self, ts: Any, key: str, ann: dict) -> bool:
-        """A call its session may not make any more (``agents.scheduler.max-calls-per-session``):
+    def _past_limits(self, ts: Any, key: str, ann: dict, client: str) -> bool:
+        """A call its session may not make any more (``agents.scheduler.max-calls-per-session``)
+        or its client may not have open besides the others (``max-live-calls-per-client``):
         not recorded, held where it cannot run, and failed soon with LimitError naming the
         setting (failing it inside update_graph would race Dask's own handling of the graph).
-        Bounds what one runaway session costs the scheduler. True if refused."""
+        Bounds what one runaway session or client costs the scheduler. True if refused."""
         sid = ann.get("session")
-        if sid is None or not self._max_calls:
-            return False
-        s = self.state.sessions.get(sid)
-        if s is None or len(s.calls) < self._max_calls:
+        why = None
+        if sid is not None and self._max_calls:
+            s = self.state.sessions.get(sid)
+            if s is not None and len(s.calls) >= self._max_calls:
+                why = (f"the session made {len(s.calls)} calls, agents.scheduler.max-calls-per-session "
+                       f"({self._max_calls})")
+        if why is None and self._max_live and self.state.open_per_client.get(client, 0) >= self._max_live:
+            why = (f"its client {client} has {self.state.open_per_client[client]} calls open, "
+                   f"agents.scheduler.max-live-calls-per-client ({self._max_live}); wait for some to finish")
+        if why is None:
             return False
         from dask_agents.errors import LimitError, where
 
@@ -437,8 +444,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if not self._refusing:
             self.scheduler.loop.add_callback(self._flush_refused)
         self._refusing[key] = LimitError(
-            f"{where(ann.get('component'), ann.get('method'), sid)}: the session made {len(s.calls)} calls, "
-            f"agents.scheduler.max-calls-per-session ({self._max_calls}): this one is refused (call {key})")
+            f"{where(ann.get('component'), ann.get('method'), sid)}: {why}: this one is refused (call {key})")
         return True
 
     def _flush_refused(self) -> None:

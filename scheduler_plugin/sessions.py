@@ -59,13 +59,21 @@ class Sessions:
         self.kept: dict[str, tuple[float, set]] = {}
 
     # -- owners ------------------------------------------------------------------------------
-    def on_call(self, rec: Any, client: str | None) -> None:
+    def on_call(self, rec: Any, client: str | None, opened_on: str | None = None) -> None:
         """A call of ``rec.session`` arrived from ``client``. The first call made from outside
         the session (by its driver, not by one of its own calls) makes that client the owner.
         A call into a completed session whose instances are still kept (``instance-linger``)
-        keeps them."""
+        keeps them. ``opened_on``: the scheduler the session's first call from that client (or
+        that call's task) went to; if not this one, the session outlived its scheduler: Dask's
+        workers close with their scheduler, so every instance of it is gone and its stateful
+        calls fail here (never on a fresh instance)."""
         sid = rec.session
         s = self.state.sessions[sid]
+        if opened_on is not None and s.outlived is None and opened_on != self.roster.scheduler.id:
+            s.outlived = (f"the session started on scheduler {opened_on}, which stopped (this is "
+                          f"{self.roster.scheduler.id}); its instances closed with that scheduler's workers")
+            logger.warning("dask-agents: session %s outlived its scheduler %s: its stateful calls fail "
+                           "(InstanceLostError)", sid, opened_on)
         if s.owner is None and rec.creator not in s.calls and client is not None:
             self._own(s, client)
         timer = self._lingering.pop(sid, None)

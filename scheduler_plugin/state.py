@@ -120,6 +120,9 @@ class SessionRecord:
     # stateful component -> why its instance is gone (worker lost, released at session end):
     # later calls of that component in this session fail instead of running on a fresh one
     lost: dict[str, str] = field(default_factory=dict)
+    # why every stateful instance of the session is gone (it was opened on a scheduler that
+    # stopped: its workers closed with it): its stateful calls here fail, never run fresh
+    outlived: str | None = None
     closed_reason: str | None = None  # why the scheduler closed it (driver gone, idle), if it did
     ended: bool = False  # its completion was handled (KV dropped, instances scheduled for release)
 
@@ -155,6 +158,9 @@ class WorkflowState:
         self.max_loose_calls = max_loose_calls
         self.calls_per_component: Counter[str] = Counter()
         self.open_per_component: Counter[str] = Counter()
+        # client -> its calls not yet terminal (agents.scheduler.max-live-calls-per-client);
+        # an entry goes at zero
+        self.open_per_client: Counter[str] = Counter()
         self.completed_per_component: Counter[str] = Counter()
         self.sessions_seen = 0
         self.durations: dict[str, _Running] = {}
@@ -214,8 +220,10 @@ class WorkflowState:
                 break
         return out
 
-    def add_call(self, key: str, ann: dict, dependency_keys: Iterable[str], now: float) -> CallRecord | None:
-        """Record a call from its ``agents`` annotation (plain submits carry only the session)."""
+    def add_call(self, key: str, ann: dict, dependency_keys: Iterable[str], now: float,
+                 client: str | None = None) -> CallRecord | None:
+        """Record a call from its ``agents`` annotation (plain submits carry only the session),
+        submitted by ``client`` (None: reported by a worker, made on its fast path)."""
         if key in self.calls:
             return None
         sid = ann.get("session")
@@ -231,9 +239,11 @@ class WorkflowState:
             dependencies=deps, created=ann.get("created") or now,
             stateful=bool(ann.get("stateful")), model=ann.get("llm_model"), tool_kind=ann.get("tool_kind"),
             batch_max=(ann.get("batching") or {}).get("max_batch"), tenant=ann.get("tenant"),
-            timeout=ann.get("timeout"),
+            timeout=ann.get("timeout"), client=client,
         )
         self.calls[key] = rec
+        if client is not None:
+            self.open_per_client[client] += 1
         self.calls_per_component[rec.component] += 1
         self.open_per_component[rec.component] += 1
         self.open_by_state[(rec.component, rec.state)] += 1
@@ -252,6 +262,7 @@ class WorkflowState:
                 if gone is not None and gone.state not in TERMINAL:
                     self.open_per_component[gone.component] -= 1
                     self.open_by_state[(gone.component, gone.state)] -= 1
+                    self._client_done(gone)
         else:
             s = self.session(sid, ann.get("tenant"), now)
             s.calls[key] = rec
@@ -358,7 +369,17 @@ class WorkflowState:
                 s.version += 1
                 self.touched.add(rec.session)
 
+    def _client_done(self, rec: CallRecord) -> None:
+        c = rec.client
+        if c is not None:
+            n = self.open_per_client[c] - 1
+            if n > 0:
+                self.open_per_client[c] = n
+            else:
+                del self.open_per_client[c]
+
     def _terminal(self, rec: CallRecord, now: float) -> None:
+        self._client_done(rec)
         self.open_per_component[rec.component] -= 1
         self.terminal_per_component[(rec.component, rec.state)] += 1
         if rec.state == "finished":

@@ -112,3 +112,35 @@ def test_a_prompt_past_the_size_limit_is_refused_before_it_travels():
                 check_generate_args("m", prompt, 4, 0.0, None)
     with pytest.raises(da.PromptTooLongError, match=r"50.00 MiB, past agents.llm.max-prompt-bytes \(16.00 MiB\)"):  # the default 16 MiB
         check_generate_args("m", "x" * (50 * 2**20), 4, 0.0, None)
+
+
+GATE = threading.Event()
+
+
+@da.tool
+def gated(x: int) -> int:
+    """Held open until the test lets it finish."""
+    GATE.wait(30)
+    return x
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 8)], timeout=60,
+             config={**CONFIG, "agents.scheduler.max-live-calls-per-client": 3})
+async def test_a_client_past_its_live_call_limit_is_refused_and_others_are_not(c: Client, s: Scheduler, a: Worker):
+    await da.install(c)
+    plugin = s.plugins[NAME]
+    GATE.clear()
+    async with da.session(c, name="greedy") as sess:
+        held = [da.stub(gated)(i) for i in range(3)]
+        await async_wait_for(lambda: plugin.state.open_per_client.get(c.id) == 3)
+        with pytest.raises(da.LimitError, match=r"3 calls open, agents.scheduler.max-live-calls-per-client \(3\)") as ei:
+            await da.stub(double)(9)
+        assert c.id in str(ei.value) and sess.id in str(ei.value)
+        async with Client(s.address, asynchronous=True) as other:  # another driver is not held back
+            async with da.session(other, name="polite"):
+                assert await da.stub(double)(1) == 2
+        GATE.set()
+        assert [await f for f in held] == [0, 1, 2]
+        await async_wait_for(lambda: c.id not in plugin.state.open_per_client)  # counted down, entry gone
+        assert await da.stub(double)(4) == 8  # room again
+    assert not plugin.state.open_per_client  # every call counted down once

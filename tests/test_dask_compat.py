@@ -619,6 +619,19 @@ async def test_client_stream_interval_survives_a_reconnect(c, s, a):
     assert await c.submit(lambda: 1) == 1
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_scheduler_id_is_the_connected_schedulers_and_is_asked_again_on_a_reconnect(c, s, a):
+    """The id a session's calls carry (``opened_on``): the scheduler's own, known once the
+    client is connected, and still right after Dask's reconnect (read again by the client)."""
+    assert wc.scheduler_id(c) == s.id
+    c._scheduler_identity = {}  # as if never answered: the reconnect below must ask again
+    assert wc.scheduler_id(c) is None
+    await c.scheduler_comm.comm.close()
+    await async_wait_for(lambda: c.status == "running" and wc.scheduler_id(c) is not None)
+    assert wc.scheduler_id(c) == s.id
+    assert wc.scheduler_id(object()) is None
+
+
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 2), ("127.0.0.1", 2)])
 async def test_prefer_worker_and_free_threads(c, s, a, b):
     """A loose preference places the task there; free_threads counts threads not running a task."""

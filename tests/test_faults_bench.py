@@ -60,3 +60,23 @@ def test_a_worker_killed_mid_run_gives_no_wrong_answer_and_no_hang():
     for r in doc["requests"]:
         if r["attempts"][0]["outcome"] != "correct":
             assert len(r["attempts"]) == 2 and r["attempts"][1]["session"] != r["attempts"][0]["session"]
+
+
+def test_a_scheduler_restarted_under_load_gives_no_wrong_answer_and_no_hang():
+    """``dask scheduler`` SIGKILLed and started again on its port mid-run: in-flight calls fail
+    with ``da.CallLostError``, sessions begun before fail their stateful calls; every request
+    retried in a new session completes correctly (the restarted cluster serves it)."""
+    cfg = faults.Config(sessions=6, workers=2, threads=4, spread=2.0, time_scale=3.0, kill_at=None,
+                        retire_at=None, disconnect_at=None, restart_at=1.5, timeout=90.0, scenario="restart")
+    doc = faults.run(cfg, log=lambda *a: None)
+    s = doc["summary"]
+    assert s["wrong_results"] == 0 and s["hung"] == 0 and s["failed_unclear"] == 0, doc["requests"]
+    assert s["completed_correct"] == 6, doc["requests"]
+    (restart,) = [e for e in doc["events"] if e["event"] == "restart"]
+    assert restart["scheduler_after"] != restart["scheduler_before"] and restart["open_sessions"] >= 1
+    first = [r["attempts"][0] for r in doc["requests"]]
+    assert any(a["outcome"] == "clear_error" for a in first)  # the restart hit sessions in flight
+    for a in first:
+        if a["outcome"] != "correct":
+            assert a["error_type"] in ("CallLostError", "InstanceLostError", "CallFailedError"), a
+            assert restart["scheduler_before"] in a["error"] or "restarted" in a["error"], a

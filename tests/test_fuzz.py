@@ -496,7 +496,8 @@ def test_stub_of_an_unknown_method_names_the_component():
 
 
 annotation_fields = st.sampled_from(["call", "component", "method", "kind", "session", "tenant", "creator", "deps",
-                                    "created", "stateful", "model", "tool_kind", "llm_model", "batching", "llm_prompt_len", "llm_max_tokens", "zz"])
+                                    "created", "stateful", "model", "tool_kind", "llm_model", "batching", "llm_prompt_len", "llm_max_tokens",
+                                    "opened_on", "zz"])
 
 
 @FUZZ
@@ -510,7 +511,7 @@ def test_fuzzed_annotations_sanitize_to_the_types_the_plugins_read(ann):
         return
     assert set(out) <= {"call", "component", "method", "kind", "session", "tenant", "creator", "model", "tool_kind",
                         "llm_model", "deps", "created", "stateful", "batching", "llm_prompt_len", "llm_max_tokens",
-                        "timeout"}
+                        "timeout", "opened_on"}
     for k, v in out.items():
         if k == "deps":
             assert isinstance(v, list) and all(isinstance(d, str) for d in v)
@@ -534,7 +535,8 @@ def test_our_own_annotations_survive_sanitizing_unchanged():
     ann = {"call": "Dev-1", "component": "Dev", "method": "run", "kind": "agent", "session": "s-1", "tenant": None,
            "creator": "driver", "deps": ["Tool-2"], "created": 1.5, "stateful": True, "model": "coder",
            "tool_kind": None, "llm_model": "coder", "batching": {"max_batch": 4, "max_wait": 0.01},
-           "llm_prompt_len": 120, "llm_max_tokens": 16, "timeout": 30.0}
+           "llm_prompt_len": 120, "llm_max_tokens": 16, "timeout": 30.0,
+           "opened_on": "Scheduler-0f8e4d1c-5a3b-4c2d-9e8f-7a6b5c4d3e2f"}
     assert sanitize_annotation(ann) == ann
 
 

@@ -239,6 +239,15 @@ def lost_with_connection(exc: BaseException) -> bool:
     return isinstance(exc, FutureCancelledError) and exc.reason == "scheduler-connection-lost"
 
 
+def scheduler_id(client: Any) -> str | None:
+    """The id of the scheduler ``client`` is connected to (``Scheduler-<uuid>``, new on every
+    scheduler start), as its last ``identity`` answer gave it; None before it connected. A
+    reconnecting client asks again before it is ``running`` (``Client._ensure_connected``)."""
+    info = getattr(client, "_scheduler_identity", None)
+    sid = info.get("id") if isinstance(info, dict) else None
+    return sid if isinstance(sid, str) else None
+
+
 def rebind_future(fut: Any) -> None:
     """On the client's loop, after it reconnected: give ``fut`` a live state of its key again
     (the one the client's other futures of the key will share). The client's reference count
