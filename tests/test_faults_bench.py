@@ -80,3 +80,25 @@ def test_a_scheduler_restarted_under_load_gives_no_wrong_answer_and_no_hang():
         if a["outcome"] != "correct":
             assert a["error_type"] in ("CallLostError", "InstanceLostError", "CallFailedError"), a
             assert restart["scheduler_before"] in a["error"] or "restarted" in a["error"], a
+
+
+# Each fault of issue 27 alone on real worker processes (faults.py --scenarios, scaled down):
+# no wrong answer, no hang, no unclear failure, and none at all where nothing needs to fail.
+_SMALL = {"sessions": 6, "workers": 3, "threads": 4, "spread": 2.0, "time_scale": 3.0, "timeout": 60.0}
+_AT = {"retire": {"retire_at": 1.5}, "blip": {"disconnect_at": 1.5}, "graph-fault": {"plugin_fault_at": 1.5},
+       "transition-fault": {"plugin_fault_at": 1.5}, "lifetime": {"lifetime": 4.0, "lifetime_stagger": 1.0},
+       "adapt": {"sessions": 4, "spread": 1.0}}
+
+
+@pytest.mark.parametrize("scenario", list(_AT))
+def test_each_fault_alone_on_worker_processes(scenario):
+    cfg = faults.Config(**_SMALL, scenario=scenario)
+    for k, v in {**faults.SCENARIOS[scenario], **_AT[scenario]}.items():
+        setattr(cfg, k, v)
+    doc = faults.run(cfg, log=lambda *a: None)
+    s = doc["summary"]
+    assert s["wrong_results"] == 0 and s["hung"] == 0 and s["failed_unclear"] == 0, doc["requests"]
+    assert s["completed_correct"] + s["failed_with_clear_error"] == s["sessions"]
+    if scenario in faults.NO_FAILURES:  # a graceful scale-down and a blip fail no session
+        assert s["failed"] == 0, doc["requests"]
+    assert not any(e["event"] == "fault-injection-failed" for e in doc["events"]), doc["events"]

@@ -156,3 +156,80 @@ async def test_a_page_url_that_is_not_a_session_id_is_a_400(c: Client, s: Schedu
     async with da.session(c, name="page") as sess:
         assert await da.stub(Tally).add(1) == 1
     assert await _page(port, f"?session={sess.id}") == 200
+
+
+# -- the same across real processes: a second driver in its own process -----------------------
+_INTRUDER = r'''
+import asyncio, json, sys
+from distributed import Client
+import dask_agents as da
+
+address, sid, owner, worker = sys.argv[1:5]
+out = {}
+with Client(address, timeout="30s") as other:
+    end = {"op": "agents-session-end", "session": sid, "cancel": True}
+    other._send_to_scheduler(dict(end))
+    other._send_to_scheduler({**end, "client": owner})  # a forged client field
+    try:
+        da.control(other).stop()
+        out["stop"] = "allowed"
+    except da.NotAllowedError as e:
+        out["stop"] = "refused"
+
+    async def end_on_worker():
+        return await other.rpc(worker).agents_end_session(sessions=[sid])
+
+    try:
+        other.sync(end_on_worker)
+        out["worker"] = "allowed"
+    except PermissionError as e:
+        out["worker"] = "refused: " + str(e)
+    import time
+    deadline = time.monotonic() + 30  # the refusals come on the stream; poll until both are counted
+    while True:
+        out["refused"] = other.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.plugins["dask-agents"].sessions.refused)
+        if out["refused"] >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_a_driver_in_another_process_cannot_end_a_session_or_stop_the_loop(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests import fault_components as fc
+    from tests.test_preload import DASK, PRELOAD, Proc, _env, agents_ping
+    from tests.test_preload import wait_for as pwait
+
+    env = _env()
+    sched_file = str(tmp_path / "scheduler.json")
+    procs = [Proc([DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard", "--scheduler-file",
+                   sched_file, "--preload", PRELOAD], str(tmp_path / "scheduler.log"), env)]
+    try:
+        pwait(lambda: os.path.exists(sched_file) and os.path.getsize(sched_file) > 0, "the scheduler file",
+              procs=tuple(procs))
+        procs.append(Proc([DASK, "worker", "--scheduler-file", sched_file, "--host", "127.0.0.1", "--nthreads", "2",
+                           "--no-dashboard", "--preload", PRELOAD], str(tmp_path / "worker.log"), env))
+        with Client(scheduler_file=sched_file, timeout="30s") as client:
+            pwait(lambda: agents_ping(client)["workers"], "the worker's hello", procs=tuple(procs))
+            (worker,) = client.scheduler_info()["workers"]
+            counter = da.stub(fc.Counter)
+            with da.session(client, name="owned") as s:
+                assert counter.bump(str(tmp_path)).value(timeout=60)[0] == 1
+                run = subprocess.run([sys.executable, "-c", _INTRUDER, client.scheduler.address, s.id, client.id,
+                                      worker], env=env, capture_output=True, text=True, timeout=120)
+                line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
+                assert line is not None, run.stdout + run.stderr
+                out = json.loads(line[len("RESULT "):])
+                assert out["stop"] == "refused" and out["worker"].startswith("refused: "), out
+                assert "only the scheduler" in out["worker"] and out["refused"] == 2, out
+                # the owner's session and its instance are untouched
+                assert counter.bump(str(tmp_path)).value(timeout=60)[0] == 2
+    finally:
+        for p in reversed(procs):
+            p.kill()
