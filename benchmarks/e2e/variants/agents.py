@@ -6,7 +6,7 @@ it LLM calls are ``da.llm(model).generate(...)`` and tools are ``@da.tool`` comp
 their kind (``file_io``, ``code_exec``, ...) as the hint the KV policies read. Every request is
 a ``da.session``. The engines are the same EMULATED engines, hosted by dask-agents' worker
 plugin from the ``agents.llm.models`` entry (``engine: emulated``), replica ``i`` on worker
-``i``. Ablations switch one policy off (``disabled``: ``admission``, or a control policy).
+``i``. Ablations switch one policy off (``disabled``: ``admission``, ``kv`` or a control policy).
 """
 
 from __future__ import annotations
@@ -118,10 +118,11 @@ def deployment_settings(setup: Setup) -> dict:
 
 
 class DaskAgents:
-    """``dask-agents`` (every policy on) or an ablation (``disabled``: ``admission`` or a policy)."""
+    """``dask-agents`` (every policy on) or an ablation (``disabled``: ``admission``, ``kv`` (the
+    engines' KV left workflow-blind, as the baselines') or a control policy)."""
 
     def __init__(self, setup: Setup, threads: int = 64, disabled: str | None = None):
-        if disabled not in (None, "admission") + POLICIES:
+        if disabled not in (None, "admission", "kv") + POLICIES:
             raise ValueError(f"unknown ablation {disabled!r}")
         self.setup, self.threads, self.disabled = setup, threads, disabled
         self.name = f"dask-agents-no-{disabled}" if disabled else "dask-agents"
@@ -130,12 +131,13 @@ class DaskAgents:
         self.models = {i: [m] for i, m in enumerate(setup.replica_models())}  # replica i on worker i
 
     def settings(self) -> dict:
-        out: dict = {"agents.llm.models": {m: model_entry(self.setup, workflow_aware=True)
+        # ``kv`` off: the engines run the baselines' workflow-blind KV (their own LRU host tier)
+        out: dict = {"agents.llm.models": {m: model_entry(self.setup, workflow_aware=self.disabled != "kv")
                                            for m in self.setup.model_names()},
                      **deployment_settings(self.setup)}
         if self.disabled == "admission":
             out["agents.scheduler.admission.enabled"] = False
-        elif self.disabled:
+        elif self.disabled and self.disabled != "kv":
             out[f"agents.control.policies.{self.disabled}.enabled"] = False
         return out
 
