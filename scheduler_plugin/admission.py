@@ -158,6 +158,7 @@ class Admission:
         self.adaptive = bool(agents_config.get("scheduler.admission.adaptive", True))
         self.step_aside = bool(agents_config.get("scheduler.admission.step-aside", True))
         self.leasing = self.step_aside and bool(agents_config.get("scheduler.admission.lease", True))
+        self.near_slack = int(agents_config.get("scheduler.admission.near-slack", 1))
         self.open: dict[str, bool] = {}  # model -> its lease is out (nothing of it short), as last sent
         self._lease_dirty: set[str] = set()  # workers whose lease changed since it was last sent
         self._lease_soon = False
@@ -493,14 +494,14 @@ class Admission:
 
     def _near_ok(self, h: HeldCall, candidates: list[str], rooms: dict) -> bool:
         """Whether a new session may go to the engine beside its creator (``h.near``) rather
-        than the roomiest: it has a slot, the session fits, and it has at most one live
-        session more than the least loaded engine (locality, not a pile-up: its LLM calls then
-        run there under the lease, with no hop)."""
+        than the roomiest: it has a slot, the session fits, and it has at most ``near-slack``
+        live sessions more than the least loaded engine (locality, not a pile-up: its LLM calls
+        then run there under the lease, with no hop)."""
         r = self.room(h.near, h.model)
         if not r.has_slot() or not self._fits(r, h.session, rooms, True):
             return False
         fewest = min(len(self.room(w, h.model).sessions) for w in candidates)
-        return len(r.sessions) <= fewest + 1
+        return len(r.sessions) <= fewest + self.near_slack
 
     def _spare(self, model: str, candidates: list[str]) -> list[str]:
         """Ready workers without an engine of lazily loaded ``model`` where a new session may

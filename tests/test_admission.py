@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Iterator
 
+import dask
 import pytest
 from distributed import Client, Scheduler, Worker
 from distributed.utils_test import gen_cluster
@@ -324,3 +325,30 @@ def test_the_working_set_limit_follows_what_the_engine_shows():
     assert r.factor == pytest.approx(1.2 * 0.7) and adm.counts["limit_changes"] == 3
     adm._feedback("w", "m", prompt=1000, cached=0, held_before=20)  # too short to judge: ignored
     assert r.samples == 20
+
+
+@pytest.mark.parametrize("slack, near_ok", [(1, [True, True, False]), (0, [True, False, False])])
+def test_a_new_session_goes_beside_its_caller_only_within_the_near_slack(slack: int, near_ok: list) -> None:
+    """Locality (the engine beside the calling component, where its LLM calls then run leased)
+    is worth at most ``near-slack`` live sessions more than the least loaded engine."""
+    from dask_agents.scheduler_plugin.admission import Admission, HeldCall
+    from dask_agents.scheduler_plugin.placement import Placement
+    from dask_agents.scheduler_plugin.recovery import Recovery
+    from dask_agents.scheduler_plugin.roster import Roster
+    from dask_agents.scheduler_plugin.state import WorkflowState
+
+    with dask.config.set({"agents.scheduler.admission.near-slack": slack}):
+        roster, state = Roster(), WorkflowState()
+        adm = Admission(roster, state, Placement(roster, state, Recovery(roster, state), lambda component: None))
+    assert adm.near_slack == slack
+    for w in ("near", "far"):
+        r = adm.room(w, "m")
+        r.capacity, r.block_size, r.slots = 10_000, 16, 8
+    adm.room("far", "m").sessions.add("other")
+    seen = []
+    for extra in range(3):  # the near engine holds 0, 1, then 2 sessions more than the other
+        adm.room("near", "m").sessions.clear()
+        adm.room("near", "m").sessions.update(f"s{i}" for i in range(1 + extra))
+        h = HeldCall("k", "new", "m", "llm.m", 0.0, 100, near="near")
+        seen.append(adm._near_ok(h, ["near", "far"], {}))
+    assert seen == near_ok

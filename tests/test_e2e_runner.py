@@ -153,6 +153,30 @@ def test_baselines_engines_are_workflow_blind_and_dask_agents_runs_its_kv_policy
     assert real.describe()["entry"] == real.entry and "entry" not in setup.describe()
 
 
+def test_the_kv_ablation_and_knob_variants_set_only_what_they_name():
+    """``dask-agents-no-kv`` runs the baselines' workflow-blind engine entry and changes nothing
+    else; ``dask-agents@KEY=VALUE,...`` sets those ``agents.*`` knobs over the variant's own."""
+    from benchmarks.e2e.cli import parse_overrides
+    from benchmarks.e2e.variants.agents import DaskAgents
+    from benchmarks.e2e.variants.common import model_entry
+
+    setup = make_setup(workflow("swe"), FULL)
+    base, no_kv = DaskAgents(setup).settings(), DaskAgents(setup, disabled="kv").settings()
+    assert no_kv["agents.llm.models"]["coder"] == model_entry(setup)  # kv-policy none, as the baselines
+    assert {k: v for k, v in no_kv.items() if k != "agents.llm.models"} == {
+        k: v for k, v in base.items() if k != "agents.llm.models"}
+    over = parse_overrides("scheduler.admission.near-slack=0,scheduler.admission.max-wait=3s")
+    assert over == {"agents.scheduler.admission.near-slack": 0, "agents.scheduler.admission.max-wait": "3s"}
+    knob = DaskAgents(setup, overrides=over, name="dask-agents@x").settings()
+    assert knob == {**base, **over}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_overrides("near-slack")
+    variant = factory_for(setup, {"static": {"threads": 64, "llm_slots": None, "routing": "session_sticky"}})(
+        "dask-agents@scheduler.admission.near-slack=0", "stationary")()
+    assert variant.name == "dask-agents@scheduler.admission.near-slack=0" and variant.overrides == {
+        "agents.scheduler.admission.near-slack": 0}
+
+
 def test_the_real_engine_check_matches_its_engine():
     """benchmarks/e2e_real.py: its ideal bound uses the cost shape fitted on the real engine, its
     engines' KV is the 96 blocks its docstring promises, its entry is a valid model entry."""

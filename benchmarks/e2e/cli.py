@@ -92,6 +92,9 @@ def factory_for(setup: Setup, choices: dict) -> Callable[..., Callable]:
                     raise ValueError(f"{name}: no {key} chosen for scenario {scenario!r} (run the choose phase)")
                 return PlainDask(setup, threads=static["threads"], llm_slots=static["llm_slots"],
                                  routing="session_sticky", **{key: value})
+            if name.startswith("dask-agents@"):  # the product with its own knobs set: dask-agents@KEY=VALUE,...
+                from benchmarks.e2e.variants.agents import DaskAgents
+                return DaskAgents(setup, overrides=parse_overrides(name[len("dask-agents@"):]), name=name)
             if name.startswith("dask-agents"):
                 from benchmarks.e2e.variants.agents import DaskAgents
                 return DaskAgents(setup, disabled=name[len("dask-agents-no-"):] if name != "dask-agents" else None)
@@ -110,6 +113,20 @@ def factory_for(setup: Setup, choices: dict) -> Callable[..., Callable]:
         return make
 
     return factory
+
+
+def parse_overrides(text: str) -> dict:
+    """``KEY=VALUE,...`` of a ``dask-agents@...`` variant: ``agents.KEY`` set to VALUE (read as
+    YAML: numbers, booleans, durations as strings) for that variant only."""
+    import yaml
+
+    out = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise ValueError(f"dask-agents@{text}: expected KEY=VALUE,... (agents.* keys), got {part!r}")
+        out[f"agents.{key.strip()}"] = yaml.safe_load(value)
+    return out
 
 
 def check_peers(variants: list[str], no_peers: bool) -> list[str]:

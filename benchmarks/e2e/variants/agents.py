@@ -121,11 +121,13 @@ class DaskAgents:
     """``dask-agents`` (every policy on) or an ablation (``disabled``: ``admission``, ``kv`` (the
     engines' KV left workflow-blind, as the baselines') or a control policy)."""
 
-    def __init__(self, setup: Setup, threads: int = 64, disabled: str | None = None):
+    def __init__(self, setup: Setup, threads: int = 64, disabled: str | None = None,
+                 overrides: dict | None = None, name: str | None = None):
         if disabled not in (None, "admission", "kv") + POLICIES:
             raise ValueError(f"unknown ablation {disabled!r}")
         self.setup, self.threads, self.disabled = setup, threads, disabled
-        self.name = f"dask-agents-no-{disabled}" if disabled else "dask-agents"
+        self.overrides = dict(overrides or {})  # agents.* knobs of this variant (dask-agents@KEY=VALUE)
+        self.name = name or (f"dask-agents-no-{disabled}" if disabled else "dask-agents")
         self.cluster = self.client = None
         self._config: contextlib.ExitStack | None = None
         self.models = {i: [m] for i, m in enumerate(setup.replica_models())}  # replica i on worker i
@@ -139,6 +141,7 @@ class DaskAgents:
             out["agents.scheduler.admission.enabled"] = False
         elif self.disabled and self.disabled != "kv":
             out[f"agents.control.policies.{self.disabled}.enabled"] = False
+        out.update(self.overrides)
         return out
 
     def __enter__(self) -> "DaskAgents":
@@ -180,7 +183,8 @@ class DaskAgents:
         return {"framework": f"dask-agents {da.__version__} on dask/distributed {distributed.__version__}",
                 "setup": self.setup.describe(), "threads": self.threads,
                 "install": f"da.install(client, models={self.models})",
-                "disabled": self.disabled, "agents": "one component per role; LLM via da.llm; tools as da.tool",
+                "disabled": self.disabled, "overrides": self.overrides,
+                "agents": "one component per role; LLM via da.llm; tools as da.tool",
                 "kv_policy": dask.config.get("agents.kv.policy"), "deployment": deployment_settings(self.setup),
                 "admission": self.client.run_on_scheduler(_admission_summary) if self.client is not None else None}
 
