@@ -67,7 +67,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.processes import start_scheduler  # noqa: E402
+from benchmarks.processes import start_scheduler, stop_processes  # noqa: E402
 
 import psutil  # noqa: E402
 from distributed import Client  # noqa: E402
@@ -268,14 +268,7 @@ async def run(args: argparse.Namespace, log_path: str) -> dict:
             await work.finish(timeout=args.step_max + 30)
             errors = work.errors
     finally:
-        for proc in (workers_proc, sched_proc):
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_processes([workers_proc, sched_proc], log, tmp)
     return {"phases": phases, "errors": errors, "viewer": viewer_kind}
 
 

@@ -411,6 +411,7 @@ class ProcessCluster:
         self.worker_args = [dask_bin, "worker", self.address, "--host", "127.0.0.1", "--nthreads", str(cfg.threads),
                             "--no-dashboard", "--preload", "dask_agents.preload", "--death-timeout", "60"]
         self.n = 0
+        self._logs: list[Any] = []
         self.scheduler = self._start(self.scheduler_args, "scheduler")
         self.workers = [self._start(self.worker_args, "worker") for _ in range(cfg.workers)]
         self.restarted_workers = 0
@@ -421,6 +422,7 @@ class ProcessCluster:
     def _start(self, args: list[str], name: str) -> Any:
         self.n += 1
         log = open(os.path.join(self.log_dir, f"{name}-{self.n}.log"), "wb")
+        self._logs.append(log)
         return self._subprocess.Popen(args, stdout=log, stderr=self._subprocess.STDOUT, env=self.env, cwd=_ROOT,
                                       start_new_session=True)
 
@@ -447,6 +449,11 @@ class ProcessCluster:
                 p.wait(15)
             except self._subprocess.TimeoutExpired:
                 _killpg(p, signal.SIGKILL)
+        for log in self._logs:
+            log.close()
+        import shutil
+
+        shutil.rmtree(self.log_dir, ignore_errors=True)  # (the processes' logs: kept only while it runs)
 
 
 def _killpg(p: Any, sig: int) -> None:

@@ -1,9 +1,10 @@
-"""Starting a real ``dask scheduler`` process for the benchmarks that measure one (shared)."""
+"""Starting and stopping real ``dask scheduler`` (and worker) processes for the benchmarks that measure them (shared)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,3 +29,16 @@ def start_scheduler(tmp: str, env: dict, log: IO[bytes], dashboard: bool) -> tup
     with open(sched_file) as f:
         info: dict[str, Any] = json.load(f)
     return sched, info
+
+
+def stop_processes(procs: list[subprocess.Popen], log: IO, tmp: str) -> None:
+    """Stop a cluster's processes in the order given (workers first: terminate, kill after
+    30 s), close its log and remove its scratch directory."""
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    log.close()
+    shutil.rmtree(tmp, ignore_errors=True)

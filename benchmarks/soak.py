@@ -73,7 +73,6 @@ import asyncio
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,7 +83,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.processes import start_scheduler  # noqa: E402
+from benchmarks.processes import start_scheduler, stop_processes  # noqa: E402
 
 import psutil  # noqa: E402
 from distributed import Client  # noqa: E402
@@ -350,14 +349,7 @@ async def run(args: argparse.Namespace, log_path: str) -> dict:
                       f"({res['sessions_per_s']:.1f}/s), max live {res['max_live_sessions']}, errors {res['errors']}; "
                       f"after: RSS MB { {k: round(v, 1) for k, v in after['rss_mb'].items()} }", flush=True)
     finally:
-        for proc in reversed(popen):
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_processes(list(reversed(popen)), log, tmp)
     return {"warmup": warm, "baseline": baseline, "rounds": rounds, "afters": afters, "peaks": peaks}
 
 
@@ -443,14 +435,7 @@ async def run_long(args: argparse.Namespace, log_path: str) -> dict:
             again["gc_objects_after_end"] = sizes.get("gc.objects")
             again["plugin_calls_after_end"] = sizes.get("plugin.state.calls")
     finally:
-        for p in reversed(popen):
-            p.terminate()
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_processes(list(reversed(popen)), log, tmp)
     plain, ses = out["plain"], out["session"]
     out["summary"] = {
         "calls": args.long_session, "errors": plain["errors"] + ses["errors"],
