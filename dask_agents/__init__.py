@@ -35,6 +35,7 @@ from dask_agents.errors import (
     HintError,
     InstanceLostError,
     InvalidRequestError,
+    NoSessionError,
     NotAllowedError,
     SessionClosedError,
     NoClientError,
@@ -48,7 +49,7 @@ from dask_agents.futures import AgentFuture
 from dask_agents.hints import BatchingHint, ComponentHints, ToolHints
 from dask_agents.install import install, installed
 from dask_agents.llm import LLM, llm
-from dask_agents.models import CallMeta, LLMResult, SessionGraph, WorkflowGraph
+from dask_agents.models import CallMeta, ChatMessage, Completion, LLMResult, SessionGraph, ToolCall, WorkflowGraph
 from dask_agents.progress import progress
 from dask_agents.scaling import ClusterLink, attach_cluster
 from dask_agents.session import Session, session
@@ -58,7 +59,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgentFuture", "AgentsError", "ClusterLink", "attach_cluster", "BatchingHint", "CallFailedError", "ClientClosedError", "CallMeta", "CallTimeoutError",
-    "ComponentHints", "ConfigError", "ComponentSpec", "Control", "control", "EngineLoadError", "EngineStepError", "EngineStoppedError", "FunctionStub", "HintError", "InstanceLostError", "InvalidRequestError", "NotAllowedError", "CallLostError", "CallDepthError", "LimitError", "SessionClosedError", "LLM", "LLMResult",
+    "ChatMessage", "Completion", "ToolCall",
+    "ComponentHints", "ConfigError", "ComponentSpec", "Control", "control", "EngineLoadError", "EngineStepError", "EngineStoppedError", "FunctionStub", "HintError", "InstanceLostError", "InvalidRequestError", "NoSessionError", "NotAllowedError", "CallLostError", "CallDepthError", "LimitError", "SessionClosedError", "LLM", "LLMResult",
     "NoClientError", "NotAComponentError", "NotInstalledError", "PromptTooLongError", "ResultNotSerializableError", "Session",
     "SessionGraph", "Stub", "ToolHints", "UnknownModelError", "WorkflowGraph", "agent", "current_call", "current_session", "install",
     "installed", "llm", "progress", "session", "session_graph", "spec_of", "stub", "telemetry", "tool",

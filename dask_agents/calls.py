@@ -111,6 +111,12 @@ def submit_call(
     s = context.current_session.get()
     sid = s.id if s is not None else None
     check_client_open(client, spec.name, method, sid)
+    if sid is None and spec.hints.stateful:
+        from dask_agents.errors import NoSessionError
+
+        raise NoSessionError(
+            f"{where(spec.name, method, None)}: {spec.name} is stateful (its state lives in a session, one "
+            "instance per session): call it inside `with da.session(client):`")
     key = new_key(spec.name)
     creator = context.creator()
     depth = context.current_depth.get() + 1

@@ -16,7 +16,7 @@ import click
 from dask_agents.report import report_command
 
 
-@click.group(name="agents")
+@click.group(name="agents", context_settings={"help_option_names": ["-h", "--help"]})  # (subcommands too)
 @click.version_option(package_name="dask-agents", prog_name="dask-agents")
 def main() -> None:
     """dask-agents: workflow-aware serving of agentic applications on Dask."""

@@ -52,6 +52,11 @@ class PromptTooLongError(AgentsError, ValueError):
     """A prompt (plus the requested output) does not fit in the model's context."""
 
 
+class NoSessionError(AgentsError, RuntimeError):
+    """A stateful component was called outside a session: its state lives in one (one instance
+    per session), so there is nothing to keep it in."""
+
+
 class NotInstalledError(AgentsError, RuntimeError):
     """The dask-agents plugins are missing where a call needs them."""
 

@@ -36,8 +36,12 @@ def install(client: Client, *, models: list[str] | dict[str, list[str]] | None =
     agents_config.validate()  # a bad agents.* value fails here, naming its key
     interval = agents_config.seconds("client.batched-send-interval")
     limit = agents_config.seconds("llm.load-timeout") if timeout is None else _timeout(timeout)
+    names = _model_names(models)
     if client.asynchronous:
         async def go() -> dict:
+            unknown = _unknown(names)
+            if unknown:  # not in the driver's registry: perhaps in the workers' own configuration
+                _refuse(unknown, names, await client.run(_registry_names))
             if not await client.run_on_scheduler(_has_plugin):
                 await client.register_plugin(AgentsSchedulerPlugin())
             await client.register_plugin(AgentsWorkerPlugin(models=models, client_interval=interval))
@@ -49,6 +53,9 @@ def install(client: Client, *, models: list[str] | dict[str, list[str]] | None =
             return _loaded(results, await info if inspect.isawaitable(info) else info)
 
         return go()
+    unknown = _unknown(names)
+    if unknown:  # not in the driver's registry: perhaps in the workers' own configuration
+        _refuse(unknown, names, client.run(_registry_names))
     if not client.run_on_scheduler(_has_plugin):
         client.register_plugin(AgentsSchedulerPlugin())
     client.register_plugin(AgentsWorkerPlugin(models=models, client_interval=interval))
@@ -56,6 +63,38 @@ def install(client: Client, *, models: list[str] | dict[str, list[str]] | None =
     if not wait:
         return {}
     return _loaded(client.run(_wait_engines, limit), client.scheduler_info())
+
+
+def _model_names(models: Any) -> set[str]:
+    """Every model name in ``models`` (a list, or a mapping of worker names to lists)."""
+    if models is None:
+        return set()
+    if isinstance(models, dict):
+        return {m for names in models.values() for m in names}
+    return set(models)
+
+
+def _unknown(names: set[str]) -> set[str]:
+    """Of ``names``, those the driver's ``agents.llm.models`` does not have."""
+    return names - set(agents_config.get("llm.models") or {})
+
+
+def _registry_names(dask_worker: Any = None) -> list[str]:
+    """The model names of a worker's own ``agents.llm.models``."""
+    return sorted(agents_config.get("llm.models") or {})
+
+
+def _refuse(unknown: set[str], names: set[str], per_worker: dict) -> None:
+    """UnknownModelError for the names neither the driver's nor any worker's registry has, before
+    anything is installed (a typo must not leave the cluster with a plugin that cannot start)."""
+    from dask_agents.errors import UnknownModelError
+
+    known = set(agents_config.get("llm.models") or {}) | {m for names_ in per_worker.values() for m in names_}
+    missing = sorted(unknown - known)
+    if missing:
+        raise UnknownModelError(
+            f"da.install: unknown model(s) {', '.join(map(repr, missing))}: not in agents.llm.models "
+            f"({', '.join(sorted(known)) or 'none'}); nothing was installed")
 
 
 def _timeout(value: float | str) -> float:

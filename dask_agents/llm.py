@@ -26,7 +26,7 @@ _known: dict[int, set[str]] = {}  # id(client) -> models the scheduler reported 
 _known_lock = threading.Lock()
 
 
-def _check_model(client: Client, model: str, component: str) -> None:
+def _check_model(client: Client, model: str, component: str, method: str = "generate") -> None:
     configured = agents_config.get("llm.models") or {}
     if model in configured or model in _known.get(id(client), ()) or client.asynchronous:
         return  # async clients: the worker checks (and fails the call clearly)
@@ -44,7 +44,7 @@ def _check_model(client: Client, model: str, component: str) -> None:
         from dask_agents.errors import where
 
         raise UnknownModelError(
-            f"{where(component, 'generate', session_id())}: unknown model {model!r}: not in agents.llm.models ({', '.join(sorted(configured)) or 'none'}) "
+            f"{where(component, method, session_id())}: unknown model {model!r}: not in agents.llm.models ({', '.join(sorted(configured)) or 'none'}) "
             f"and no worker hosts it ({', '.join(sorted(hosted)) or 'none'})"
         )
 
@@ -104,6 +104,9 @@ def check_generate_args(model: str, prompt: object, max_tokens: object, temperat
     elif isinstance(prompt, (list, tuple)):
         if not prompt:
             raise bad(InvalidRequestError, "prompt must not be empty", prompt)
+        if isinstance(prompt[0], dict) or hasattr(prompt[0], "model_dump"):
+            raise bad(TypeError, f"generate takes a text prompt or token ids; for chat messages use "
+                      f"da.llm({model!r}).chat(messages)", prompt[0])
         if 4 * len(prompt) > limit:
             raise too_long(4 * len(prompt))
         for t in prompt:
@@ -145,21 +148,91 @@ class LLM:
         self._spec = make_spec(runtime.run_llm, "llm", component, ComponentHints(model=self.model))
 
     def generate(self, prompt: str | list[int], *, max_tokens: int | None = None,
-                 temperature: float = 0.0, seed: int | None = None) -> AgentFuture:
+                 temperature: float = 0.0, seed: int | None = None, stop: str | list[str] | None = None,
+                 stop_token_ids: list[int] | None = None, top_p: float | None = None, top_k: int | None = None,
+                 min_p: float | None = None, n: int = 1, logprobs: int | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 repetition_penalty: float | None = None, ignore_eos: bool | None = None,
+                 json_schema: Any = None, regex: str | None = None, choice: list[str] | None = None) -> AgentFuture:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (text or token ids).
+
+        Sampling follows vLLM's ``SamplingParams`` (``stop`` strings, ``top_p``, ``top_k``,
+        ``min_p``, ``n`` completions, ``logprobs``, penalties, ``ignore_eos``: None takes the
+        model's ``ignore-eos``); at most one structured-output constraint: ``json_schema`` (a
+        dict, JSON text or pydantic model class), ``regex`` or ``choice``. The result is an
+        :class:`~dask_agents.models.LLMResult` (``choices`` holds all ``n``).
 
         Arguments are checked here, before anything is submitted: a bad one raises TypeError or
         :class:`~dask_agents.errors.InvalidRequestError` naming the model and the argument; what
-        depends on the model (token ids in its vocabulary, its context) fails the future with
+        depends on the model (token ids in its vocabulary, its context, stop strings and
+        constraints on an engine without the model's tokenizer) fails the future with
         InvalidRequestError (PromptTooLongError) naming the call, before it reaches the engine."""
+        from dask_agents.context import session_id
+        from dask_agents.sampling import check_options
+
         prompt, max_tokens, temperature, seed = check_generate_args(self.model, prompt, max_tokens, temperature, seed)
-        _check_model(find_client(self._spec, "generate"), self.model, self._spec.name)
-        kwargs = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+        options = check_options(self.model, "generate", session_id(), stop=stop, stop_token_ids=stop_token_ids,
+                                top_p=top_p, top_k=top_k, min_p=min_p, n=n, logprobs=logprobs,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                repetition_penalty=repetition_penalty, ignore_eos=ignore_eos,
+                                json_schema=json_schema, regex=regex, choice=choice)
         # its size, for KV admission: token ids, or the text's UTF-8 bytes (the scheduler learns
         # the working sets from reports; a first estimate only has to be of the right order)
         size = len(prompt) if isinstance(prompt, list) else len(prompt.encode("utf-8")) if isinstance(prompt, str) else 0
-        return submit_call(self._spec, "generate", runtime.run_llm, self.model, (prompt,), kwargs,
-                           extra={"llm_model": self.model, "llm_prompt_len": size, "llm_max_tokens": max_tokens or 0})
+        return self._submit("generate", (prompt,), max_tokens, temperature, seed, options, None, size)
+
+    def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+             tool_choice: str | dict[str, Any] | None = None, max_tokens: int | None = None,
+             temperature: float = 0.0, seed: int | None = None, stop: str | list[str] | None = None,
+             stop_token_ids: list[int] | None = None, top_p: float | None = None, top_k: int | None = None,
+             min_p: float | None = None, n: int = 1, logprobs: int | None = None,
+             presence_penalty: float | None = None, frequency_penalty: float | None = None,
+             repetition_penalty: float | None = None, ignore_eos: bool | None = None,
+             json_schema: Any = None, regex: str | None = None, choice: list[str] | None = None) -> AgentFuture:
+        """Answer a conversation: ``messages`` (OpenAI's shape: ``{"role": "system" | "user" |
+        "assistant" | "tool", "content": ...}``, an assistant turn's ``tool_calls``, a tool
+        result's ``tool_call_id``) rendered with the model's chat template on the worker.
+
+        ``tools`` (OpenAI function tools) are given to the template; ``tool_choice`` is
+        ``"auto"`` (the default), ``"none"``, ``"required"`` (at least one call, the output
+        constrained to vLLM's tool-call JSON) or a tool's name (that tool, its arguments
+        constrained to its ``parameters`` schema). The result's ``message`` is the assistant
+        turn: ``content`` and parsed ``tool_calls`` (the model's ``tool-parser``, vLLM's, when it
+        has one, else the JSON fallback: the reply is a tool call when it is exactly
+        ``{"name": ..., "arguments": {...}}`` or a list of them). Append it to ``messages`` as
+        it is for the next turn. Sampling options as for :meth:`generate`."""
+        from dask_agents.context import session_id
+        from dask_agents.sampling import check_messages, check_options, check_tools
+
+        sid = session_id()
+        msgs = check_messages(self.model, sid, messages)
+        tool_list, choice_of_tool = check_tools(self.model, sid, tools, tool_choice)
+        _, max_tokens, temperature, seed = check_generate_args(self.model, "-", max_tokens, temperature, seed)
+        options = check_options(self.model, "chat", sid, stop=stop, stop_token_ids=stop_token_ids, top_p=top_p,
+                                top_k=top_k, min_p=min_p, n=n, logprobs=logprobs, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                                ignore_eos=ignore_eos, json_schema=json_schema, regex=regex, choice=choice)
+        if tool_list and choice_of_tool not in ("auto", "none") and "structured" in options:
+            from dask_agents.sampling import _bad_factory
+
+            raise _bad_factory(self.model, "chat", sid)(
+                InvalidRequestError, f"tool_choice={choice_of_tool!r} constrains the output itself: "
+                "give no json_schema, regex or choice with it", choice_of_tool)
+        conversation = {"messages": msgs, "tools": tool_list, "tool_choice": choice_of_tool}
+        size = sum(len((m.get("content") or "").encode("utf-8")) for m in msgs)
+        return self._submit("chat", (None,), max_tokens, temperature, seed, options, conversation, size)
+
+    def _submit(self, method: str, args: tuple, max_tokens: int | None, temperature: float, seed: int | None,
+                options: dict, conversation: dict | None, size: int) -> AgentFuture:
+        _check_model(find_client(self._spec, method), self.model, self._spec.name, method)
+        kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+        if options:
+            kwargs["options"] = options
+        if conversation is not None:
+            kwargs["chat"] = conversation
+        budget = (max_tokens or 0) * int(options.get("n", 1))  # n completions: n outputs' KV
+        return submit_call(self._spec, method, runtime.run_llm, self.model, args, kwargs,
+                           extra={"llm_model": self.model, "llm_prompt_len": size, "llm_max_tokens": budget})
 
     def __repr__(self) -> str:
         return f"<LLM {self.model}>"

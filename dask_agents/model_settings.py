@@ -63,6 +63,17 @@ class ModelSettings(BaseModel):
                                       description="Parameters of the emulated engine (worker_plugin/emulated.py).")
     load_format: str = Field("auto", alias="load-format")
     tokenizer: str = Field("auto", description="byte (the built-in byte-level tokenizer) or auto (the model's own).")
+    # A model with dummy weights samples EOS at random, so by default its calls ignore it (they
+    # run to max_tokens); a real model stops at EOS. A call's ignore_eos overrides either way.
+    ignore_eos: bool | None = Field(None, alias="ignore-eos", description=(
+        "Generate past the end-of-sequence token until max_tokens (calls may override); unset: true for "
+        "load-format dummy (random weights), false otherwise."))
+    tool_parser: str | None = Field(None, alias="tool-parser", description=(
+        "vLLM's tool parser for the model's tool-call format (hermes, llama3_json, mistral, ...): chat calls "
+        "with tools parse tool calls with it; unset: the JSON fallback ({\"name\": ..., \"arguments\": ...})."))
+    compact_json: bool = Field(True, alias="compact-json", description=(
+        "Structured JSON outputs without free whitespace (vLLM's disable_any_whitespace): what agents parse, "
+        "and a model cannot pad its JSON with whitespace until max_tokens."))
     dtype: str = "auto"
     max_model_len: int = Field(2048, alias="max-model-len", ge=16)
     kv_cache_memory_bytes: int | str = Field("256 MiB", alias="kv-cache-memory-bytes", json_schema_extra=_BYTES,
@@ -96,6 +107,10 @@ class ModelSettings(BaseModel):
                               description="Fewest engine workers reallocation leaves this model.")
     max_replicas: int | None = Field(None, alias="max-replicas", ge=1,
                                      description="Most engine workers reallocation gives this model.")
+
+    def eos_ignored(self) -> bool:
+        """Whether calls generate past EOS unless they say (``ignore-eos``; unset: dummy weights)."""
+        return self.load_format == "dummy" if self.ignore_eos is None else self.ignore_eos
 
     def model_path(self) -> str:
         """A local path for ``builtin:NAME`` models, the name itself otherwise."""

@@ -183,8 +183,44 @@ class WorkflowGraph(BaseModel):
     edges: dict[str, int] = Field(description="'src->dst' component edge -> count")
 
 
+class ToolCall(BaseModel):
+    """A tool call the model made (``LLMResult.message.tool_calls``): dispatch ``name`` with
+    ``arguments`` to the matching ``@da.tool``, then answer with a ``{"role": "tool",
+    "tool_call_id": id, "content": ...}`` message."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    type: str = "function"
+
+
+class ChatMessage(BaseModel):
+    """The assistant turn of a ``chat`` call: its text and the tool calls parsed from it.
+    Append it to the conversation as it is (``chat`` takes it back as a message)."""
+
+    role: str = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class Completion(BaseModel):
+    """One of the ``n`` completions of a call (``LLMResult.choices``)."""
+
+    index: int = 0
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    # the stop string or token id that ended it (vLLM's stop_reason), None at EOS or length
+    stop_reason: str | int | None = None
+    # per output token, the top ``logprobs`` alternatives: token id -> log probability
+    logprobs: list[dict[int, float]] | None = None
+    message: ChatMessage | None = None  # chat: the completion as an assistant turn
+
+
 class LLMResult(BaseModel):
-    """What ``llm(model).generate(...)`` resolves to."""
+    """What ``llm(model).generate(...)`` and ``.chat(...)`` resolve to. ``text``,
+    ``token_ids``, ``finish_reason``, ``logprobs`` and ``message`` are the first completion's;
+    ``choices`` holds all ``n``."""
 
     model: str
     text: str
@@ -201,3 +237,7 @@ class LLMResult(BaseModel):
     # is the framework's.
     arrival_time: float | None = None
     finished_time: float | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    message: ChatMessage | None = None  # chat calls: the assistant turn (content, tool_calls)
+    choices: list[Completion] = Field(default_factory=list)

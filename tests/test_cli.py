@@ -27,6 +27,16 @@ def test_version_and_python_m():
     assert "replay" in _run("-m", "dask_agents", "--help")
 
 
+def test_dash_h_is_help_for_the_group_and_its_commands():
+    from click.testing import CliRunner
+
+    runner = CliRunner()
+    for args in (["-h"], ["replay", "-h"], ["stubgen", "-h"]):
+        out = runner.invoke(main, args)
+        assert out.exit_code == 0 and "Usage:" in out.output, (args, out.output)
+    assert "Show this message and exit" in runner.invoke(main, ["-h"]).output
+
+
 def test_dask_agents_is_a_dask_cli_subcommand():
     eps = [ep for ep in metadata.entry_points(group="dask_cli") if ep.name == "agents"]
     if not eps:

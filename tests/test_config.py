@@ -60,7 +60,11 @@ def test_shipped_model_registry_is_valid():
     assert "coder" in models
     coder = models["coder"]
     assert os.path.exists(os.path.join(coder.model_path(), "config.json"))
-    assert coder.kv_bytes() == 64 * 2**20 and coder.tokenizer == "byte"
+    assert coder.kv_bytes() == 64 * 2**20 and coder.tokenizer == "auto" and coder.tool_parser == "hermes"
+    # the model's own tokenizer ships with it (vLLM loads it: stop strings, constraints, chat template)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert os.path.exists(os.path.join(coder.model_path(), name))
+    assert coder.eos_ignored()  # dummy weights: calls run to max_tokens
 
 
 def test_bad_model_settings_are_rejected():
@@ -165,7 +169,8 @@ POSITIVE = ["client.batched-send-interval", "scheduler.batched-send-interval", "
             "worker.report-interval", "worker.batched-send-interval", "dashboard.update-interval",
             "dashboard.window", "dashboard.engine-stats-interval", "dashboard.timeseries-interval",
             "dashboard.timeseries-window", "kv.tick", "kv.ttl-max", "llm.load-timeout",
-            "scheduler.session-idle-timeout", "scheduler.admission.interval", "worker.fast-path.max-wait"]
+            "scheduler.session-idle-timeout", "scheduler.admission.interval", "worker.fast-path.max-wait",
+            "worker.switch-interval"]
 NON_NEGATIVE = ["scheduler.session-retention", "kv.prefetch-margin", "scheduler.session-grace",
                 "scheduler.instance-linger", "scheduler.admission.max-wait", "control.pass-budget",
                 "scheduler.drain-timeout", "scheduler.call-timeout"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -177,6 +178,20 @@ async def test_stateful_order_and_instance_reuse(c: Client, s: Scheduler, a: Wor
     await async_wait_for(lambda: sum(w.plugins[NAME].instances.stateful_count() for w in (a, b)) == 0)
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4), ("127.0.0.1", 4)], timeout=60)
+async def test_a_stateful_component_outside_a_session_is_a_clear_error(c: Client, s: Scheduler, a: Worker,
+                                                                       b: Worker) -> None:
+    """Its state lives in a session: outside one there is none to keep it in (on e2edf8d the
+    calls split their state over instances, [1, 1, 2, 3], with no error)."""
+    await install(c)
+    counter = da.stub(Counter)
+    with pytest.raises(da.NoSessionError, match=r"Counter.add: Counter is stateful .*da.session"):
+        counter.add(1)
+    assert not s.plugins[NAME].state.calls  # nothing was submitted
+    async with da.session(c):
+        assert (await counter.add(1))[0] == [1]
+
+
 def inc(x: int) -> int:
     return x + 1
 
@@ -260,6 +275,52 @@ async def test_install_is_idempotent(c: Client, s: Scheduler, a: Worker) -> None
     assert isinstance(s.plugins[NAME], AgentsSchedulerPlugin)
     assert isinstance(a.plugins[NAME], AgentsWorkerPlugin)
     assert list(s.plugins).count(NAME) == 1
+
+
+EMU = {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte", "emulation": {"time_scale": 0.001}}
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60,
+             config={"agents.llm.models": {"coder": EMU}})
+async def test_an_install_typo_changes_nothing_and_the_corrected_install_works(c: Client, s: Scheduler,
+                                                                             a: Worker) -> None:
+    """On e2edf8d a typo left a worker plugin that could not start: the corrected install then
+    failed ("engine for model 'codr' was not started") and LLM calls hung; on an installed cluster
+    the same typo was ignored."""
+    with pytest.raises(da.UnknownModelError, match=r"unknown model\(s\) 'codr'.*\(coder\); nothing was installed"):
+        await da.install(c, models=["codr"])
+    assert NAME not in s.plugins and NAME not in a.plugins
+    assert await da.install(c, models=["coder"]) == {a.address: {"coder": a.plugins[NAME].engines._hosts["coder"].load_seconds}}
+    with pytest.raises(da.UnknownModelError, match="'codr'"):  # installed already: still refused
+        await da.install(c, models={"*": ["coder", "codr"]})
+    async with da.session(c):
+        assert (await da.llm("coder").generate("hi", max_tokens=2)).output_tokens == 2
+
+
+@da.tool
+def broken(x: int) -> int:
+    raise ValueError(f"bad input {x}")
+
+
+def plain_broken(x: int) -> int:
+    raise ValueError(f"plain {x}")
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
+async def test_a_handled_call_failure_prints_no_worker_traceback(c: Client, s: Scheduler, a: Worker) -> None:
+    """The caller gets the error, named, traceback included: the worker does not also log Dask's
+    "Compute Failed" block for it (plain Dask tasks' failures it logs as Dask does)."""
+    from distributed.utils_test import captured_logger
+
+    await install(c)
+    with captured_logger("distributed.worker", level=logging.ERROR) as log:
+        async with da.session(c):
+            with pytest.raises(da.CallFailedError, match="bad input 3"):
+                await da.stub(broken)(3)
+        with pytest.raises(ValueError, match="plain 4"):
+            await c.submit(plain_broken, 4)
+    text = log.getvalue()
+    assert text.count("Compute Failed") == 1 and "plain_broken" in text and "bad input" not in text
 
 
 ORDER: list[int] = []

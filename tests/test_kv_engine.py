@@ -438,3 +438,32 @@ def test_kv_tracking_from_vllms_events_equals_the_engines_block_state(host):
     assert host.kv_call(lambda k: k.parts.index.events).result(30) > events0
     for s in ("ev-a", "ev-c"):
         kv(host, "invalidate", s)
+
+
+def test_prefix_walk_agrees_with_block_lookups(host):
+    """``vllm_compat.prefix_walk`` (the KV manager's per-step walk of a waiting prompt) finds the
+    same resident prefix as block-by-block lookups, and counts lower-tier blocks as restorable."""
+    from dask_agents.kv.runtime import vllm_compat as vc
+
+    prompt = tokens(7, 520)  # 4 full blocks
+    run(host, prompt, "s-walk")
+
+    def walk():
+        parts = host.kv.parts
+        hashes = [h for h in host.kv.blocks_of("s-walk")]
+        resident = 0
+        for h in hashes:
+            if vc.lookup(parts, h) is None:
+                break
+            resident += 1
+        hit, restore, touched = vc.prefix_walk(parts, hashes, None, set())
+        below = vc.prefix_walk(parts, hashes, lambda h: True, set())
+        return len(hashes), resident, (hit, restore, len(touched)), below[:2]
+
+    n, resident, (hit, restore, touched), below = host.kv_call(lambda k: walk()).result(30)
+    assert n == 4 and resident == hit == 4 and restore == 0
+    assert touched == 4  # the request ended: nobody references its blocks
+    assert below == (4, 0)
+    assert kv(host, "offload", "s-walk") == 4
+    n, resident, (hit, restore, touched), below = host.kv_call(lambda k: walk()).result(30)
+    assert resident == hit == 0 and below == (4, 4)  # all four restorable from the host tier

@@ -53,3 +53,26 @@ def test_the_quickstart_runs_as_written(tmp_path: Path):
     # closed cleanly: no lost-task or leaked-resource warnings from the cluster's shutdown
     for noise in ("lose already computed task", "leaked semaphore", "Traceback"):
         assert noise not in run.stderr, run.stderr[-4000:]
+
+
+def test_the_chat_block_runs_as_written(tmp_path: Path):
+    (block,) = code_blocks("Chat, tools and sampling")
+    (tmp_path / "chat.py").write_text(block)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "chat.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=540)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = run.stdout.strip().splitlines()
+    # the required tool call was dispatched, the next turn reused the conversation's prefix
+    assert lines[-2] == "['read_file'] assistant True", run.stdout[-2000:]
+    assert lines[-1] == "True", run.stdout[-2000:]
+
+
+def test_the_langchain_block_runs_as_written(tmp_path: Path):
+    (block,) = code_blocks("LangChain and LangGraph")
+    (tmp_path / "lc.py").write_text(block)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "lc.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=540)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.strip().splitlines()[-2:] == ["AIMessage 16", "['llm.coder']"], run.stdout[-2000:]

@@ -27,7 +27,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from dask_agents.model_settings import ModelSettings, byte_size
-from dask_agents.worker_plugin.host import _LOAD_LOCK, resolve as _resolve, engine_priority, wait_loaded
+from dask_agents.worker_plugin.host import _LOAD_LOCK, engine_priority, gather_completions, wait_loaded
+from dask_agents.worker_plugin.host import resolve as _resolve
 from dask_agents.worker_plugin.token_times import TokenTimes
 from dask_agents.worker_plugin.tokenizer import ByteTokenizer
 
@@ -82,6 +83,8 @@ class AsyncEngineHost:
     def _engine_args(self) -> Any:
         from vllm import AsyncEngineArgs
 
+        from dask_agents.worker_plugin.sampling import structured_outputs_config
+
         s = self.settings
         kv_transfer, extension = None, None
         if s.kv_connector == "dask-agents":
@@ -97,6 +100,7 @@ class AsyncEngineHost:
             model=s.model_path(), load_format=s.load_format, skip_tokenizer_init=self.tokenizer is not None,
             dtype=s.dtype, max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
             kv_cache_memory_bytes=s.kv_bytes(), scheduling_policy=s.scheduling,
+            structured_outputs_config=structured_outputs_config(s),
             tensor_parallel_size=s.tensor_parallel_size, kv_transfer_config=kv_transfer,
             enforce_eager=s.enforce_eager, disable_log_stats=True,
             **({"worker_extension_cls": extension} if extension else {}),
@@ -122,6 +126,10 @@ class AsyncEngineHost:
             from dask_agents.kv.runtime import vllm_compat
 
             self.vocab_size = vllm_compat.vocab_size(self._engine)
+            if self.tokenizer is None:  # tokenizer: auto: the one the engine loaded, read by the worker too
+                from dask_agents.worker_plugin.tokenizer import ModelTokenizer
+
+                self.tokenizer = ModelTokenizer.load(self.settings.model_path())
             self.load_seconds = time.time() - (self.started_at or time.time())
             engine_loaded(self.name, self.settings.model, self.settings.kv_bytes(), self.load_seconds)
         except BaseException as e:  # reported to every caller by wait_loaded
@@ -147,13 +155,18 @@ class AsyncEngineHost:
                 _resolve(fut, exc=self._stopped_error())
 
     def sampling_params(self, max_tokens: int, temperature: float, seed: int | None,
-                        priority: tuple = ()) -> Any:
+                        priority: tuple = (), options: dict | None = None) -> Any:
         """vLLM sampling parameters for one call, with its priority beside them."""
-        from vllm import SamplingParams
+        from dask_agents.worker_plugin.sampling import vllm_params
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                ignore_eos=True, detokenize=False)
+        params = vllm_params(self.settings, self.tokenizer, max_tokens, temperature, seed, options)
         return params, engine_priority(priority)
+
+    def extract_tool_calls(self, text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
+        """A chat output's ``(content, tool calls)`` (``sampling.tool_calls``)."""
+        from dask_agents.worker_plugin.sampling import tool_calls
+
+        return tool_calls(self.settings, self.tokenizer, text, tools)
 
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Start a request; the returned future resolves to vLLM's final RequestOutput."""
@@ -180,14 +193,14 @@ class AsyncEngineHost:
                         fut: Future, session: str | None = None) -> None:
         from vllm.inputs import TokensPrompt
 
-        final = None
+        final, seen = None, {}
         try:
             priority = priority if self.settings.scheduling == "priority" else 0
             async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), sampling,
                                                    request_id, priority=priority, session_id=session):
                 if final is None and out.outputs and out.outputs[0].token_ids:
                     self.token_times.token(request_id)
-                final = out
+                final = gather_completions(seen, out)
             self.steps += 1
             _resolve(fut, result=final)
         except asyncio.CancelledError:  # aborted by its caller, or the host is closing

@@ -104,6 +104,22 @@ class _EmulatedCompat:
         return block.ref_cnt
 
     @staticmethod
+    def prefix_walk(parts: EmulatedParts, hashes: list, in_lower: Any, held: set) -> tuple[int, int, list]:
+        get = parts.sched._cached.get
+        hit = restore = 0
+        touched = []
+        for h in hashes:
+            b = get(h)
+            if b is None:
+                if in_lower is None or not in_lower(h):
+                    break
+                restore += 1
+            elif b.ref_cnt == 0 and h not in held:
+                touched.append(h)
+            hit += 1
+        return hit, restore, touched
+
+    @staticmethod
     def block_hash(block: Block) -> int | None:
         return block.block_hash
 
@@ -446,9 +462,22 @@ class EmulatedEngineHost(SessionKVHost):
         wait_loaded(self, timeout)
 
     def sampling_params(self, max_tokens: int, temperature: float, seed: int | None,
-                        priority: tuple = ()) -> EmulatedSamplingParams:
-        """Parameters of one call (the engine always produces exactly ``max_tokens`` tokens)."""
+                        priority: tuple = (), options: dict | None = None) -> EmulatedSamplingParams:
+        """Parameters of one call (the engine always produces exactly ``max_tokens`` tokens).
+
+        A cost model, not a language model: the options that shape text (stop strings,
+        structured outputs, ``tool_choice``, sampling filters, penalties, logprobs) are accepted
+        and change nothing; ``n`` > 1 is refused (one completion per call is what it models)."""
+        if options and options.get("n", 1) != 1:
+            raise ValueError(f"the emulated engine {self.name!r} models one completion per call (n=1), "
+                             f"got n={options['n']}")
         return EmulatedSamplingParams(max_tokens, temperature, seed, tuple(priority))
+
+    def extract_tool_calls(self, text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
+        """A chat output's ``(content, tool calls)``: the JSON fallback (no vLLM parser here)."""
+        from dask_agents.worker_plugin.sampling import json_fallback
+
+        return json_fallback(text, {t["function"]["name"] for t in tools})
 
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Queue a request; the future resolves to an :class:`EmulatedRequestOutput`."""

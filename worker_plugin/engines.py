@@ -139,9 +139,11 @@ class Engines:
             self._announce()
         return host
 
-    def _prepare(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None,
-                 temperature: float, seed: int | None) -> tuple[Any, list[int], Any]:
-        """Validate one call; returns (engine host, token ids, params). The host may still be loading."""
+    def _prepare(self, header: tuple, model: str, prompt: str | list[int] | None, max_tokens: int | None,
+                 temperature: float, seed: int | None, options: dict | None = None,
+                 chat: dict | None = None) -> tuple[Any, Any, tuple]:
+        """Validate one call; returns (engine host, prompt, sampling): ``sampling`` is
+        ``(max_tokens, temperature, seed, options, chat)``. The host may still be loading."""
         import dask_agents.config as agents_config
 
         from dask_agents.errors import EngineStoppedError, InvalidRequestError, short_repr, where
@@ -156,7 +158,7 @@ class Engines:
             host = self.start(model)
         except EngineStoppedError as e:  # given up here: say which call it stopped
             raise EngineStoppedError(f"{where(component, method, sid)}: call {key}: {e}", crashed=e.crashed) from e
-        return host, prompt, (max_tokens, temperature, seed)
+        return host, prompt, (max_tokens, temperature, seed, options, chat)
 
     def _check_inputs(self, header: tuple, model: str, host: Any, prompt: Any, sampling: tuple) -> list[int]:
         """The call's token ids, checked against the loaded model before anything reaches the
@@ -169,13 +171,24 @@ class Engines:
         from dask_agents.errors import InvalidRequestError, PromptTooLongError, short_repr, where
 
         component, method, sid, key = header[:4]
-        max_tokens, temperature, seed = sampling
+        max_tokens, temperature, seed, _options, chat = sampling
 
         def bad(what: str, value: object) -> InvalidRequestError:
             return InvalidRequestError(
                 f"{where(component, method, sid)}: {what}, got {short_repr(value)} (call {key})")
 
-        if isinstance(prompt, str):
+        if chat is not None:  # the model's chat template, then its tokenizer
+            if host.tokenizer is None:
+                raise TypeError(f"{where(component, method, sid)}: model {model!r} has no tokenizer here "
+                                "(chat needs one: tokenizer: auto or byte)")
+            try:
+                prompt = host.tokenizer.render_chat(chat["messages"], chat.get("tools"))
+            except Exception as e:  # no template, or the template refused the conversation
+                raise InvalidRequestError(f"{where(component, method, sid)}: model {model!r} cannot render the "
+                                          f"conversation: {type(e).__name__}: {e} (call {key})") from None
+            encode_chat = getattr(host.tokenizer, "encode_chat", host.tokenizer.encode)
+            ids = encode_chat(prompt)
+        elif isinstance(prompt, str):
             if host.tokenizer is None:
                 raise TypeError(f"{where(component, method, sid)}: model {model!r} takes token ids here")
             try:
@@ -194,10 +207,15 @@ class Engines:
         if not ids:
             raise bad("empty prompt", prompt)
         vocab = host.vocab_size
-        for i, t in enumerate(ids):
-            if t < 0 or (vocab is not None and t >= vocab):
-                where_in = f"model {model!r}'s vocabulary of {vocab} ids (0..{vocab - 1})" if vocab else "0 or more"
-                raise bad(f"token id at position {i} is outside {where_in}", t)
+        # Ids the host's own tokenizer made are in range when its vocabulary fits the model's;
+        # others are checked by min/max first (C speed: a Python loop over a 56k-token prompt
+        # held the GIL ~4 ms a call).
+        own = isinstance(prompt, str) and vocab is not None and getattr(host.tokenizer, "vocab_size", vocab + 1) <= vocab
+        if not own and (min(ids) < 0 or (vocab is not None and max(ids) >= vocab)):
+            for i, t in enumerate(ids):
+                if t < 0 or (vocab is not None and t >= vocab):
+                    where_in = f"model {model!r}'s vocabulary of {vocab} ids (0..{vocab - 1})" if vocab else "0 or more"
+                    raise bad(f"token id at position {i} is outside {where_in}", t)
         try:
             temp = float(temperature) if isinstance(temperature, Real) and not isinstance(temperature, bool) else None
         except OverflowError:  # an int too large for a float
@@ -216,10 +234,10 @@ class Engines:
 
     def _submit(self, header: tuple, model: str, host: Any, prompt: str | list[int], sampling: tuple) -> tuple:
         """Tokenize and check against the loaded engine, then queue; returns (future, ids)."""
-        from dask_agents.errors import InvalidRequestError, where
+        from dask_agents.errors import InvalidRequestError, short_repr, where
 
         component, method, sid, key = header[:4]
-        max_tokens, temperature, seed = sampling
+        max_tokens, temperature, seed, options, chat = sampling
         received = time.time()  # the engine host has the request: tokenizing and checks are its work
         ids = self._check_inputs(header, model, host, prompt, sampling)
         priority = task_priority(key)
@@ -228,49 +246,77 @@ class Engines:
 
             creator = context.call_id()
             priority = task_priority(creator) if creator is not None else ()
+        engine_options = _engine_options(options, chat)
         try:  # the engine's own parameter checks (vLLM's ranges) fail this call, named, and only it
-            params = host.sampling_params(max_tokens, float(temperature), seed, priority)
+            params = host.sampling_params(max_tokens, float(temperature), seed, priority, engine_options)
         except Exception as e:  # vLLM's VLLMValidationError is no ValueError
+            shown = ", ".join(f"{k}={short_repr(v, 40)}" for k, v in (options or {}).items())
             raise InvalidRequestError(f"{where(component, method, sid)}: model {model!r} refuses the sampling "
                                       f"parameters (max_tokens={max_tokens}, temperature={temperature}, "
-                                      f"seed={seed}): {e} (call {key})") from None
+                                      f"seed={seed}{', ' + shown if shown else ''}): {e} (call {key})") from None
         fut = host.submit(key, ids, params, sid)
         host.token_times.restamp(key, received)
         return fut, ids
 
     def _result(self, header: tuple, model: str, host: Any, ids: list[int], out: Any, load_wait: float = 0.0,
-                ready_at: float | None = None) -> Any:
+                ready_at: float | None = None, chat: dict | None = None) -> Any:
         from dask_agents.models import LLMResult
 
+        choices = [self._completion(host, c, i, chat) for i, c in enumerate(out.outputs)]
         comp = out.outputs[0]
         toks = list(comp.token_ids)
+        out_tokens = sum(len(c.token_ids) for c in out.outputs)
         cached = int(out.num_cached_tokens or 0)
-        kv_bytes = host.geometry.bytes_for(len(ids) + len(toks)) if host.geometry else None
+        kv_bytes = host.geometry.bytes_for(len(ids) + out_tokens) if host.geometry else None
         emulated = bool(getattr(out, "emulated", False))
         arrival = host.token_times.submitted_at(header[3])
         finished = time.time()
-        times = host.token_times.pop(header[3], len(toks), finished)
+        times = host.token_times.pop(header[3], out_tokens, finished)
         if load_wait > 0:  # it waited for its engine to load: queueing, not service (see the worker plugin)
             times["engine_load_s"] = load_wait
             times["engine_ready_at"] = ready_at  # when its engine was there (the worker plugin's start)
         if self.on_metrics is not None:
-            self.on_metrics(header[3], prompt_tokens=len(ids), cached_tokens=cached, output_tokens=len(toks),
+            self.on_metrics(header[3], prompt_tokens=len(ids), cached_tokens=cached, output_tokens=out_tokens,
                             model=model, kv_bytes=kv_bytes, emulated=emulated, **times)
+        first = choices[0]
         return LLMResult(
-            model=model, text=host.tokenizer.decode(toks) if host.tokenizer else "",
-            token_ids=toks, prompt_tokens=len(ids), cached_tokens=cached, output_tokens=len(toks),
-            worker=self.worker_address, finish_reason=comp.finish_reason, emulated=emulated,
-            arrival_time=arrival, finished_time=finished,
+            model=model, text=first.text, token_ids=toks, prompt_tokens=len(ids), cached_tokens=cached,
+            output_tokens=out_tokens, worker=self.worker_address, finish_reason=first.finish_reason,
+            emulated=emulated, arrival_time=arrival, finished_time=finished, stop_reason=first.stop_reason,
+            logprobs=first.logprobs, message=first.message, choices=choices,
         )
 
-    def generate(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None = None,
-                 temperature: float = 0.0, seed: int | None = None) -> Any:
-        """Run one generation for a call (``header`` from the runtime) and return an LLMResult.
+    @staticmethod
+    def _completion(host: Any, comp: Any, index: int, chat: dict | None) -> Any:
+        """One completion of an engine output as a :class:`~dask_agents.models.Completion`:
+        its text (the engine's own when it detokenized, stop strings cut), logprobs, and for a
+        chat the assistant turn with its tool calls (see :func:`_assistant_turn`)."""
+        from dask_agents.models import Completion
+
+        toks = list(comp.token_ids)
+        if getattr(host.tokenizer, "in_engine", False) and getattr(comp, "text", None) is not None:
+            text = comp.text  # the engine detokenized it (a matched stop string is cut off)
+        else:
+            text = host.tokenizer.decode(toks) if host.tokenizer else ""
+        logprobs = None
+        if getattr(comp, "logprobs", None) is not None:
+            logprobs = [{int(t): float(getattr(lp, "logprob", lp)) for t, lp in step.items()} for step in comp.logprobs]
+        stop = getattr(comp, "stop_reason", None)
+        return Completion(index=index, text=text, token_ids=toks, finish_reason=comp.finish_reason,
+                          stop_reason=stop if isinstance(stop, (str, int)) else None, logprobs=logprobs,
+                          message=_assistant_turn(host, text, chat) if chat is not None else None)
+
+    def generate(self, header: tuple, model: str, prompt: str | list[int] | None, max_tokens: int | None = None,
+                 temperature: float = 0.0, seed: int | None = None, options: dict | None = None,
+                 chat: dict | None = None) -> Any:
+        """Run one generation for a call (``header`` from the runtime) and return an LLMResult:
+        of ``prompt``, or of the conversation ``chat`` (``{"messages", "tools", "tool_choice"}``)
+        through the model's chat template; ``options`` are the checked sampling options.
 
         Blocking; a task thread secedes while the engine works (see :meth:`agenerate`)."""
         from dask_agents.worker_plugin.dask_compat import secede_if_in_task
 
-        host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
+        host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed, options, chat)
         attempts = self._attempts()
         load_wait, ready_at = 0.0, None
         for attempt in range(attempts):
@@ -284,7 +330,7 @@ class Engines:
             fut, ids = self._submit(header, model, host, prompt, sampling)
             secede_if_in_task()  # the engine works for us; free the worker slot meanwhile
             try:
-                return self._result(header, model, host, ids, fut.result(), load_wait, ready_at)
+                return self._result(header, model, host, ids, fut.result(), load_wait, ready_at, chat)
             except Exception as e:
                 host = self._retry_or_raise(e, attempt, attempts, header, model)
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -319,8 +365,9 @@ class Engines:
             f"{where(component, method, sid)}: call {key} lost its engine on worker {self.worker_address} "
             f"after {attempt + 1} attempt(s): {cause}", crashed=exc.crashed) from exc
 
-    async def agenerate(self, header: tuple, model: str, prompt: str | list[int], max_tokens: int | None = None,
-                        temperature: float = 0.0, seed: int | None = None) -> Any:
+    async def agenerate(self, header: tuple, model: str, prompt: str | list[int] | None,
+                        max_tokens: int | None = None, temperature: float = 0.0, seed: int | None = None,
+                        options: dict | None = None, chat: dict | None = None) -> Any:
         """:meth:`generate` for a task that runs on the worker's event loop: the call leaves
         the worker's slots at once (it is long-running while the engine works) and waits on
         the engine's future without a thread, so any number of calls wait for one engine."""
@@ -328,7 +375,7 @@ class Engines:
 
         from dask_agents.worker_plugin.dask_compat import secede_async_task
 
-        host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed)
+        host, prompt, sampling = self._prepare(header, model, prompt, max_tokens, temperature, seed, options, chat)
         secede_async_task(header[3])
         attempts = self._attempts()
         load_wait, ready_at = 0.0, None
@@ -353,7 +400,7 @@ class Engines:
                 continue
             finally:
                 self._inflight.pop(header[3], None)
-            return self._result(header, model, host, ids, out, load_wait, ready_at)
+            return self._result(header, model, host, ids, out, load_wait, ready_at, chat)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def abort_call(self, key: str) -> bool:
@@ -477,3 +524,37 @@ class Engines:
         for host in list(self._hosts.values()):
             host.close()
         self._hosts.clear()
+
+
+def _engine_options(options: dict | None, chat: dict | None) -> dict | None:
+    """What the engine host gets: the call's options, plus for a chat with tools the
+    ``tool_choice`` constraint (``"required"`` or a tool's name: vLLM's tool-call JSON) and
+    ``keep_special`` (a tool parser reads the tags the model writes around its calls)."""
+    if chat is None or not chat.get("tools") or chat.get("tool_choice") == "none":
+        return options
+    out = dict(options or ())
+    if chat["tool_choice"] != "auto":
+        out["tool_constraint"] = {"tools": chat["tools"], "choice": chat["tool_choice"]}
+    else:
+        out["keep_special"] = True
+    return out
+
+
+def _assistant_turn(host: Any, text: str, chat: dict) -> Any:
+    """A chat completion as the assistant's turn: with tools, the tool calls in it (constrained
+    by ``tool_choice``: vLLM's JSON; ``"auto"``: the host's parser, the model's ``tool-parser``
+    or the JSON fallback), the rest as content."""
+    from dask_agents.models import ChatMessage, ToolCall
+    from dask_agents.worker_plugin.sampling import tool_calls_from_constraint
+
+    tools, choice = chat.get("tools"), chat.get("tool_choice")
+    content: str | None = text
+    calls: list[dict] = []
+    if tools and choice not in (None, "none"):
+        if choice != "auto":
+            parsed = tool_calls_from_constraint(text, {"tools": tools, "choice": choice})
+            if parsed is not None:  # else cut short (finish_reason "length"): kept as content
+                content, calls = None, parsed
+        else:
+            content, calls = host.extract_tool_calls(text, tools)
+    return ChatMessage(content=content, tool_calls=[ToolCall(**c) for c in calls])

@@ -58,6 +58,17 @@ def resolve(fut: Future, result: Any = None, exc: BaseException | None = None) -
         pass
 
 
+def gather_completions(seen: dict[int, Any], out: Any) -> Any:
+    """vLLM reports the ``n`` completions of a call one at a time as they progress (its default
+    cumulative output kind; its final output carries only the last to finish): keep the latest of
+    each in ``seen``, and give the finished output all ``n``, in index order."""
+    for c in out.outputs:
+        seen[c.index] = c
+    if out.finished and len(seen) > len(out.outputs):
+        out.outputs = [seen[i] for i in sorted(seen)]
+    return out
+
+
 def engine_priority(priority: tuple) -> int:
     """The control plane's priority tuple as the int vLLM takes (smaller runs first).
 
@@ -93,7 +104,7 @@ class EngineHostAPI(Protocol):
 
     name: str
     settings: Any  # dask_agents.model_settings.ModelSettings
-    tokenizer: Any  # a ByteTokenizer, or None (token ids only)
+    tokenizer: Any  # a ByteTokenizer or ModelTokenizer (worker_plugin/tokenizer.py), None until loaded
     token_times: Any  # TokenTimes: first-token times, read for TTFT/TPOT
     loaded: threading.Event  # set once the load ended (well or not: see load_error)
     load_error: BaseException | None
@@ -112,8 +123,13 @@ class EngineHostAPI(Protocol):
     def wait_loaded(self, timeout: float | None = None) -> None:
         """Block until loaded; EngineLoadError if the load failed, TimeoutError after ``timeout``."""
 
-    def sampling_params(self, max_tokens: int, temperature: float, seed: int | None, priority: tuple = ()) -> Any:
-        """The engine's sampling parameters for one call."""
+    def sampling_params(self, max_tokens: int, temperature: float, seed: int | None, priority: tuple = (),
+                        options: dict | None = None) -> Any:
+        """The engine's sampling parameters for one call (``options``: the call's checked
+        sampling options, ``worker_plugin/sampling.py``); ValueError for what it cannot do."""
+
+    def extract_tool_calls(self, text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
+        """A chat output's ``(content, [{"id", "name", "arguments"}])``."""
 
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Queue one request; the future resolves to vLLM's RequestOutput (or the emulated one)."""

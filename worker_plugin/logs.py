@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import warnings
+from typing import Any
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOGGER = "dask_agents"  # engine loads and other once-per-engine news
@@ -65,3 +66,45 @@ def engine_loaded(name: str, model: str, kv_bytes: int, seconds: float, blocks: 
     geometry = f" ({blocks} blocks of {block_size} tokens)" if blocks and block_size else ""
     logging.getLogger(LOGGER).info("engine %s loaded: %s, KV %s%s, in %.1f s", name, model,
                                    format_bytes(kv_bytes), geometry, seconds)
+
+
+class CallFailureFilter(logging.Filter):
+    """Dask's worker logs every failed task as an ERROR block with its traceback ("Compute
+    Failed ..."). For a dask-agents call that block says nothing the caller does not get: the
+    call's future fails with a ``da.*`` error naming the call, its session and the cause, the
+    traceback included, and the session graph keeps the error. So for our calls (tasks annotated
+    with a call id) the block goes down to one DEBUG line of ``dask_agents``; plain Dask tasks'
+    failures are logged as Dask logs them."""
+
+    def __init__(self, is_call: Any):
+        super().__init__("dask-agents-call-failures")
+        self.is_call = is_call  # key -> bool: a dask-agents call on this worker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg
+        if not (isinstance(msg, str) and msg.startswith("Compute Failed") and record.args):
+            return True
+        key = record.args[0] if isinstance(record.args, tuple) else None
+        try:
+            ours = key is not None and self.is_call(key)
+        except Exception:  # never lose a log record to the filter
+            return True
+        if ours:
+            exc = record.args[3] if isinstance(record.args, tuple) and len(record.args) > 3 else ""
+            logging.getLogger(LOGGER).debug("call %s failed on this worker: %s (its caller gets the error)",
+                                            key, exc)
+            return False
+        return True
+
+
+def filter_call_failures(is_call: Any) -> CallFailureFilter:
+    """Install :class:`CallFailureFilter` on Dask's worker logger; returns it (to remove it)."""
+    f = CallFailureFilter(is_call)
+    logging.getLogger("distributed.worker").addFilter(f)
+    return f
+
+
+def unfilter_call_failures(f: CallFailureFilter | None) -> None:
+    """Remove a filter :func:`filter_call_failures` installed."""
+    if f is not None:
+        logging.getLogger("distributed.worker").removeFilter(f)

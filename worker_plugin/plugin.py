@@ -104,9 +104,11 @@ class AgentsWorkerPlugin(WorkerPlugin):
 
     async def setup(self, worker: Worker) -> None:
         self.worker = worker
-        from dask_agents.worker_plugin.logs import quiet_engines
+        from dask_agents.worker_plugin.logs import filter_call_failures, quiet_engines
 
         quiet_engines()  # before any engine library is imported on this worker
+        # a failed call's error reaches its caller, named: no traceback block in the worker's log
+        self._log_filter = filter_call_failures(lambda key: self._agents_annotation(key) is not None)
         models = self._models_for(worker)
         self.engines = Engines(worker.address, models)
         self.engines.on_announce = self._announce
@@ -114,6 +116,10 @@ class AgentsWorkerPlugin(WorkerPlugin):
         for m in models:
             self.engines.start(m)  # loads in its own thread; calls wait for it
         dask_compat.set_batched_send_interval(worker, agents_config.seconds("worker.batched-send-interval"))
+        if agents_config.get("worker.switch-interval", None) is not None:
+            import sys
+
+            sys.setswitchinterval(agents_config.seconds("worker.switch-interval"))
         dask_compat.add_rpc_handler(worker, "agents_end_session", self._end_session_handler)
         dask_compat.add_rpc_handler(worker, "agents_worker_info", self._info_handler)
         dask_compat.add_rpc_handler(worker, "agents_swap_model", self._swap_handler)
@@ -179,6 +185,9 @@ class AgentsWorkerPlugin(WorkerPlugin):
             worker.loop.add_callback(self._hello, None)
 
     async def teardown(self, worker: Worker) -> None:
+        from dask_agents.worker_plugin.logs import unfilter_call_failures
+
+        unfilter_call_failures(getattr(self, "_log_filter", None))
         dask_compat.remove_periodic(worker, "dask-agents-report")
         self.flush()
         if self.engines is not None:

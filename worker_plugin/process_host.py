@@ -40,12 +40,12 @@ from typing import Any
 from dask_agents.model_settings import ModelSettings
 from dask_agents.worker_plugin.host import resolve, wait_loaded
 from dask_agents.worker_plugin.token_times import TokenTimes
-from dask_agents.worker_plugin.tokenizer import ByteTokenizer
+from dask_agents.worker_plugin.tokenizer import ByteTokenizer, ModelTokenizer
 
 logger = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 900.0  # a real model may take minutes to load; the child says when it failed
-CALLS = ("stats", "kv_report", "kv_directive", "kv_hint", "kv_session_end")
+CALLS = ("stats", "kv_report", "kv_directive", "kv_hint", "kv_session_end", "extract_tool_calls")
 """The host's methods the proxy forwards as calls (each answered by a reply)."""
 
 
@@ -58,6 +58,7 @@ class Params:
     temperature: float
     seed: int | None
     priority: tuple = ()
+    options: dict | None = None
 
 
 class ProcessEngineHost:
@@ -68,7 +69,8 @@ class ProcessEngineHost:
         self.settings = settings
         inner_emulated = settings.engine == "emulated"
         byte = settings.tokenizer == "byte" or (inner_emulated and settings.tokenizer == "auto")
-        self.tokenizer: ByteTokenizer | None = ByteTokenizer() if byte else None  # as the inner host's
+        # as the inner host's: the byte tokenizer, or the model's own (loaded when the engine is)
+        self.tokenizer: ByteTokenizer | ModelTokenizer | None = ByteTokenizer() if byte else None
         self.max_model_len = settings.max_model_len
         self.token_times = TokenTimes()
         self.loaded = threading.Event()
@@ -154,9 +156,16 @@ class ProcessEngineHost:
         self._fail_all(self._stopped_error())
 
     # -- the engine's interface -------------------------------------------------------------------
-    def sampling_params(self, max_tokens: int, temperature: float, seed: int | None, priority: tuple = ()) -> Params:
+    def sampling_params(self, max_tokens: int, temperature: float, seed: int | None, priority: tuple = (),
+                        options: dict | None = None) -> Params:
         """The call's parameters (the child builds the engine's own from them)."""
-        return Params(max_tokens, temperature, seed, tuple(priority))
+        return Params(max_tokens, temperature, seed, tuple(priority), options)
+
+    def extract_tool_calls(self, text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
+        """A chat output's ``(content, tool calls)``, parsed in the child (vLLM's tool parsers are
+        there: the worker does not import vLLM for them)."""
+        content, calls = self._call("extract_tool_calls", text, tools, timeout=30.0)
+        return content, calls
 
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Queue one request in the child; the future resolves to the engine's output."""
@@ -284,6 +293,13 @@ class ProcessEngineHost:
                         resolve(fut, value) if ok else resolve(fut, exc=_rebuild(value))
                 elif kind == "loaded":
                     info = msg[1]
+                    if self.tokenizer is None:  # tokenizer: auto: the worker encodes with the model's own
+                        try:
+                            self.tokenizer = ModelTokenizer.load(self.settings.model_path())
+                        except Exception as e:  # the engine loaded, but the worker cannot encode for it
+                            self.load_error = e
+                            self.loaded.set()
+                            continue
                     self.vocab_size, self.geometry = info["vocab_size"], info["geometry"]
                     self.kv_control, self.kv_control_reason = info["kv_control"], info["kv_control_reason"]
                     self.load_seconds = time.time() - (self.started_at or time.time())
@@ -419,7 +435,7 @@ class _Child:
     def _submit(self, rid: str, token_ids: list[int], p: Params, session: str | None) -> None:
         h = self.host
         try:
-            params = h.sampling_params(p.max_tokens, p.temperature, p.seed, p.priority)
+            params = h.sampling_params(p.max_tokens, p.temperature, p.seed, p.priority, p.options)
             fut = h.submit(rid, token_ids, params, session)
         except BaseException as e:  # noqa: BLE001
             self.send(("failed", rid, _portable(e)))

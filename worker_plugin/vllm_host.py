@@ -14,14 +14,16 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dask_agents.model_settings import ModelSettings
-from dask_agents.worker_plugin.host import _LOAD_LOCK, _STEP_LOCK, engine_priority, resolve, wait_loaded
+from dask_agents.worker_plugin.host import (_LOAD_LOCK, _STEP_LOCK, engine_priority, gather_completions, resolve,
+                                           wait_loaded)
 from dask_agents.worker_plugin.host_kv import SessionKVHost
 from dask_agents.worker_plugin.token_times import TokenTimes
-from dask_agents.worker_plugin.tokenizer import ByteTokenizer
+from dask_agents.worker_plugin.sampling import structured_outputs_config, tool_calls
+from dask_agents.worker_plugin.tokenizer import ByteTokenizer, ModelTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class _Request:
     session: str | None
     future: Future
     engine_id: str = ""  # vLLM's own id for the request (it appends a suffix)
+    completions: dict = field(default_factory=dict)  # index -> latest CompletionOutput (n > 1)
 
 
 class EngineHost(SessionKVHost):
@@ -105,7 +108,7 @@ class EngineHost(SessionKVHost):
             max_model_len=s.max_model_len,
             enable_prefix_caching=s.enable_prefix_caching,
             enforce_eager=s.enforce_eager,
-            kv_cache_memory_bytes=s.kv_bytes(),
+            kv_cache_memory_bytes=s.kv_bytes(), structured_outputs_config=structured_outputs_config(s),
             scheduling_policy=s.scheduling,
             kv_events_config=events,
         )
@@ -161,15 +164,18 @@ class EngineHost(SessionKVHost):
             return None
 
     def sampling_params(self, max_tokens: int, temperature: float, seed: int | None,
-                        priority: tuple = ()) -> Any:
-        """vLLM sampling parameters for one call (EOS ignored: agents ask for a token budget).
+                        priority: tuple = (), options: dict | None = None) -> Any:
+        """vLLM sampling parameters for one call (``worker_plugin/sampling.py``).
 
         The call's priority travels beside them (vLLM takes it in ``add_request``)."""
-        from vllm import SamplingParams
+        from dask_agents.worker_plugin.sampling import vllm_params
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                ignore_eos=True, detokenize=False)
+        params = vllm_params(self.settings, self.tokenizer, max_tokens, temperature, seed, options)
         return params, engine_priority(priority)
+
+    def extract_tool_calls(self, text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
+        """A chat output's ``(content, tool calls)`` (``tool_calls``' shared rule)."""
+        return tool_calls(self.settings, self.tokenizer, text, tools)
 
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Queue a request; the returned future resolves to vLLM's final RequestOutput."""
@@ -393,6 +399,8 @@ class EngineHost(SessionKVHost):
                 except Exception as e:
                     logger.warning("engine %s: cannot take over vLLM's engine teardown: %s", self.name, e)
             self.vocab_size = vllm_compat.vocab_size(self._engine)
+            if self.tokenizer is None:  # tokenizer: auto: the one the engine loaded, read by the worker too
+                self.tokenizer = ModelTokenizer.load(self.settings.model_path())
             self.geometry = self._geometry()
             self.kv = self._session_kv()
             self.kv_manager = self._make_manager()
@@ -438,9 +446,10 @@ class EngineHost(SessionKVHost):
                     raise
                 self.steps += 1
                 for out in outputs:
-                    if out.outputs and out.outputs[0].token_ids:  # (the last step's too: 1 token)
-                        req = self._pending.get(out.request_id)
-                        if req is not None:
+                    req = self._pending.get(out.request_id)
+                    if req is not None:
+                        gather_completions(req.completions, out)
+                        if out.outputs and out.outputs[0].token_ids:  # (the last step's too: 1 token)
                             self.token_times.token(req.request_id)
                     if out.finished:
                         req = self._pending.pop(out.request_id, None)

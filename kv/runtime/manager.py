@@ -563,6 +563,16 @@ class KVManager:
             if step == 1 and done % bs:
                 continue  # a decoded token inside its last block: nothing new
             need += max(0, -(-(done + step) // bs) - self.vc.allocated_blocks(parts, rid))
+        below = any(kv.tier_blocks().values())
+        if not below:
+            # Nothing below the device to restore: only room could be short. If the empty blocks
+            # hold every waiting request whole, nothing is (the walk below costs a lookup per
+            # prompt block per step while a request waits: milliseconds of the engine thread
+            # for a 56k-token prompt, every call, with nothing to do).
+            bound = need + sum(-(-ntok // bs) + 1 for _, ntok, _ in waiting)
+            if self.vc.empty_free_blocks(parts, at_least=bound) >= bound:
+                self.stats.room_seconds += time.perf_counter() - t0
+                return 0
         free = self.vc.free_blocks(parts) - need  # empty + cached unreferenced: what vLLM can hand out
         keep: set[bytes] = set()
         plan, admit, taken = [], 0, 0
@@ -570,17 +580,9 @@ class KVManager:
         for _, ntok, hashes in waiting:
             if budget <= 0:
                 break
-            hit = restore = 0  # the prefix found on the device or below, and the part below
-            touched = []  # resident prefix blocks nobody references yet: admitting takes them off the free pool
-            for h in hashes:
-                b = self.vc.lookup(parts, h)
-                if b is None:
-                    if not kv.in_lower_tier(h):
-                        break
-                    restore += 1
-                elif self.vc.ref_count(b) == 0 and h not in held:
-                    touched.append(h)
-                hit += 1
+            # the prefix found on the device or below, the part below, and the resident prefix
+            # blocks nobody references yet (admitting takes them off the free pool)
+            hit, restore, touched = self.vc.prefix_walk(parts, hashes, kv.in_lower_tier if below else None, held)
             chunk = min(ntok - hit * bs, budget)
             n = restore + -(-(hit * bs + chunk) // bs) - hit  # blocks it takes from the empty ones
             keep.update(hashes)

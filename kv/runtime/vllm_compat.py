@@ -21,6 +21,7 @@ Rules the callers keep (why they are safe):
 from __future__ import annotations
 
 import gc
+import json
 import threading
 import weakref
 from dataclasses import dataclass
@@ -196,6 +197,28 @@ def pool_lookup(pool: Any, block_hash: bytes) -> Any:
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
     return pool.cached_block_hash_to_block.get_one_block(make_block_hash_with_group_id(block_hash, GROUP))
+
+
+def prefix_walk(parts: EngineParts, hashes: list, in_lower: Any, held: set) -> tuple[int, int, list]:
+    """A waiting request's prefix, block by block from the start: ``(hit, restore, touched)``:
+    blocks found on the device or (``in_lower(h)`` true, None: nothing below) in a lower tier,
+    of them those below, and the device blocks nobody references that are not in ``held``. One
+    tight loop (the KV manager walks every waiting request's prompt each step)."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    get = parts.block_pool.cached_block_hash_to_block.get_one_block
+    hit = restore = 0
+    touched = []
+    for h in hashes:
+        b = get(make_block_hash_with_group_id(h, GROUP))
+        if b is None:
+            if in_lower is None or not in_lower(h):
+                break
+            restore += 1
+        elif b.ref_cnt == 0 and h not in held:
+            touched.append(h)
+        hit += 1
+    return hit, restore, touched
 
 
 def ref_count(block: Any) -> int:
@@ -464,3 +487,46 @@ def live_engines() -> int:
     """Adopted in-process engines not shut down yet (for tests and diagnostics)."""
     with _live_lock:
         return len(_live_cores)
+
+
+# -- chat: tool-call formats and parsers (vLLM's OpenAI-server pieces, used by the engine hosts) --
+#
+# vLLM keeps these with its OpenAI server, not under a stable API: the tool-call JSON schema that
+# ``tool_choice="required"``/named constrains the output to, and the registry of model-specific
+# tool parsers. ``tests/test_chat.py`` checks both against the installed vLLM.
+
+def tool_call_schema(tools: list[dict], choice: str) -> dict:
+    """The JSON schema vLLM's server constrains a chat's output to for ``tool_choice``
+    ``"required"`` (a list of ``{"name", "parameters"}``) or a tool's name (its parameters)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionNamedToolChoiceParam,
+        ChatCompletionToolsParam,
+    )
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    params = [ChatCompletionToolsParam.model_validate(t) for t in tools]
+    tc: Any = choice if choice == "required" else ChatCompletionNamedToolChoiceParam.model_validate(
+        {"type": "function", "function": {"name": choice}})
+    schema = get_json_schema_from_tools(tool_choice=tc, tools=params)
+    return json.loads(schema) if isinstance(schema, str) else schema
+
+
+def extract_tool_calls(parser_name: str, tokenizer: Any, text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
+    """Parse a complete chat output with vLLM's tool parser ``parser_name`` (``hermes``,
+    ``llama3_json``, ...): ``(content, [{"name", "arguments"}])``, arguments as parsed JSON.
+    KeyError for a parser vLLM does not have."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+
+    parser_cls = ToolParserManager.get_tool_parser(parser_name)
+    request = ChatCompletionRequest(model="-", messages=[{"role": "user", "content": "-"}], tools=tools)
+    info = parser_cls(tokenizer, request.tools).extract_tool_calls(text, request)
+    calls = []
+    for c in info.tool_calls if info.tools_called else ():
+        args = c.function.arguments
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            args = {"value": args}
+        calls.append({"name": c.function.name, "arguments": args})
+    return info.content, calls
