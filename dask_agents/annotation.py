@@ -12,7 +12,7 @@ ANNOTATION = "agents"
 
 
 _TEXT_FIELDS = ("call", "component", "method", "kind", "session", "tenant", "creator", "model", "tool_kind",
-                "llm_model", "opened_on")
+                "llm_model", "opened_on", "stream")
 _INT_FIELDS = ("llm_prompt_len", "llm_max_tokens")  # an LLM call's size, for KV admission
 MAX_LABEL = 256
 """Longest text an annotation field may carry."""
@@ -25,7 +25,7 @@ def sanitize_annotation(ann: Any) -> dict | None:
     Annotations come from any client (``dask.annotate(agents=...)`` works without
     dask-agents): the scheduler and worker plugins should read them through this. Text fields
     (``call component method kind session tenant creator model tool_kind llm_model
-    opened_on``) are strings of at most ``MAX_LABEL`` characters or None; ``deps`` a list of strings;
+    opened_on stream``) are strings of at most ``MAX_LABEL`` characters or None; ``deps`` a list of strings;
     ``created`` a finite number or None; ``stateful`` a bool (only ``True`` is true);
     ``batching`` None or ``{"max_batch": int >= 1, "max_wait": finite float >= 0}``;
     ``llm_prompt_len`` and ``llm_max_tokens`` ints in ``[0, 2**31]`` or None; ``timeout`` a

@@ -227,6 +227,8 @@ def _local_calls(client: Client, spec: ComponentSpec, creator: str, ann: dict) -
     if hints.model is not None and (plugin.engines is None or hints.model not in plugin.engines.hosted):
         return None  # an agent placed beside its engine: elsewhere
     if spec.kind == "llm":
+        if ann.get("stream"):  # its deltas go out through the scheduler to its client's topic
+            return None
         model = ann.get("llm_model")
         if (not local.leased(model, ann.get("session")) or plugin.engines is None
                 or not plugin.engines.is_loaded(model)):

@@ -4,6 +4,7 @@
     dask-agents replay mooncake --tiers 4GiB     # KV policies vs the offline optimum (kv/offline/replay.py)
     dask-agents report telemetry.parquet -o report/   # PNG plots (dask_agents/report.py)
     dask-agents whatif telemetry.parquet --gpus 4      # another allocation, predicted (whatif.py)
+    dask-agents serve --scheduler tcp://h:8786       # an OpenAI-compatible endpoint (openai_server.py)
 
 The same group is ``dask agents ...`` (Dask's ``dask_cli`` entry point, as ``dask cuda`` is) and
 ``python -m dask_agents ...``.
@@ -160,3 +161,20 @@ def whatif_command(telemetry: str, gpus: int | None, replicas: tuple[str, ...], 
         with open(json_path, "w") as fh:
             json.dump(strict(doc), fh, indent=2, allow_nan=False)
         click.echo(f"wrote {json_path}")
+
+
+@main.command("serve")
+@click.option("--scheduler", required=True, help="Address of the cluster's scheduler (dask-agents installed there).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (loopback by default).")
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--idle-timeout", default=300.0, show_default=True, type=float,
+              help="Seconds a session named by the X-Dask-Agents-Session header stays open without a request.")
+def serve_command(scheduler: str, host: str, port: int, idle_timeout: float) -> None:
+    """Serve the cluster's models on an OpenAI-compatible endpoint (/v1/chat/completions,
+    /v1/completions, /v1/models; streaming by server-sent events)."""
+    from distributed import Client
+
+    from dask_agents.openai_server import serve
+
+    with Client(scheduler) as client:
+        serve(client, host=host, port=port, idle_timeout=idle_timeout)

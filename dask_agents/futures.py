@@ -160,6 +160,20 @@ class AgentFuture(Future):
         """The result; blocks up to ``timeout`` seconds, then raises CallTimeoutError."""
         return self.result(timeout=timeout)
 
+    def stream(self, timeout: float | None = None) -> Any:
+        """An LLM call made with ``stream=True``: its output as it is generated, an iterator of
+        :class:`~dask_agents.streaming.Delta` (text and token ids since the last one) that ends
+        with the call and raises its error if it fails. The result is still ``value()``."""
+        from dask_agents import streaming
+
+        return streaming.iterate(self, timeout)
+
+    def astream(self) -> Any:
+        """:meth:`stream` as an async iterator (``async for delta in fut.astream()``)."""
+        from dask_agents import streaming
+
+        return streaming.aiterate(self)
+
     def result(self, timeout: float | None = None) -> Any:
         """Like ``Future.result``, but secedes inside a component and names the call on timeout
         (:class:`CallTimeoutError`) and when its result cannot leave its worker

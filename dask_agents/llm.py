@@ -153,14 +153,17 @@ class LLM:
                  min_p: float | None = None, n: int = 1, logprobs: int | None = None,
                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
                  repetition_penalty: float | None = None, ignore_eos: bool | None = None,
-                 json_schema: Any = None, regex: str | None = None, choice: list[str] | None = None) -> AgentFuture:
+                 json_schema: Any = None, regex: str | None = None, choice: list[str] | None = None,
+                 stream: bool = False) -> AgentFuture:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (text or token ids).
 
         Sampling follows vLLM's ``SamplingParams`` (``stop`` strings, ``top_p``, ``top_k``,
         ``min_p``, ``n`` completions, ``logprobs``, penalties, ``ignore_eos``: None takes the
         model's ``ignore-eos``); at most one structured-output constraint: ``json_schema`` (a
         dict, JSON text or pydantic model class), ``regex`` or ``choice``. The result is an
-        :class:`~dask_agents.models.LLMResult` (``choices`` holds all ``n``).
+        :class:`~dask_agents.models.LLMResult` (``choices`` holds all ``n``). With
+        ``stream=True`` the output also arrives as it is generated: ``fut.stream()`` (or
+        ``fut.astream()``) iterates :class:`~dask_agents.streaming.Delta` objects.
 
         Arguments are checked here, before anything is submitted: a bad one raises TypeError or
         :class:`~dask_agents.errors.InvalidRequestError` naming the model and the argument; what
@@ -179,7 +182,7 @@ class LLM:
         # its size, for KV admission: token ids, or the text's UTF-8 bytes (the scheduler learns
         # the working sets from reports; a first estimate only has to be of the right order)
         size = len(prompt) if isinstance(prompt, list) else len(prompt.encode("utf-8")) if isinstance(prompt, str) else 0
-        return self._submit("generate", (prompt,), max_tokens, temperature, seed, options, None, size)
+        return self._submit("generate", (prompt,), max_tokens, temperature, seed, options, None, size, stream)
 
     def chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
              tool_choice: str | dict[str, Any] | None = None, max_tokens: int | None = None,
@@ -188,7 +191,8 @@ class LLM:
              min_p: float | None = None, n: int = 1, logprobs: int | None = None,
              presence_penalty: float | None = None, frequency_penalty: float | None = None,
              repetition_penalty: float | None = None, ignore_eos: bool | None = None,
-             json_schema: Any = None, regex: str | None = None, choice: list[str] | None = None) -> AgentFuture:
+             json_schema: Any = None, regex: str | None = None, choice: list[str] | None = None,
+             stream: bool = False) -> AgentFuture:
         """Answer a conversation: ``messages`` (OpenAI's shape: ``{"role": "system" | "user" |
         "assistant" | "tool", "content": ...}``, an assistant turn's ``tool_calls``, a tool
         result's ``tool_call_id``) rendered with the model's chat template on the worker.
@@ -200,7 +204,7 @@ class LLM:
         turn: ``content`` and parsed ``tool_calls`` (the model's ``tool-parser``, vLLM's, when it
         has one, else the JSON fallback: the reply is a tool call when it is exactly
         ``{"name": ..., "arguments": {...}}`` or a list of them). Append it to ``messages`` as
-        it is for the next turn. Sampling options as for :meth:`generate`."""
+        it is for the next turn. Sampling options and ``stream`` as for :meth:`generate`."""
         from dask_agents.context import session_id
         from dask_agents.sampling import check_messages, check_options, check_tools
 
@@ -220,19 +224,30 @@ class LLM:
                 "give no json_schema, regex or choice with it", choice_of_tool)
         conversation = {"messages": msgs, "tools": tool_list, "tool_choice": choice_of_tool}
         size = sum(len((m.get("content") or "").encode("utf-8")) for m in msgs)
-        return self._submit("chat", (None,), max_tokens, temperature, seed, options, conversation, size)
+        return self._submit("chat", (None,), max_tokens, temperature, seed, options, conversation, size, stream)
 
     def _submit(self, method: str, args: tuple, max_tokens: int | None, temperature: float, seed: int | None,
-                options: dict, conversation: dict | None, size: int) -> AgentFuture:
-        _check_model(find_client(self._spec, method), self.model, self._spec.name, method)
+                options: dict, conversation: dict | None, size: int, stream: bool = False) -> AgentFuture:
+        client = find_client(self._spec, method)
+        _check_model(client, self.model, self._spec.name, method)
         kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
         if options:
             kwargs["options"] = options
         if conversation is not None:
             kwargs["chat"] = conversation
-        budget = (max_tokens or 0) * int(options.get("n", 1))  # n completions: n outputs' KV
-        return submit_call(self._spec, method, runtime.run_llm, self.model, args, kwargs,
-                           extra={"llm_model": self.model, "llm_prompt_len": size, "llm_max_tokens": budget})
+        extra: dict[str, Any] = {"llm_model": self.model, "llm_prompt_len": size,
+                                 "llm_max_tokens": (max_tokens or 0) * int(options.get("n", 1))}  # n outputs' KV
+        if not isinstance(stream, bool):
+            raise TypeError(f"da.llm({self.model!r}).{method}: stream must be a bool, got {stream!r}")
+        if stream:  # subscribed before the call is sent, on the same ordered stream (streaming.py)
+            from dask_agents import streaming
+
+            kwargs["stream"] = extra["stream"] = streaming.subscribe(client)
+        fut = submit_call(self._spec, method, runtime.run_llm, self.model, args, kwargs, extra=extra)
+        if stream:
+            fut._agents_stream = True
+            streaming.watch(fut)
+        return fut
 
     def __repr__(self) -> str:
         return f"<LLM {self.model}>"

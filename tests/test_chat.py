@@ -14,6 +14,7 @@ from distributed import Client, LocalCluster
 
 import dask_agents as da
 from dask_agents.model_settings import builtin_model_path
+from tests.conftest import wait_for
 
 TOOLS = [
     {"type": "function", "function": {
@@ -360,3 +361,101 @@ def test_the_langgraph_example_runs_its_react_loop_on_the_cluster(client):
     graph = da.session_graph(client, out["session"])
     comps = sorted(n.component for n in graph.nodes)
     assert comps.count("llm.coder") == 2 and len(comps) == 2 + len(calls)  # two turns, one call per tool use
+
+
+# -- streaming ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["coder", "bytes"])  # the engine in its own process / in the worker
+def test_a_streamed_call_sends_its_output_as_it_is_generated(client, model):
+    with dask.config.set({"agents.llm.stream-interval": 0}):  # every engine step: several deltas
+        with da.session(client):
+            fut = da.llm(model).generate("def parse(text):", max_tokens=24, stream=True)
+            deltas = list(fut.stream(timeout=300))
+            result = fut.value(10)
+    assert len(deltas) > 1 and not any(d.restarted for d in deltas)
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids
+    assert "".join(d.text for d in deltas) == result.text
+
+
+def test_a_streamed_chat_iterates_asynchronously_and_the_telemetry_has_its_ttft(client):
+    import asyncio
+
+    async def collect(fut):
+        return [d async for d in fut.astream()]
+
+    with da.session(client) as s:
+        fut = da.llm("coder").chat(MESSAGES, max_tokens=12, stream=True)
+        deltas = asyncio.run(collect(fut))
+        result = fut.value(10)
+    assert "".join(d.text for d in deltas) == result.message.content == result.text
+    df = wait_for(lambda: (d := da.telemetry(client, s.id))["ttft_s"].notna().all() and (d,))[0]
+    assert (df["ttft_s"] > 0).all() and (df["ttft_s"] <= df["service_s"]).all()
+
+
+def test_streaming_errors_are_the_calls_own(client):
+    with da.session(client) as s:
+        plain = da.llm("coder").generate("hi", max_tokens=2)
+        with pytest.raises(da.InvalidRequestError, match="not made with stream=True"):
+            next(plain.stream())
+        too_long = da.llm("coder").generate("x" * 5000, max_tokens=4, stream=True)
+        with pytest.raises(da.PromptTooLongError, match=s.id):
+            list(too_long.stream(timeout=120))
+    # nothing of the streams is left on the worker (the failed one sent no end: its sink went too)
+    left = client.run(lambda dask_worker: (len(dask_worker.plugins["dask-agents"].engines._sinks),
+                                           sum(len(h.stream_sinks) for h in
+                                               dask_worker.plugins["dask-agents"].engines._hosts.values())))
+    assert list(left.values()) == [(0, 0)]
+    with pytest.raises(TypeError, match="stream must be a bool"):
+        da.llm("coder").generate("hi", stream="yes")
+
+
+# -- the OpenAI-compatible endpoint, with the openai package as the client ---------------------------
+
+@pytest.fixture(scope="module")
+def openai_client(client):
+    import openai
+
+    from dask_agents.openai_server import start
+
+    server, port = start(client)
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=300)
+    server.should_exit = True
+
+
+def test_the_openai_sdk_lists_models_and_completes(openai_client):
+    assert "coder" in [m.id for m in openai_client.models.list().data]
+    r = openai_client.chat.completions.create(model="coder", messages=MESSAGES, max_tokens=6, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 0
+    c = openai_client.completions.create(model="coder", prompt="def parse(text):", max_tokens=4)
+    assert c.object == "text_completion" and c.usage.completion_tokens == 4
+
+
+def test_the_openai_sdk_calls_tools_streams_and_keeps_a_session(openai_client, client):
+    r = openai_client.chat.completions.create(model="coder", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                              max_tokens=96, temperature=0)  # (OpenAI's default is 1)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    assert all(c.function.name in ("read_file", "run_tests") and isinstance(json.loads(c.function.arguments), dict)
+               for c in calls)
+    chunks = list(openai_client.chat.completions.create(model="coder", messages=MESSAGES, max_tokens=12, stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert len(chunks) >= 2 and chunks[-1].choices[0].finish_reason == "length" and isinstance(text, str)
+    # one session across requests: the second reuses the first's prefix on the same engine
+    head = {"X-Dask-Agents-Session": "agent-7"}
+    first = openai_client.chat.completions.create(model="coder", messages=MESSAGES, max_tokens=4, extra_headers=head)
+    again = openai_client.chat.completions.create(
+        model="coder", messages=MESSAGES + [{"role": "assistant", "content": first.choices[0].message.content},
+                                            {"role": "user", "content": "And the test?"}],
+        max_tokens=4, extra_headers=head)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert first.id.split("-", 1)[1] != again.id.split("-", 1)[1]
+
+
+def test_the_openai_sdk_gets_openai_errors(openai_client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError, match="gpt-huge"):
+        openai_client.chat.completions.create(model="gpt-huge", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        openai_client.chat.completions.create(model="coder", messages=MESSAGES, top_p=0)

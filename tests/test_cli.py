@@ -43,7 +43,7 @@ def test_dask_agents_is_a_dask_cli_subcommand():
         pytest.fail("the dask_cli entry point 'agents' is not installed (pip install -e . registers it)")
     assert eps[0].load() is main and main.name == "agents"
     text = _run("-m", "dask", "agents", "--help")
-    assert set(main.commands) == {"replay", "report", "stubgen", "whatif"}
+    assert set(main.commands) == {"replay", "report", "serve", "stubgen", "whatif"}
     for command in main.commands:  # every command is listed
         assert f"  {command} " in text, command
 

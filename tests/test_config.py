@@ -173,7 +173,7 @@ POSITIVE = ["client.batched-send-interval", "scheduler.batched-send-interval", "
             "worker.switch-interval"]
 NON_NEGATIVE = ["scheduler.session-retention", "kv.prefetch-margin", "scheduler.session-grace",
                 "scheduler.instance-linger", "scheduler.admission.max-wait", "control.pass-budget",
-                "scheduler.drain-timeout", "scheduler.call-timeout"]
+                "scheduler.drain-timeout", "scheduler.call-timeout", "llm.stream-interval"]
 
 
 @pytest.mark.parametrize("key", POSITIVE)

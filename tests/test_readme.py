@@ -76,3 +76,23 @@ def test_the_langchain_block_runs_as_written(tmp_path: Path):
                          timeout=540)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.strip().splitlines()[-2:] == ["AIMessage 16", "['llm.coder']"], run.stdout[-2000:]
+
+
+def test_the_streaming_block_runs_as_written(tmp_path: Path):
+    (block,) = code_blocks("Streaming")
+    (tmp_path / "stream.py").write_text(block)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "stream.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=540)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.strip().splitlines()[-1] == "True True", run.stdout[-2000:]
+
+
+def test_the_openai_endpoint_block_runs_as_written(tmp_path: Path):
+    (block,) = code_blocks("The OpenAI-compatible endpoint")
+    (tmp_path / "oai.py").write_text(block)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "oai.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=540)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.strip().splitlines()[-1] == "chat.completion 8", run.stdout[-2000:]

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from dask_agents.model_settings import ModelSettings, byte_size
-from dask_agents.worker_plugin.host import _LOAD_LOCK, engine_priority, gather_completions, wait_loaded
+from dask_agents.worker_plugin.host import _LOAD_LOCK, engine_priority, gather_completions, stream_deltas, wait_loaded
 from dask_agents.worker_plugin.host import resolve as _resolve
 from dask_agents.worker_plugin.token_times import TokenTimes
 from dask_agents.worker_plugin.tokenizer import ByteTokenizer
@@ -45,6 +45,7 @@ class AsyncEngineHost:
         self.tokenizer = ByteTokenizer() if settings.tokenizer == "byte" else None
         self.max_model_len = settings.max_model_len
         self.token_times = TokenTimes()  # first-token times (the registry reads TTFT/TPOT)
+        self.stream_sinks: dict[str, Any] = {}  # streaming calls' delta sinks (host.stream_deltas)
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
         self.crashed: BaseException | None = None
@@ -168,6 +169,12 @@ class AsyncEngineHost:
 
         return tool_calls(self.settings, self.tokenizer, text, tools)
 
+    def _text_of(self, completion: Any) -> str:
+        """A completion's text so far: vLLM's when it detokenizes, else decoded here."""
+        if getattr(self.tokenizer, "in_engine", False) and completion.text is not None:
+            return completion.text
+        return self.tokenizer.decode(list(completion.token_ids)) if self.tokenizer else ""
+
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Start a request; the returned future resolves to vLLM's final RequestOutput."""
         fut: Future = Future()
@@ -193,7 +200,7 @@ class AsyncEngineHost:
                         fut: Future, session: str | None = None) -> None:
         from vllm.inputs import TokensPrompt
 
-        final, seen = None, {}
+        final, seen, streamed = None, {}, {}
         try:
             priority = priority if self.settings.scheduling == "priority" else 0
             async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), sampling,
@@ -201,6 +208,9 @@ class AsyncEngineHost:
                 if final is None and out.outputs and out.outputs[0].token_ids:
                     self.token_times.token(request_id)
                 final = gather_completions(seen, out)
+                sink = self.stream_sinks.get(request_id) if self.stream_sinks else None
+                if sink is not None:
+                    stream_deltas(streamed, out.outputs, sink, self._text_of)
             self.steps += 1
             _resolve(fut, result=final)
         except asyncio.CancelledError:  # aborted by its caller, or the host is closing

@@ -377,6 +377,8 @@ class EmulatedEngineHost(SessionKVHost):
         self.tokenizer: ByteTokenizer | None = ByteTokenizer() if settings.tokenizer in ("byte", "auto") else None
         self.max_model_len = settings.max_model_len
         self.token_times = TokenTimes()  # first-token times (the registry reads TTFT/TPOT)
+        self.stream_sinks: dict[str, Any] = {}  # streaming calls' delta sinks (host.stream_deltas)
+        self._streamed: dict[str, int] = {}  # streaming request -> output tokens sent
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
         self.steps = 0
@@ -642,6 +644,8 @@ class EmulatedEngineHost(SessionKVHost):
                     stamp(s.request_id)
             for s in self._finishing:
                 stamp(s.request_id)
+            if self.stream_sinks:
+                self._stream(sched.running, self._finishing)
             for s in self._finishing:
                 with self._lock:
                     self._finished(s)
@@ -651,6 +655,21 @@ class EmulatedEngineHost(SessionKVHost):
             self.paced_s += cost * self.time_scale
             self.busy_wall_s += time.monotonic() - t_iter
         self._fail_all(self._stopped_error())
+
+    def _stream(self, *groups: Any) -> None:
+        """Streaming requests' new tokens to their sinks (decoded bytes: the text is a cost
+        model's, not a language model's)."""
+        sent = self._streamed
+        for group in groups:
+            for s in group:
+                sink = self.stream_sinks.get(s.request_id)
+                if sink is None or len(s.output) <= sent.get(s.request_id, 0):
+                    continue
+                new = s.output[sent.get(s.request_id, 0):]
+                sent[s.request_id] = len(s.output)
+                sink(0, self.tokenizer.decode(new) if self.tokenizer else "", list(new))
+        for s in groups[-1]:  # finished: forget them
+            sent.pop(s.request_id, None)
 
     def _stopped_error(self) -> BaseException:
         from dask_agents.errors import EngineStoppedError

@@ -68,6 +68,11 @@ class Engines:
         self.on_announce: Any = None
         # set by the plugin: attach a call's metrics (tokens, times) to its finish report
         self.on_metrics: Any = None
+        # set by the plugin: on_stream(topic, msg) sends a streaming call's delta to its caller
+        # (thread-safe: hosts call it from their stepping threads)
+        self.on_stream: Any = None
+        self._sinks: dict[str, DeltaSink] = {}  # streaming call key -> its sink (across retries)
+        self.stream_barrier: Any = None  # set by the plugin: awaited after a streaming call's end
         self.restarts: dict[str, int] = {}  # model -> engines restarted after a crash
         self._restart_times: dict[str, list[float]] = {}  # model -> monotonic times of recent restarts
         # model -> why its engine was given up (restarted too often): hosted, but not announced,
@@ -308,10 +313,11 @@ class Engines:
 
     def generate(self, header: tuple, model: str, prompt: str | list[int] | None, max_tokens: int | None = None,
                  temperature: float = 0.0, seed: int | None = None, options: dict | None = None,
-                 chat: dict | None = None) -> Any:
+                 chat: dict | None = None, stream: str | None = None) -> Any:
         """Run one generation for a call (``header`` from the runtime) and return an LLMResult:
         of ``prompt``, or of the conversation ``chat`` (``{"messages", "tools", "tool_choice"}``)
-        through the model's chat template; ``options`` are the checked sampling options.
+        through the model's chat template; ``options`` are the checked sampling options;
+        ``stream``: the caller's stream topic (its output goes there as it is generated).
 
         Blocking; a task thread secedes while the engine works (see :meth:`agenerate`)."""
         from dask_agents.worker_plugin.dask_compat import secede_if_in_task
@@ -327,13 +333,50 @@ class Engines:
                 ready_at = time.time()
                 load_wait += ready_at - t0
             host.wait_loaded()
-            fut, ids = self._submit(header, model, host, prompt, sampling)
-            secede_if_in_task()  # the engine works for us; free the worker slot meanwhile
+            sink = self._watch(host, header[3], stream, attempt)
             try:
-                return self._result(header, model, host, ids, fut.result(), load_wait, ready_at, chat)
-            except Exception as e:
-                host = self._retry_or_raise(e, attempt, attempts, header, model)
+                fut, ids = self._submit(header, model, host, prompt, sampling)
+                secede_if_in_task()  # the engine works for us; free the worker slot meanwhile
+                try:
+                    result = self._result(header, model, host, ids, fut.result(), load_wait, ready_at, chat)
+                except Exception as e:
+                    host = self._retry_or_raise(e, attempt, attempts, header, model)
+                    continue
+            except BaseException:
+                self._unwatch(header[3])
+                raise
+            finally:
+                host.stream_sinks.pop(header[3], None)
+            if sink is not None:
+                sink.close()  # (before the result leaves: the caller's iterator has every delta)
+            return result
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _watch(self, host: Any, key: str, topic: str | None, attempt: int) -> "DeltaSink | None":
+        """A streaming call's sink on ``host`` (None without a topic); on a retry (a restarted
+        engine) the caller is told its output starts over."""
+        if topic is None:
+            return None
+        sink = self._sinks.get(key)
+        if sink is None:
+            import dask_agents.config as agents_config
+
+            sink = self._sinks[key] = DeltaSink(lambda msg: self._publish(topic, msg), key,
+                                                agents_config.seconds("llm.stream-interval"))
+        elif attempt:
+            sink.restart()
+        host.stream_sinks[key] = sink
+        return sink
+
+    def _publish(self, topic: str, msg: dict) -> None:
+        if msg.get("end"):
+            self._sinks.pop(msg["key"], None)
+        if self.on_stream is not None:
+            self.on_stream(topic, msg)
+
+    def _unwatch(self, key: str) -> None:
+        """The call ended without its end (it failed: its caller's iterator raises its error)."""
+        self._sinks.pop(key, None)
 
     def _attempts(self) -> int:
         """Attempts per call: one, plus ``agents.llm.engine-restarts`` retries on restarted engines."""
@@ -367,7 +410,7 @@ class Engines:
 
     async def agenerate(self, header: tuple, model: str, prompt: str | list[int] | None,
                         max_tokens: int | None = None, temperature: float = 0.0, seed: int | None = None,
-                        options: dict | None = None, chat: dict | None = None) -> Any:
+                        options: dict | None = None, chat: dict | None = None, stream: str | None = None) -> Any:
         """:meth:`generate` for a task that runs on the worker's event loop: the call leaves
         the worker's slots at once (it is long-running while the engine works) and waits on
         the engine's future without a thread, so any number of calls wait for one engine."""
@@ -386,21 +429,33 @@ class Engines:
                 ready_at = time.time()
                 load_wait += ready_at - t0
             host.wait_loaded()
-            fut, ids = self._submit(header, model, host, prompt, sampling)
-            self._inflight[header[3]] = host
+            sink = self._watch(host, header[3], stream, attempt)
             try:
-                out = await asyncio.wrap_future(fut)
-            except asyncio.CancelledError:  # the task was cancelled (worker closing): stop the request too
-                host.abort(header[3])
-                raise
-            except Exception as e:
-                if header[3] in self._given_up:  # aborted: nobody wants its result any more
+                fut, ids = self._submit(header, model, host, prompt, sampling)
+                self._inflight[header[3]] = host
+                try:
+                    out = await asyncio.wrap_future(fut)
+                except asyncio.CancelledError:  # the task was cancelled (worker closing): stop the request too
+                    host.abort(header[3])
                     raise
-                host = self._retry_or_raise(e, attempt, attempts, header, model)
-                continue
+                except Exception as e:
+                    if header[3] in self._given_up:  # aborted: nobody wants its result any more
+                        raise
+                    host = self._retry_or_raise(e, attempt, attempts, header, model)
+                    continue
+                finally:
+                    self._inflight.pop(header[3], None)
+            except BaseException:
+                self._unwatch(header[3])
+                raise
             finally:
-                self._inflight.pop(header[3], None)
-            return self._result(header, model, host, ids, out, load_wait, ready_at, chat)
+                host.stream_sinks.pop(header[3], None)
+            result = self._result(header, model, host, ids, out, load_wait, ready_at, chat)
+            if sink is not None:
+                sink.close()  # (before the result leaves: the caller's iterator has every delta)
+                if self.stream_barrier is not None:
+                    await self.stream_barrier()
+            return result
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def abort_call(self, key: str) -> bool:
@@ -558,3 +613,43 @@ def _assistant_turn(host: Any, text: str, chat: dict) -> Any:
         else:
             content, calls = host.extract_tool_calls(text, tools)
     return ChatMessage(content=content, tool_calls=[ToolCall(**c) for c in calls])
+
+
+class DeltaSink:
+    """A streaming call's output on its way to the caller: the host's per-step deltas, sent at
+    most every ``interval`` seconds (``agents.llm.stream-interval``; 0: every step) as one message
+    per completion, then ``{"key", "end": True}`` (:meth:`close`). Thread-safe."""
+
+    def __init__(self, publish: Any, key: str, interval: float):
+        self.publish, self.key, self.interval = publish, key, interval
+        self._buf: dict[int, list] = {}  # index -> [text, token ids] not sent yet
+        self._last = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self, index: int, text: str, token_ids: list[int]) -> None:
+        with self._lock:
+            b = self._buf.setdefault(index, ["", []])
+            b[0] += text
+            b[1].extend(token_ids)
+            now = time.monotonic()
+            if now - self._last >= self.interval:
+                self._flush(now)
+
+    def _flush(self, now: float) -> None:
+        for index in sorted(self._buf):
+            text, ids = self._buf[index]
+            self.publish({"key": self.key, "index": index, "text": text, "token_ids": ids})
+        self._buf.clear()
+        self._last = now
+
+    def restart(self) -> None:
+        """The engine restarted and the call runs again: its output starts over."""
+        with self._lock:
+            self._buf.clear()
+            self.publish({"key": self.key, "restart": True})
+
+    def close(self) -> None:
+        """The rest, then the end."""
+        with self._lock:
+            self._flush(time.monotonic())
+            self.publish({"key": self.key, "end": True})

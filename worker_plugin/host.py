@@ -69,6 +69,20 @@ def gather_completions(seen: dict[int, Any], out: Any) -> Any:
     return out
 
 
+def stream_deltas(seen: dict[int, tuple[int, int]], outputs: Any, sink: Any, text_of: Any) -> None:
+    """Send a streaming request's new output to ``sink(index, text, token_ids)``: per
+    completion, what it holds beyond what ``seen`` (index -> (ids, characters) sent) says;
+    ``text_of(completion)`` is its whole text so far (the engine's own, or decoded here)."""
+    for c in outputs:
+        n_ids, n_text = seen.get(c.index, (0, 0))
+        ids = c.token_ids
+        if len(ids) <= n_ids:
+            continue
+        text = text_of(c)
+        sink(c.index, text[n_text:], list(ids[n_ids:]))
+        seen[c.index] = (len(ids), len(text))
+
+
 def engine_priority(priority: tuple) -> int:
     """The control plane's priority tuple as the int vLLM takes (smaller runs first).
 
@@ -106,6 +120,9 @@ class EngineHostAPI(Protocol):
     settings: Any  # dask_agents.model_settings.ModelSettings
     tokenizer: Any  # a ByteTokenizer or ModelTokenizer (worker_plugin/tokenizer.py), None until loaded
     token_times: Any  # TokenTimes: first-token times, read for TTFT/TPOT
+    # request id -> sink(index, text, token_ids) of a streaming call (set by the registry before
+    # submit, removed after): the host sends each step's new output there (stream_deltas)
+    stream_sinks: dict
     loaded: threading.Event  # set once the load ended (well or not: see load_error)
     load_error: BaseException | None
     load_seconds: float | None

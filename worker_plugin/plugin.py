@@ -113,6 +113,10 @@ class AgentsWorkerPlugin(WorkerPlugin):
         self.engines = Engines(worker.address, models)
         self.engines.on_announce = self._announce
         self.engines.on_metrics = self.record_metrics
+        # a streaming call's deltas: a Dask structured event on its caller's topic, sent from
+        # the worker's loop (on the stream its result follows; hosts call this from their threads)
+        self.engines.on_stream = lambda topic, msg: worker.loop.add_callback(worker.log_event, topic, msg)
+        self.engines.stream_barrier = self._stream_barrier
         for m in models:
             self.engines.start(m)  # loads in its own thread; calls wait for it
         dask_compat.set_batched_send_interval(worker, agents_config.seconds("worker.batched-send-interval"))
@@ -183,6 +187,15 @@ class AgentsWorkerPlugin(WorkerPlugin):
         worker = self.worker
         if worker is not None and self.scheduler_ok:
             worker.loop.add_callback(self._hello, None)
+
+    async def _stream_barrier(self) -> None:
+        """Return once the loop ran every callback scheduled before (a streaming call's last
+        deltas and its end go out ahead of its result: callbacks run in order)."""
+        import asyncio
+
+        done = asyncio.get_running_loop().create_future()
+        self.worker.loop.add_callback(done.set_result, None)
+        await done
 
     async def teardown(self, worker: Worker) -> None:
         from dask_agents.worker_plugin.logs import unfilter_call_failures

@@ -73,6 +73,7 @@ class ProcessEngineHost:
         self.tokenizer: ByteTokenizer | ModelTokenizer | None = ByteTokenizer() if byte else None
         self.max_model_len = settings.max_model_len
         self.token_times = TokenTimes()
+        self.stream_sinks: dict[str, Any] = {}  # streaming calls' delta sinks: the child sends deltas
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
         self.load_seconds: float | None = None
@@ -177,7 +178,8 @@ class ProcessEngineHost:
             self._pending[request_id] = fut
         self.token_times.start(request_id)
         try:
-            self._send(("submit", request_id, list(token_ids), params, session))
+            # a streaming call: the child sends its deltas ("delta" messages) to this host's sink
+            self._send(("submit", request_id, list(token_ids), params, session, request_id in self.stream_sinks))
         except Exception as e:  # the pipe broke: the reader fails everyone as it sees EOF
             with self._lock:
                 self._pending.pop(request_id, None)
@@ -285,6 +287,10 @@ class ProcessEngineHost:
                         resolve(fut, exc=_rebuild(error))
                 elif kind == "token":
                     self.token_times.token(msg[1], msg[2])
+                elif kind == "delta":
+                    sink = self.stream_sinks.get(msg[1])
+                    if sink is not None:
+                        sink(*msg[2:])
                 elif kind == "reply":
                     _k, cid, ok, value = msg
                     with self._lock:
@@ -432,16 +438,21 @@ class _Child:
         self.send(("crashed", _portable(self.host.crashed)))
         os._exit(3)
 
-    def _submit(self, rid: str, token_ids: list[int], p: Params, session: str | None) -> None:
+    def _submit(self, rid: str, token_ids: list[int], p: Params, session: str | None, stream: bool = False) -> None:
         h = self.host
+        if stream:  # each step's new output goes to the worker's sink, ahead of the result
+            send = self.send
+            h.stream_sinks[rid] = lambda index, text, ids: send(("delta", rid, index, text, ids))
         try:
             params = h.sampling_params(p.max_tokens, p.temperature, p.seed, p.priority, p.options)
             fut = h.submit(rid, token_ids, params, session)
         except BaseException as e:  # noqa: BLE001
+            h.stream_sinks.pop(rid, None)
             self.send(("failed", rid, _portable(e)))
             return
 
         def done(f: Future) -> None:
+            h.stream_sinks.pop(rid, None)
             exc = f.exception()
             self.send(("failed", rid, _portable(exc)) if exc is not None else ("done", rid, f.result()))
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from dask_agents.model_settings import ModelSettings
 from dask_agents.worker_plugin.host import (_LOAD_LOCK, _STEP_LOCK, engine_priority, gather_completions, resolve,
-                                           wait_loaded)
+                                           stream_deltas, wait_loaded)
 from dask_agents.worker_plugin.host_kv import SessionKVHost
 from dask_agents.worker_plugin.token_times import TokenTimes
 from dask_agents.worker_plugin.sampling import structured_outputs_config, tool_calls
@@ -37,6 +37,7 @@ class _Request:
     future: Future
     engine_id: str = ""  # vLLM's own id for the request (it appends a suffix)
     completions: dict = field(default_factory=dict)  # index -> latest CompletionOutput (n > 1)
+    streamed: dict = field(default_factory=dict)  # index -> (ids, characters) streamed so far
 
 
 class EngineHost(SessionKVHost):
@@ -47,6 +48,7 @@ class EngineHost(SessionKVHost):
         self.settings = settings
         self.tokenizer = ByteTokenizer() if settings.tokenizer == "byte" else None
         self.token_times = TokenTimes()  # first-token times (the registry reads TTFT/TPOT)
+        self.stream_sinks: dict[str, Any] = {}  # streaming calls' delta sinks (host.stream_deltas)
         self.max_model_len = settings.max_model_len
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
@@ -176,6 +178,12 @@ class EngineHost(SessionKVHost):
     def extract_tool_calls(self, text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
         """A chat output's ``(content, tool calls)`` (``tool_calls``' shared rule)."""
         return tool_calls(self.settings, self.tokenizer, text, tools)
+
+    def _text_of(self, completion: Any) -> str:
+        """A completion's text so far: vLLM's when it detokenizes, else decoded here."""
+        if getattr(self.tokenizer, "in_engine", False) and completion.text is not None:
+            return completion.text
+        return self.tokenizer.decode(list(completion.token_ids)) if self.tokenizer else ""
 
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Queue a request; the returned future resolves to vLLM's final RequestOutput."""
@@ -451,6 +459,9 @@ class EngineHost(SessionKVHost):
                         gather_completions(req.completions, out)
                         if out.outputs and out.outputs[0].token_ids:  # (the last step's too: 1 token)
                             self.token_times.token(req.request_id)
+                        sink = self.stream_sinks.get(req.request_id) if self.stream_sinks else None
+                        if sink is not None:
+                            stream_deltas(req.streamed, out.outputs, sink, self._text_of)
                     if out.finished:
                         req = self._pending.pop(out.request_id, None)
                         if req is not None:
