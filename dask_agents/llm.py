@@ -217,9 +217,9 @@ class LLM:
                                 frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                                 ignore_eos=ignore_eos, json_schema=json_schema, regex=regex, choice=choice)
         if tool_list and choice_of_tool not in ("auto", "none") and "structured" in options:
-            from dask_agents.sampling import _bad_factory
+            from dask_agents.sampling import argument_error
 
-            raise _bad_factory(self.model, "chat", sid)(
+            raise argument_error(self.model, "chat", sid)(
                 InvalidRequestError, f"tool_choice={choice_of_tool!r} constrains the output itself: "
                 "give no json_schema, regex or choice with it", choice_of_tool)
         conversation = {"messages": msgs, "tools": tool_list, "tool_choice": choice_of_tool}

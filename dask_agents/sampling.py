@@ -24,7 +24,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICES = ("auto", "none", "required")
 
 
-def _bad_factory(model: str, method: str, session: str | None) -> Callable[[type, str, object], Exception]:
+def argument_error(model: str, method: str, session: str | None) -> Callable[[type, str, object], Exception]:
+    """``bad(kind, what, value)``: the error of class ``kind`` for a bad argument of
+    ``da.llm(model).method``, naming the value and the session."""
     in_session = f" (session {session})" if session else ""
 
     def bad(kind: type, what: str, value: object) -> Exception:
@@ -46,7 +48,7 @@ def check_options(model: str, method: str, session: str | None, *, stop: Any = N
     frequency penalties in [-2, 2]; ``repetition_penalty`` > 0; ``ignore_eos`` a bool (None: the
     model's ``ignore-eos``); ``json_schema`` a JSON schema (a dict, its JSON text, or a pydantic
     model class), ``regex`` a pattern, ``choice`` a list of strings: at most one of the three."""
-    bad = _bad_factory(model, method, session)
+    bad = argument_error(model, method, session)
     out: dict[str, Any] = {}
 
     def number(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -159,7 +161,7 @@ def check_messages(model: str, session: str | None, messages: Any) -> list[dict[
     """Chat messages as plain dicts (OpenAI's shape: ``role``, ``content``, and for an assistant
     turn ``tool_calls``, for a tool result ``tool_call_id``). Accepts dicts, pydantic models
     (an ``LLMResult.message``) and content as a string or a list of text parts."""
-    bad = _bad_factory(model, "chat", session)
+    bad = argument_error(model, "chat", session)
     if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)):
         raise bad(TypeError, "messages must be a list of {'role': ..., 'content': ...} dicts "
                   "(for a plain prompt use generate)", messages)
@@ -226,7 +228,7 @@ def check_tools(model: str, session: str | None, tools: Any, tool_choice: Any) -
     "description", "parameters"}}``; ``{"name", "parameters", ...}`` is wrapped) and the
     ``tool_choice``: ``"auto"`` (the default with tools), ``"none"``, ``"required"``, or one
     tool's name (or ``{"type": "function", "function": {"name": ...}}``), returned as the name."""
-    bad = _bad_factory(model, "chat", session)
+    bad = argument_error(model, "chat", session)
     if tools is None:
         if tool_choice not in (None, "auto", "none"):
             raise bad(InvalidRequestError, "tool_choice needs tools", tool_choice)

@@ -308,3 +308,19 @@ def submit_key(client: Any, func: Any, *args: Any, key: str, resources: dict | N
     expr = LLGExpr({key: Task(key, func, *(parse_input(a) for a in args))}, _determ_token=uuid.uuid4().hex)
     return client._graph_to_futures(expr, [key], workers=workers, internal_priority={key: 0}, resources=resources,
                                     span_metadata=SpanMetadata(collections=[{"type": "Future"}]))[key]
+
+
+def leave_sigint_to_nanny(worker: Worker) -> bool:
+    """In a worker process a Nanny started, ignore SIGINT: Ctrl-C in a terminal reaches the whole
+    process group, and the nanny (in the driver's process, for a ``LocalCluster``; a process of
+    its own for ``dask worker``) is the one that stops its worker. A worker that died on it under
+    a driver's ``LocalCluster`` printed tracebacks, failed the calls in flight, and left the
+    driver's cluster close waiting for workers that were gone. Returns whether it was set
+    (only from the main thread, and only under a nanny: a worker without one keeps Ctrl-C)."""
+    import signal
+    import threading
+
+    if getattr(worker, "nanny", None) is None or threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return True

@@ -8,6 +8,7 @@ the registry that starts, restarts and calls them.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
@@ -172,3 +173,45 @@ class EngineHostAPI(Protocol):
 
     def close(self) -> None:
         """Stop the engine; callers still waiting get EngineStoppedError."""
+
+
+@dataclass
+class PlainCompletion:
+    """One completion of an engine output as it crosses the pipe (the fields Engines reads)."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class PlainOutput:
+    """An engine's output as it crosses a process host's pipe (``process_host.py``): plain
+    Python, not vLLM's ``RequestOutput``, whose unpickling imported vLLM into the worker (4.5 s
+    and ~0.5 GB, at the first answer). Defined here, not in ``process_host`` (the child runs
+    that module as ``__main__``, whose classes do not unpickle elsewhere)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    outputs: list[PlainCompletion]
+    emulated: bool = False
+    finished: bool = True
+
+
+def plain_output(out: Any) -> PlainOutput:
+    """``out`` (vLLM's RequestOutput or the emulated one) as a :class:`PlainOutput`."""
+    comps = []
+    for i, c in enumerate(out.outputs):
+        lps = getattr(c, "logprobs", None)
+        stop = getattr(c, "stop_reason", None)
+        comps.append(PlainCompletion(
+            int(getattr(c, "index", i)), list(c.token_ids), getattr(c, "text", None), c.finish_reason,
+            stop if isinstance(stop, (str, int)) else None,
+            None if lps is None else [{int(t): float(getattr(lp, "logprob", lp)) for t, lp in step.items()}
+                                      for step in lps]))
+    return PlainOutput(str(out.request_id), list(out.prompt_token_ids or ()), int(out.num_cached_tokens or 0), comps,
+                       bool(getattr(out, "emulated", False)))

@@ -107,6 +107,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         from dask_agents.worker_plugin.logs import filter_call_failures, quiet_engines
 
         quiet_engines()  # before any engine library is imported on this worker
+        dask_compat.leave_sigint_to_nanny(worker)  # Ctrl-C stops the cluster through its nannies
         # a failed call's error reaches its caller, named: no traceback block in the worker's log
         self._log_filter = filter_call_failures(lambda key: self._agents_annotation(key) is not None)
         models = self._models_for(worker)

@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dask_agents.model_settings import ModelSettings
-from dask_agents.worker_plugin.host import resolve, wait_loaded
+from dask_agents.worker_plugin.host import plain_output, resolve, wait_loaded
 from dask_agents.worker_plugin.token_times import TokenTimes
 from dask_agents.worker_plugin.tokenizer import ByteTokenizer, ModelTokenizer
 
@@ -454,7 +454,7 @@ class _Child:
         def done(f: Future) -> None:
             h.stream_sinks.pop(rid, None)
             exc = f.exception()
-            self.send(("failed", rid, _portable(exc)) if exc is not None else ("done", rid, f.result()))
+            self.send(("failed", rid, _portable(exc)) if exc is not None else ("done", rid, plain_output(f.result())))
 
         fut.add_done_callback(done)
 
@@ -534,6 +534,12 @@ def _rebuild(error: tuple) -> BaseException:
 
 def main(argv: list[str]) -> None:
     """The child's entry point: ``python -m dask_agents.worker_plugin.process_host DOWN_FD UP_FD``."""
+    import signal
+
+    # Ctrl-C in the terminal reaches the whole process group: the engine is its worker's to stop
+    # (it exits when its pipe closes), not the terminal's; dying on it printed tracebacks and
+    # failed the calls in flight before the driver could end its sessions.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     down = Connection(int(argv[0]), writable=False)
     up = Connection(int(argv[1]), readable=False)
     try:
