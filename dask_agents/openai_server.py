@@ -17,6 +17,7 @@ import json
 import threading
 import time
 import uuid
+from contextlib import asynccontextmanager
 from typing import Any, Iterator
 
 # at module level: FastAPI reads the handlers' annotations by name (a local import hides Request)
@@ -71,8 +72,6 @@ def create_app(client: Any, idle_timeout: float = 300.0) -> Any:
     from dask_agents.errors import InvalidRequestError, PromptTooLongError, UnknownModelError
     from dask_agents.llm import llm
 
-    from contextlib import asynccontextmanager
-
     sessions = _Sessions(client, idle_timeout)
 
     @asynccontextmanager
@@ -113,8 +112,9 @@ def create_app(client: Any, idle_timeout: float = 300.0) -> Any:
                     "repetition_penalty", "ignore_eos", "stop_token_ids"):
             if body.get(key) is not None:
                 out[key] = body[key]
-        if body.get("logprobs"):
-            out["logprobs"] = int(body.get("top_logprobs") or 0) if body.get("top_logprobs") is not None else 0
+        if body.get("logprobs") or body.get("top_logprobs"):  # refused, not dropped: none would come back
+            raise InvalidRequestError("logprobs are not served by this endpoint yet: "
+                                      "use da.llm(model).generate(..., logprobs=k) for them")
         rf = body.get("response_format") or {}
         if rf.get("type") == "json_schema":
             out["json_schema"] = (rf.get("json_schema") or {}).get("schema", {})

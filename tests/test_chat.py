@@ -459,3 +459,5 @@ def test_the_openai_sdk_gets_openai_errors(openai_client):
         openai_client.chat.completions.create(model="gpt-huge", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError, match="top_p"):
         openai_client.chat.completions.create(model="coder", messages=MESSAGES, top_p=0)
+    with pytest.raises(openai.BadRequestError, match="logprobs are not served"):
+        openai_client.chat.completions.create(model="coder", messages=MESSAGES, logprobs=True, top_logprobs=2)

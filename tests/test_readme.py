@@ -55,44 +55,35 @@ def test_the_quickstart_runs_as_written(tmp_path: Path):
         assert noise not in run.stderr, run.stderr[-4000:]
 
 
-def test_the_chat_block_runs_as_written(tmp_path: Path):
-    (block,) = code_blocks("Chat, tools and sampling")
-    (tmp_path / "chat.py").write_text(block)
+
+def run_block(tmp_path: Path, section: str) -> str:
+    """Run the README section's one python block as a program (as the Quickstart is run); its stdout."""
+    (block,) = code_blocks(section)
+    (tmp_path / "block.py").write_text(block)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([sys.executable, "chat.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "block.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=540)
     assert run.returncode == 0, run.stderr[-4000:]
-    lines = run.stdout.strip().splitlines()
+    return run.stdout
+
+
+def test_the_chat_block_runs_as_written(tmp_path: Path):
+    lines = run_block(tmp_path, "Chat, tools and sampling").strip().splitlines()
     # the required tool call was dispatched, the next turn reused the conversation's prefix
-    assert lines[-2] == "['read_file'] assistant True", run.stdout[-2000:]
-    assert lines[-1] == "True", run.stdout[-2000:]
+    assert lines[-2] == "['read_file'] assistant True", lines
+    assert lines[-1] == "True", lines
 
 
 def test_the_langchain_block_runs_as_written(tmp_path: Path):
-    (block,) = code_blocks("LangChain and LangGraph")
-    (tmp_path / "lc.py").write_text(block)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([sys.executable, "lc.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=540)
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.strip().splitlines()[-2:] == ["AIMessage 16", "['llm.coder']"], run.stdout[-2000:]
+    out = run_block(tmp_path, "LangChain and LangGraph")
+    assert out.strip().splitlines()[-2:] == ["AIMessage 16", "['llm.coder']"], out[-2000:]
 
 
 def test_the_streaming_block_runs_as_written(tmp_path: Path):
-    (block,) = code_blocks("Streaming")
-    (tmp_path / "stream.py").write_text(block)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([sys.executable, "stream.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=540)
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.strip().splitlines()[-1] == "True True", run.stdout[-2000:]
+    out = run_block(tmp_path, "Streaming")
+    assert out.strip().splitlines()[-1] == "True True", out[-2000:]
 
 
 def test_the_openai_endpoint_block_runs_as_written(tmp_path: Path):
-    (block,) = code_blocks("The OpenAI-compatible endpoint")
-    (tmp_path / "oai.py").write_text(block)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([sys.executable, "oai.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=540)
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.strip().splitlines()[-1] == "chat.completion 8", run.stdout[-2000:]
+    out = run_block(tmp_path, "The OpenAI-compatible endpoint")
+    assert out.strip().splitlines()[-1] == "chat.completion 8", out[-2000:]

@@ -28,6 +28,7 @@ from typing import Any
 
 from dask_agents.model_settings import ModelSettings, byte_size
 from dask_agents.worker_plugin.host import _LOAD_LOCK, engine_priority, gather_completions, stream_deltas, wait_loaded
+from dask_agents.worker_plugin.sampling import completion_text
 from dask_agents.worker_plugin.host import resolve as _resolve
 from dask_agents.worker_plugin.token_times import TokenTimes
 from dask_agents.worker_plugin.tokenizer import ByteTokenizer
@@ -169,12 +170,6 @@ class AsyncEngineHost:
 
         return tool_calls(self.settings, self.tokenizer, text, tools)
 
-    def _text_of(self, completion: Any) -> str:
-        """A completion's text so far: vLLM's when it detokenizes, else decoded here."""
-        if getattr(self.tokenizer, "in_engine", False) and completion.text is not None:
-            return completion.text
-        return self.tokenizer.decode(list(completion.token_ids)) if self.tokenizer else ""
-
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Start a request; the returned future resolves to vLLM's final RequestOutput."""
         fut: Future = Future()
@@ -210,7 +205,7 @@ class AsyncEngineHost:
                 final = gather_completions(seen, out)
                 sink = self.stream_sinks.get(request_id) if self.stream_sinks else None
                 if sink is not None:
-                    stream_deltas(streamed, out.outputs, sink, self._text_of)
+                    stream_deltas(streamed, out.outputs, sink, lambda c: completion_text(self.tokenizer, c))
             self.steps += 1
             _resolve(fut, result=final)
         except asyncio.CancelledError:  # aborted by its caller, or the host is closing

@@ -105,19 +105,9 @@ class _EmulatedCompat:
 
     @staticmethod
     def prefix_walk(parts: EmulatedParts, hashes: list, in_lower: Any, held: set) -> tuple[int, int, list]:
-        get = parts.sched._cached.get
-        hit = restore = 0
-        touched = []
-        for h in hashes:
-            b = get(h)
-            if b is None:
-                if in_lower is None or not in_lower(h):
-                    break
-                restore += 1
-            elif b.ref_cnt == 0 and h not in held:
-                touched.append(h)
-            hit += 1
-        return hit, restore, touched
+        from dask_agents.kv.runtime.blocks import walk_prefix
+
+        return walk_prefix(parts.sched._cached.get, hashes, in_lower, held)
 
     @staticmethod
     def block_hash(block: Block) -> int | None:

@@ -298,11 +298,10 @@ class Engines:
         chat the assistant turn with its tool calls (see :func:`_assistant_turn`)."""
         from dask_agents.models import Completion
 
+        from dask_agents.worker_plugin.sampling import completion_text
+
         toks = list(comp.token_ids)
-        if getattr(host.tokenizer, "in_engine", False) and getattr(comp, "text", None) is not None:
-            text = comp.text  # the engine detokenized it (a matched stop string is cut off)
-        else:
-            text = host.tokenizer.decode(toks) if host.tokenizer else ""
+        text = completion_text(host.tokenizer, comp)
         logprobs = None
         if getattr(comp, "logprobs", None) is not None:
             logprobs = [{int(t): float(getattr(lp, "logprob", lp)) for t, lp in step.items()} for step in comp.logprobs]

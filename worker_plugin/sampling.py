@@ -134,3 +134,11 @@ def tool_calls(settings: Any, tokenizer: Any, text: str, tools: list[dict]) -> t
         content, calls = vllm_compat.extract_tool_calls(settings.tool_parser, hf, text, tools)
         return content, [_call(c["name"], c["arguments"]) for c in calls]
     return json_fallback(text, names)
+
+
+def completion_text(tokenizer: Any, completion: Any) -> str:
+    """A completion's text (so far): the engine's own when it detokenized (a matched stop string
+    is cut off), else decoded here from its token ids."""
+    if getattr(tokenizer, "in_engine", False) and getattr(completion, "text", None) is not None:
+        return completion.text
+    return tokenizer.decode(list(completion.token_ids)) if tokenizer else ""

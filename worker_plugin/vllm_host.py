@@ -22,7 +22,7 @@ from dask_agents.worker_plugin.host import (_LOAD_LOCK, _STEP_LOCK, engine_prior
                                            stream_deltas, wait_loaded)
 from dask_agents.worker_plugin.host_kv import SessionKVHost
 from dask_agents.worker_plugin.token_times import TokenTimes
-from dask_agents.worker_plugin.sampling import structured_outputs_config, tool_calls
+from dask_agents.worker_plugin.sampling import completion_text, structured_outputs_config, tool_calls
 from dask_agents.worker_plugin.tokenizer import ByteTokenizer, ModelTokenizer
 
 logger = logging.getLogger(__name__)
@@ -178,12 +178,6 @@ class EngineHost(SessionKVHost):
     def extract_tool_calls(self, text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
         """A chat output's ``(content, tool calls)`` (``tool_calls``' shared rule)."""
         return tool_calls(self.settings, self.tokenizer, text, tools)
-
-    def _text_of(self, completion: Any) -> str:
-        """A completion's text so far: vLLM's when it detokenizes, else decoded here."""
-        if getattr(self.tokenizer, "in_engine", False) and completion.text is not None:
-            return completion.text
-        return self.tokenizer.decode(list(completion.token_ids)) if self.tokenizer else ""
 
     def submit(self, request_id: str, token_ids: list[int], params: Any, session: str | None) -> Future:
         """Queue a request; the returned future resolves to vLLM's final RequestOutput."""
@@ -461,7 +455,7 @@ class EngineHost(SessionKVHost):
                             self.token_times.token(req.request_id)
                         sink = self.stream_sinks.get(req.request_id) if self.stream_sinks else None
                         if sink is not None:
-                            stream_deltas(req.streamed, out.outputs, sink, self._text_of)
+                            stream_deltas(req.streamed, out.outputs, sink, lambda c: completion_text(self.tokenizer, c))
                     if out.finished:
                         req = self._pending.pop(out.request_id, None)
                         if req is not None:

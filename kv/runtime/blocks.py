@@ -220,3 +220,22 @@ class CostModel:
         geometry = KVGeometry.from_hf_config(hf, str(m.get("dtype", "bfloat16")), int(cfg.get("block-size", 512)))
         return cls(geometry, float(cfg.get("prefill-tokens-per-s", 10_000.0)),
                    float(cfg.get("decode-s-per-token", 0.02)))
+
+
+def walk_prefix(get: Any, hashes: list, in_lower: Any, held: set) -> tuple[int, int, list]:
+    """A prompt's prefix, block by block from the start: ``(hit, restore, touched)``: blocks
+    ``get(h)`` finds on the device or (``in_lower(h)`` true; None: nothing below) in a lower
+    tier, of them those below, and the device blocks nobody references (``ref_cnt`` 0) that are
+    not in ``held``. One tight loop: the KV manager walks every waiting prompt each step."""
+    hit = restore = 0
+    touched = []
+    for h in hashes:
+        b = get(h)
+        if b is None:
+            if in_lower is None or not in_lower(h):
+                break
+            restore += 1
+        elif b.ref_cnt == 0 and h not in held:
+            touched.append(h)
+        hit += 1
+    return hit, restore, touched

@@ -206,19 +206,10 @@ def prefix_walk(parts: EngineParts, hashes: list, in_lower: Any, held: set) -> t
     tight loop (the KV manager walks every waiting request's prompt each step)."""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
+    from dask_agents.kv.runtime.blocks import walk_prefix
+
     get = parts.block_pool.cached_block_hash_to_block.get_one_block
-    hit = restore = 0
-    touched = []
-    for h in hashes:
-        b = get(make_block_hash_with_group_id(h, GROUP))
-        if b is None:
-            if in_lower is None or not in_lower(h):
-                break
-            restore += 1
-        elif b.ref_cnt == 0 and h not in held:
-            touched.append(h)
-        hit += 1
-    return hit, restore, touched
+    return walk_prefix(lambda h: get(make_block_hash_with_group_id(h, GROUP)), hashes, in_lower, held)
 
 
 def ref_count(block: Any) -> int:
