@@ -34,6 +34,7 @@ def install(client: Client, *, models: list[str] | dict[str, list[str]] | None =
         raise TypeError(f"da.install() needs a distributed.Client, got {type(client).__name__}")
     _check_models(models)
     agents_config.validate()  # a bad agents.* value fails here, naming its key
+    _check_settings(_model_names(models))
     interval = agents_config.seconds("client.batched-send-interval")
     limit = agents_config.seconds("llm.load-timeout") if timeout is None else _timeout(timeout)
     names = _model_names(models)
@@ -134,6 +135,23 @@ def _loaded(results: dict, info: dict) -> dict:
 
 def _names(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(m, str) and m for m in value)
+
+
+def _check_settings(names: set[str]) -> None:
+    """ConfigError for a model to install whose entry in the driver's ``agents.llm.models`` the
+    engines would refuse (a context longer than the model's, say), before anything is installed."""
+    from pydantic import ValidationError
+
+    from dask_agents.errors import ConfigError
+    from dask_agents.model_settings import ModelSettings
+
+    entries = agents_config.get("llm.models") or {}
+    for name in sorted(names & set(entries)):
+        try:
+            ModelSettings(**entries[name])
+        except ValidationError as e:
+            why = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+            raise ConfigError(f"agents.llm.models.{name}: {why}") from None
 
 
 def _check_models(models: Any) -> None:

@@ -7,11 +7,14 @@ configuration against: ``agents-schema.yaml`` holds no second copy of these keys
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
+import json
+import os
 from typing import Any, Literal
 
 from dask.utils import parse_bytes
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Models that ship with the package (a config with dummy weights: no download exists or is needed).
 BUILTIN_MODELS = ("tiny-llama",)
@@ -29,6 +32,22 @@ def builtin_model_path(name: str) -> str:
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown builtin model {name!r} (have: {', '.join(BUILTIN_MODELS)})")
     return str(importlib.resources.files("dask_agents.worker_plugin") / "models" / name)
+
+
+@functools.lru_cache(maxsize=64)
+def context_limit(path: str) -> int | None:
+    """The context a local model's ``config.json`` allows (``max_position_embeddings``), or None
+    where it cannot be read here (a hub name, no such key) or RoPE scaling stretches it (vLLM
+    then derives the limit itself)."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    limit = config.get("max_position_embeddings")
+    if not isinstance(limit, int) or config.get("rope_scaling") or config.get("rope_parameters"):
+        return None
+    return limit
 
 
 class ModelSettings(BaseModel):
@@ -107,6 +126,23 @@ class ModelSettings(BaseModel):
                               description="Fewest engine workers reallocation leaves this model.")
     max_replicas: int | None = Field(None, alias="max-replicas", ge=1,
                                      description="Most engine workers reallocation gives this model.")
+
+    @model_validator(mode="after")
+    def _within_context(self) -> ModelSettings:
+        # vLLM refuses a longer context at load with a pydantic message about its own ModelConfig;
+        # this says which setting and which limit, before anything loads
+        try:
+            limit = context_limit(self.model_path())
+        except ValueError:  # an unknown builtin: model_path() says so where it is used
+            return self
+        if limit is not None and self.max_model_len > limit and os.environ.get(
+                "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").lower() not in ("1", "true"):
+            raise ValueError(
+                f"max-model-len {self.max_model_len} is longer than {self.model}'s context: its config.json "
+                f"allows {limit} tokens (max_position_embeddings); set max-model-len to {limit} or less (or "
+                f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 on the workers, with which vLLM goes past it and warns that "
+                f"outputs may be wrong)")
+        return self
 
     def eos_ignored(self) -> bool:
         """Whether calls generate past EOS unless they say (``ignore-eos``; unset: dummy weights)."""

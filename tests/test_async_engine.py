@@ -56,6 +56,20 @@ def test_async_engine_serves_calls_like_the_in_process_engine(client):
     assert "no per-session KV control" in msg and "AsyncEngineHost" in msg
 
 
+def test_async_engine_streams_its_output_as_it_is_generated(client):
+    """Streaming on vLLM's AsyncLLM (the GPU workers' engine): the deltas, in order, are the
+    call's tokens and text, as on the engines dask-agents steps itself (tests/test_chat.py)."""
+    with dask.config.set({"agents.llm.stream-interval": 0}):  # every engine output: several deltas
+        with da.session(client):
+            fut = da.llm("async").generate(PROMPT, max_tokens=24, stream=True)
+            deltas = list(fut.stream(timeout=300))
+            result = fut.value(10)
+            ref = da.llm("inproc").generate(PROMPT, max_tokens=24).value(300)
+    assert len(deltas) > 1 and not any(d.restarted for d in deltas)
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids == ref.token_ids
+    assert "".join(d.text for d in deltas) == result.text == ref.text
+
+
 def _in_daemon(q) -> None:
     host = AsyncEngineHost("d", ModelSettings(engine="vllm-async", **TINY))
     host.start()

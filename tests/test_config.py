@@ -70,6 +70,9 @@ def test_shipped_model_registry_is_valid():
 def test_bad_model_settings_are_rejected():
     with pytest.raises(Exception, match="max-model-len|max_model_len"):
         ModelSettings(**{"model": "builtin:tiny-llama", "max-model-len": 2})
+    with pytest.raises(ValueError, match="max-model-len 4097 is longer than builtin:tiny-llama's context"):
+        ModelSettings(**{"model": "builtin:tiny-llama", "max-model-len": 4097})
+    assert ModelSettings(**{"model": "builtin:tiny-llama", "max-model-len": 4096}).max_model_len == 4096
     with pytest.raises(Exception, match="unknown builtin"):
         ModelSettings(model="builtin:nope").model_path()
     import dask

@@ -297,6 +297,20 @@ async def test_an_install_typo_changes_nothing_and_the_corrected_install_works(c
         assert (await da.llm("coder").generate("hi", max_tokens=2)).output_tokens == 2
 
 
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60,
+             config={"agents.llm.models": {"long": {"model": "builtin:tiny-llama", "max-model-len": 8192}}})
+async def test_a_context_longer_than_the_models_is_explained_before_install(c: Client, s: Scheduler,
+                                                                         a: Worker) -> None:
+    """On e2edf8d ``max-model-len: 8192`` on the built-in model (its config allows 4,096) failed in
+    the engine with vLLM's pydantic message about its own ModelConfig; now the install refuses it,
+    naming the key, the limit and the way past it, and installs nothing."""
+    with pytest.raises(da.ConfigError, match=r"agents\.llm\.models\.long: max-model-len 8192 is longer than "
+                       r"builtin:tiny-llama's context: its config.json allows 4096 tokens .*"
+                       r"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        await da.install(c, models=["long"])
+    assert NAME not in s.plugins and NAME not in a.plugins
+
+
 @da.tool
 def broken(x: int) -> int:
     raise ValueError(f"bad input {x}")

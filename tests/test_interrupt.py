@@ -54,8 +54,14 @@ def test_ctrl_c_ends_the_driver_and_its_cluster_without_worker_tracebacks(tmp_pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0 and "KeyboardInterrupt" in err, err[-3000:]
-    # one traceback: the driver's own KeyboardInterrupt, none from the workers or the engine
-    assert err.count("Traceback (most recent call last)") == 1, err[-4000:]
+    # one traceback: the driver's own KeyboardInterrupt, none from the workers or the engine.
+    # (Dask's own race in the driver is let through: distributed.utils.sync assigns the future it
+    # cancels on KeyboardInterrupt one loop step after it starts, so a Ctrl-C in that step logs
+    # "NameError: cannot access free variable 'future'" from the driver's event loop.)
+    dask_race = "in cancel\n    if future is not None:"
+    tracebacks = err.split("Traceback (most recent call last)")[1:]
+    ours = [t for t in tracebacks if not (dask_race in t and "NameError: cannot access free variable 'future'" in t)]
+    assert len(ours) == 1 and "KeyboardInterrupt" in ours[0], err[-4000:]
     deadline = time.monotonic() + 30
     while True:  # nothing of the group outlives the driver (workers, the engine's process)
         try:

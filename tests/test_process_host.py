@@ -183,3 +183,27 @@ def test_errors_cross_as_names_and_text_and_come_back_as_their_class():
     assert type(_rebuild(_portable(KVDirectiveError("no host tier")))) is KVDirectiveError
     odd = _rebuild(_portable(Odd(1, 2)))
     assert type(odd) is RuntimeError and "Odd" in str(odd) and "1/2" in str(odd)
+
+
+def test_the_child_imports_its_engine_with_the_collector_off_then_frozen():
+    """The child's engine library is imported with gc off (its start-up collections walked the
+    import's heap again and again) and that heap frozen, the collector on again after, also when
+    the import fails (a failed load must not leave the process collecting nothing)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, sys\n"
+        "from dask_agents.model_settings import ModelSettings\n"
+        "from dask_agents.worker_plugin.process_host import _import_engine\n"
+        "gc.disable()\n"
+        "_import_engine(ModelSettings(model='emulated-llama', engine='emulated'))\n"
+        "print(gc.isenabled(), gc.get_freeze_count() > 0)\n"
+        "gc.unfreeze(); gc.disable()\n"
+        "sys.modules['vllm'] = None  # an import that fails\n"
+        "try:\n"
+        "    _import_engine(ModelSettings(model='builtin:tiny-llama'))\n"
+        "except ImportError:\n"
+        "    print(gc.isenabled(), gc.get_freeze_count() > 0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "True", "True", "True"], out.stderr[-2000:]

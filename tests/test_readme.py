@@ -53,7 +53,12 @@ def test_the_quickstart_runs_as_written(tmp_path: Path):
     # closed cleanly: no lost-task or leaked-resource warnings from the cluster's shutdown
     for noise in ("lose already computed task", "leaked semaphore", "Traceback"):
         assert noise not in run.stderr, run.stderr[-4000:]
-
+    # at the default log level: dask-agents' one line per engine load, and at most 5 lines from
+    # the libraries (vLLM and torch printed 24 on the CPU build before they were quieted)
+    lines = [x for x in run.stderr.splitlines() if x.strip()]
+    loads = [x for x in lines if re.search(r" - dask_agents - INFO - engine coder loaded: ", x)]
+    assert len(loads) == 2, run.stderr[-4000:]
+    assert len(lines) - len(loads) <= 5, run.stderr[-4000:]
 
 
 def run_block(tmp_path: Path, section: str) -> str:

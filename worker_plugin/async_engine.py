@@ -193,12 +193,12 @@ class AsyncEngineHost:
 
     async def _generate(self, request_id: str, token_ids: list[int], sampling: Any, priority: int,
                         fut: Future, session: str | None = None) -> None:
-        from vllm.inputs import TokensPrompt
+        from dask_agents.kv.runtime.vllm_compat import token_prompt
 
         final, seen, streamed = None, {}, {}
         try:
             priority = priority if self.settings.scheduling == "priority" else 0
-            async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), sampling,
+            async for out in self._engine.generate(token_prompt(token_ids), sampling,
                                                    request_id, priority=priority, session_id=session):
                 if final is None and out.outputs and out.outputs[0].token_ids:
                     self.token_times.token(request_id)

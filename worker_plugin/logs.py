@@ -20,6 +20,11 @@ from typing import Any
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOGGER = "dask_agents"  # engine loads and other once-per-engine news
+NOTICES = (
+    ("vllm.triton_utils.importing", "on the CPU build: Triton (installed with torch) has no CPU backend, so vLLM "
+                                    "does not use it; nothing to do"),
+)
+"""vLLM loggers whose warnings are notices a user cannot act on, shown from INFO (logger, why)."""
 _filtered: list[str] = []  # the libraries' deprecation warnings are already filtered in this process
 
 
@@ -39,10 +44,16 @@ def quiet_engines(name: str | None = None) -> str:
     """Apply the level to vLLM, torch and their Python warnings in this process; returns it."""
     lvl = level(name)
     os.environ["VLLM_LOGGING_LEVEL"] = lvl
+    verbose = lvl in ("DEBUG", "INFO")
     if "torch" not in sys.modules:  # (torch reads it once, at import)
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "INFO" if lvl in ("DEBUG", "INFO") else lvl)
+        # at WARNING torch's C++ core still warns once per engine, on the CPU build, that it binds
+        # the engine's memory to NUMA node 0: a notice about a setting nobody chose, and torch's
+        # C++ warnings cannot be filtered one by one; they show from INFO
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "INFO" if verbose else "ERROR" if lvl == "WARNING" else lvl)
     # (also before vLLM is imported: its import logs a warning before its logging is set up)
     logging.getLogger("vllm").setLevel(lvl)
+    for name_, _why in NOTICES:
+        logging.getLogger(name_).setLevel(lvl if verbose else max(logging.ERROR, logging.getLevelName(lvl)))
     if logging.getLevelName(lvl) > logging.INFO and not _filtered:
         _filtered.append(lvl)  # once per process: every engine load (and restart) comes here
         for module in (r"vllm(\..*)?", r"torch(\..*)?"):

@@ -40,6 +40,20 @@ class _Request:
     streamed: dict = field(default_factory=dict)  # index -> (ids, characters) streamed so far
 
 
+def before_import(settings: ModelSettings) -> None:
+    """What must hold before vLLM is first imported in this process (its engine runs here, its
+    log level and KV events are read from the environment)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from dask_agents.worker_plugin.logs import quiet_engines
+
+    quiet_engines()  # vLLM reads its log level when first imported
+    if settings.enable_prefix_caching:  # per-session KV control tracks the device's blocks from them
+        from dask_agents.kv.runtime import vllm_compat
+
+        for k, v in vllm_compat.KV_EVENTS_ENV.items():
+            os.environ.setdefault(k, v)
+
+
 class EngineHost(SessionKVHost):
     """One vLLM engine and the thread that steps it."""
 
@@ -66,6 +80,7 @@ class EngineHost(SessionKVHost):
         self.counters = dict.fromkeys(("queries", "hits", "prefill_tokens", "decode_tokens"), 0)
         self.started_at: float | None = None
         self.load_seconds: float | None = None  # how long the load took, once loaded
+        self.load_began: float | None = None  # when the load began, if before start() (a process host's child)
         self.geometry: Any = None  # kv.KVGeometry once loaded (None for models without a local config)
         self.vocab_size: int | None = None  # the model's, once loaded: token ids are checked against it
         # Per-session KV control is optional: when kv/runtime/vllm_compat.py rejects this vLLM or the
@@ -88,18 +103,11 @@ class EngineHost(SessionKVHost):
         wait_loaded(self, timeout)
 
     def _load(self) -> Any:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from dask_agents.worker_plugin.logs import quiet_engines
-
-        quiet_engines()  # before vLLM is imported: it reads its log level then
         from dask_agents.kv.runtime import vllm_compat
 
         s = self.settings
-        events = None
-        if s.enable_prefix_caching:  # per-session KV control tracks the device's blocks from them
-            for k, v in vllm_compat.KV_EVENTS_ENV.items():
-                os.environ.setdefault(k, v)
-            events = vllm_compat.kv_events_config()
+        before_import(s)
+        events = vllm_compat.kv_events_config() if s.enable_prefix_caching else None
         from vllm import EngineArgs, LLMEngine
 
         args = EngineArgs(
@@ -283,14 +291,14 @@ class EngineHost(SessionKVHost):
         return self.kv
 
     def _admit(self, req: _Request) -> None:
-        from vllm.inputs import TokensPrompt
+        from dask_agents.kv.runtime.vllm_compat import token_prompt
 
         if not req.future.set_running_or_notify_cancel():
             return  # its caller gave up before the engine saw it; from here on it cannot cancel
         params, priority = req.params
         try:
             req.engine_id = self._engine.add_request(
-                req.request_id, TokensPrompt(prompt_token_ids=req.token_ids), params,
+                req.request_id, token_prompt(req.token_ids), params,
                 priority=priority if self.settings.scheduling == "priority" else 0, session_id=req.session)
             self._pending[req.request_id] = req
         except Exception as e:  # vLLM's own input checks refused it: fail this call only
@@ -409,7 +417,7 @@ class EngineHost(SessionKVHost):
             from dask_agents.worker_plugin.logs import engine_loaded
 
             cache = self._engine.vllm_config.cache_config
-            self.load_seconds = time.time() - (self.started_at or time.time())
+            self.load_seconds = time.time() - (self.load_began or self.started_at or time.time())
             engine_loaded(self.name, self.settings.model, self.settings.kv_bytes(), self.load_seconds,
                           cache.num_gpu_blocks, cache.block_size)
         except BaseException as e:  # reported to every caller by wait_loaded

@@ -393,6 +393,21 @@ def max_running_requests(parts: EngineParts) -> int:
 # loads (with plain prefix caching), and still needs a clean shutdown. Their callers treat a
 # failure here as "unknown" and fall back to the safe behaviour (see worker_plugin/vllm_host.py).
 
+def token_prompt(token_ids: list[int]) -> Any:
+    """A prompt of token ids as ``add_request``/``generate`` take it.
+
+    vLLM 0.32 takes an already rendered input (``vllm.inputs.tokens_input``) and warns that a raw
+    ``TokensPrompt`` is deprecated (it is parsed and rendered again per request); older releases
+    have only the ``TokensPrompt``. Either way vLLM checks the ids and the length."""
+    try:
+        from vllm.inputs import tokens_input
+    except ImportError:  # (before 0.32)
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=token_ids)
+    return tokens_input(token_ids)
+
+
 def vocab_size(engine: Any) -> int | None:
     """The model's vocabulary size (``LLMEngine`` or ``AsyncLLM``): token ids must be below it.
     vLLM checks ids only through its tokenizer, which our engines skip (``skip_tokenizer_init``)."""
