@@ -77,6 +77,17 @@ class CallFailedError(AgentsError, RuntimeError):
     def __reduce__(self):
         return (type(self), (self.args[0], self.original))
 
+    @property
+    def root(self) -> BaseException | None:
+        """The exception the failing component itself raised, through nested calls: an agent
+        that lets its tool's failure escape fails with a CallFailedError whose ``original`` is
+        the tool's, and so on down; ``root`` is the first ``original`` that is not one (None
+        where it did not travel)."""
+        e = self.original
+        while isinstance(e, CallFailedError):
+            e = e.original
+        return e
+
 
 class EngineStoppedError(AgentsError, RuntimeError):
     """An LLM engine stopped while a call waited on it. ``crashed``: it died (a failing step, its

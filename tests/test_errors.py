@@ -117,6 +117,31 @@ def _named(err: BaseException, method: str, session: da.Session, key: str) -> No
     assert f"Faulty.{method}" in text and session.id in text and key in text, text
 
 
+@da.tool
+def failing_tool(x: int) -> int:
+    raise ValueError(f"bad input {x}")
+
+
+@da.agent
+class Delegates:
+    def run(self, x: int) -> int:
+        return da.stub(failing_tool)(x).value()  # its failure escapes this agent
+
+
+def test_a_nested_failure_reaches_the_caller_with_its_root(client):
+    """An agent letting its tool's failure escape: the caller's error names the agent's call,
+    its ``original`` is the tool call's CallFailedError, and ``root`` the tool's own exception
+    (it took ``.original.original`` before)."""
+    with da.session(client, name="nested") as s:
+        fut = da.stub(Delegates).run(7)
+        with pytest.raises(da.CallFailedError) as info:
+            fut.value(60)
+    err = info.value
+    assert "Delegates.run" in str(err) and s.id in str(err)
+    assert isinstance(err.original, da.CallFailedError) and "failing_tool" in str(err.original)
+    assert type(err.root) is ValueError and str(err.root) == "bad input 7"
+
+
 @pytest.mark.parametrize("method", FAILING)
 def test_an_exception_that_does_not_travel_is_still_a_named_call_failed_error(client, method):
     with da.session(client, name=f"err-{method}") as s:
