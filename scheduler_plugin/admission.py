@@ -159,6 +159,9 @@ class Admission:
         self.step_aside = bool(agents_config.get("scheduler.admission.step-aside", True))
         self.leasing = self.step_aside and bool(agents_config.get("scheduler.admission.lease", True))
         self.near_slack = int(agents_config.get("scheduler.admission.near-slack", 1))
+        # what "least loaded" counts while stepping aside: "calls" in flight on an engine now, or
+        # its live "sessions" (a session paused on a long tool holds KV and no batch slot)
+        self.balance_by = str(agents_config.get("scheduler.admission.balance-by", "sessions"))
         self.open: dict[str, bool] = {}  # model -> its lease is out (nothing of it short), as last sent
         self._lease_dirty: set[str] = set()  # workers whose lease changed since it was last sent
         self._lease_soon = False
@@ -285,6 +288,39 @@ class Admission:
         dask_compat.restrict_to_worker(ts, HELD)
         self._set_open(model, False)  # something waits: the model's calls come here again
         return True
+
+    def bind_early(self, sid: str, model: str) -> str | None:
+        """Placement from the start: the engine of ``model`` a session's first agent call with
+        the ``model=`` hint should run beside, binding the session there now if it has no
+        engine yet (as its first LLM call would be bound while nothing of the model is short:
+        the roomiest engine). Without it the agent was placed before its session had an engine,
+        and its LLM calls then went to an engine elsewhere whenever the agent's worker had more
+        sessions than the others (4 of 12 sessions of a ReAct workflow ran none of their LLM
+        calls beside their agent). None: no engine to choose now (admission off or holding calls
+        of the model, no engine of it up yet); the agent is placed as Dask would and its session
+        is bound by its first LLM call."""
+        sk = (sid, model)
+        if sk in self.admitted_on or not (self.enabled and self.step_aside) or not self._live(sid):
+            return self.admitted_on.get(sk)
+        if not self.roster.hosts.get(model):  # loaded lazily, nowhere yet: its first LLM call starts one
+            return None
+        rooms: dict = {}
+        if self.short(model, rooms):
+            return None
+        component = f"llm.{model}"
+        h = HeldCall("", sid, model, component, time.time(), 0)
+        worker = self._roomiest(h, self.placement.candidates(model, component), rooms, loose=True)
+        if worker is None:
+            return None
+        self.models_of[sid].add(model)
+        self.admitted_on[sk] = worker
+        self.room(worker, model).sessions.add(sid)
+        self._lease_changed(worker, model)
+        self.placement.bind(sid, f"llm:{model}", worker)
+        self.counts["admitted"] += 1
+        self.counts["bound_early"] += 1
+        self.recent.append(Admitted(time.time(), sid, model, worker, 0.0, "bound at its first agent call"))
+        return worker
 
     def on_transition(self, key: str, finish: str) -> None:
         """A recorded LLM call changed state."""
@@ -495,13 +531,17 @@ class Admission:
     def _near_ok(self, h: HeldCall, candidates: list[str], rooms: dict) -> bool:
         """Whether a new session may go to the engine beside its creator (``h.near``) rather
         than the roomiest: it has a slot, the session fits, and it has at most ``near-slack``
-        live sessions more than the least loaded engine (locality, not a pile-up: its LLM calls
+        live sessions (``balance-by: calls``: calls in flight) more than the least loaded engine (locality, not a pile-up: its LLM calls
         then run there under the lease, with no hop)."""
         r = self.room(h.near, h.model)
         if not r.has_slot() or not self._fits(r, h.session, rooms, True):
             return False
-        fewest = min(len(self.room(w, h.model).sessions) for w in candidates)
-        return len(r.sessions) <= fewest + self.near_slack
+        fewest = min(self._load(self.room(w, h.model)) for w in candidates)
+        return self._load(r) <= fewest + self.near_slack
+
+    def _load(self, r: EngineRoom) -> int:
+        """An engine's load as ``balance-by`` counts it."""
+        return len(r.inflight) if self.balance_by == "calls" else len(r.sessions)
 
     def _spare(self, model: str, candidates: list[str]) -> list[str]:
         """Ready workers without an engine of lazily loaded ``model`` where a new session may
@@ -535,6 +575,8 @@ class Admission:
             cap = r.capacity or default
             free = 1.0 - self._resident(r, rooms) / (self.kv_target * r.factor * cap) if cap else 1.0
             key = (round(free, 6), -len(r.sessions), -len(r.inflight), -self.placement.assigned.get(w, 0))
+            if loose and self.balance_by == "calls":  # nothing short: the engine with the fewest calls now
+                key = (-len(r.inflight), round(free, 6), -len(r.sessions), -self.placement.assigned.get(w, 0))
             if best_key is None or key > best_key:
                 best, best_key = w, key
         return best

@@ -58,6 +58,9 @@ class Placement:
         self.state = state
         self.faults = faults
         self.routes = routes  # component -> the workers the control plane routed it to (None: not routed)
+        # (session, model) -> the engine worker a session's first agent call binds it to (admission's
+        # bind_early; the plugin sets it): None, or it returns None, leaves the agent to Dask
+        self.bind_early: Callable[[str, str], str | None] | None = None
         # (session, component or llm:model) -> worker; a dict that also indexes the LLM part
         # (the control view's KV affinity) so a tick does not scan every binding
         self.bindings: BindingMap = BindingMap()
@@ -141,6 +144,11 @@ class Placement:
                 self._bind(session, what, bound)
         self._pin(ts, bound, what)
 
+    def bind(self, session: str, what: str, worker: str) -> None:
+        """Bind (session, what) to ``worker`` before any call of it is placed (admission's
+        placement from the start); its calls are then pinned there as any bound session's."""
+        self._bind(session, what, worker)
+
     def _bind(self, session: str, what: str, worker: str) -> None:
         old = self.bindings.get((session, what))
         if old is None:
@@ -209,8 +217,11 @@ class Placement:
         """An agent call with the ``model=`` hint goes to the worker of the engine its session
         is bound to, when that worker has a free thread: the call and its LLM calls then stay in
         one process (no hop to the engine and back). Loosely: if that worker leaves, Dask places
-        it anywhere. Without a binding yet, or a busy worker, Dask places it as usual."""
+        it anywhere. Without a binding yet the session is bound now (``bind_early``), so its
+        first agent call runs beside its engine too; with a busy worker Dask places it as usual."""
         bound = self.bindings.get((sid, f"llm:{model}"))
+        if bound is None and self.bind_early is not None:  # its first call: its engine chosen now
+            bound = self.bind_early(sid, model)
         if bound is not None and dask_compat.free_threads(self.scheduler, bound) > 0:
             dask_compat.prefer_worker(ts, bound)
 

@@ -117,6 +117,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.dashboard: Any = None
         # LLM calls the scheduler holds until an engine has room (scheduler_plugin/admission.py)
         self.admission = Admission(self.roster, self.state, self.placement)
+        self.placement.bind_early = self.admission.bind_early
         # the control loop's view, updated by the hooks below (scheduler_plugin/view_index.py)
         self.view_sources = ViewSources(self.roster, self.state, self.placement.bindings, self.admission.is_held)
         self.view_index = ViewIndex(self.view_sources)

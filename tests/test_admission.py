@@ -352,3 +352,31 @@ def test_a_new_session_goes_beside_its_caller_only_within_the_near_slack(slack: 
         h = HeldCall("k", "new", "m", "llm.m", 0.0, 100, near="near")
         seen.append(adm._near_ok(h, ["near", "far"], {}))
     assert seen == near_ok
+
+
+def test_balance_by_calls_counts_calls_in_flight_not_sessions() -> None:
+    """``balance-by: calls`` (what Ray's and LangGraph's routers in the yardstick count): the
+    engine beside the caller is near enough while its calls in flight, not its live sessions,
+    are within the slack; the roomiest engine, while nothing is short, is the one with the
+    fewest calls in flight."""
+    from dask_agents.scheduler_plugin.admission import Admission, HeldCall
+    from dask_agents.scheduler_plugin.placement import Placement
+    from dask_agents.scheduler_plugin.recovery import Recovery
+    from dask_agents.scheduler_plugin.roster import Roster
+    from dask_agents.scheduler_plugin.state import WorkflowState
+
+    with dask.config.set({"agents.scheduler.admission.balance-by": "calls"}):
+        roster, state = Roster(), WorkflowState()
+        adm = Admission(roster, state, Placement(roster, state, Recovery(roster, state), lambda component: None))
+    for w in ("near", "far"):
+        r = adm.room(w, "m")
+        r.capacity, r.block_size, r.slots = 10_000, 16, 8
+    adm.room("near", "m").sessions.update(f"s{i}" for i in range(5))  # many sessions, paused on tools
+    adm.room("far", "m").inflight.update({"c1", "c2"})  # one session, two calls running
+    adm.room("far", "m").sessions.add("busy")
+    h = HeldCall("k", "new", "m", "llm.m", 0.0, 100, near="near")
+    assert adm._near_ok(h, ["near", "far"], {})  # 0 calls in flight here against 2 there
+    assert adm._roomiest(h, ["near", "far"], {}, loose=True) == "near"
+    adm.room("near", "m").inflight.update({"a", "b", "c", "d"})
+    assert not adm._near_ok(h, ["near", "far"], {})  # 4 against 2: past the slack of 1
+    assert adm._roomiest(h, ["near", "far"], {}, loose=True) == "far"

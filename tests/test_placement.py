@@ -42,3 +42,27 @@ async def test_an_agent_with_the_model_hint_runs_beside_its_sessions_engine(c: C
                 pairs.append((engine, here, llm_worker))
     assert {e for e, _, _ in pairs} == {a.address, b.address}  # sessions on both engines
     assert all(here == engine == llm for engine, here, llm in pairs), pairs  # no hop between processes
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4), ("127.0.0.1", 4)], timeout=60, config=CONFIG)
+async def test_a_sessions_first_agent_call_runs_beside_the_engine_it_is_bound_to(c: Client, s: Scheduler, a: Worker,
+                                                                                 b: Worker) -> None:
+    """Placement from the start (issue 28): the agent call that opens a session, before any LLM
+    call of it, binds the session to an engine and runs beside it. Before, it was placed first
+    and its session bound later by its first LLM call: when its worker already had more live
+    sessions than the other, that call went to the other engine (a hop for every LLM call)."""
+    import contextlib
+
+    await da.install(c, models=["emu"])
+    plugin = s.plugins[NAME]
+    await async_wait_for(lambda: len(plugin.model_workers.get("emu", ())) == 2)
+    writer = da.stub(Writer)
+    pairs = []
+    async with contextlib.AsyncExitStack() as stack:  # the sessions stay open: each one an engine's load
+        for i in range(6):
+            sess = await stack.enter_async_context(da.session(c))
+            here, llm_worker = (await writer.write(f"first {i}")).split("|")  # the session's first call
+            pairs.append((plugin.bindings[(sess.id, "llm:emu")], here, llm_worker))
+        assert plugin.admission.counts["bound_early"] == 6
+    assert all(here == engine == llm for engine, here, llm in pairs), pairs
+    assert sorted(e for e, _, _ in pairs).count(a.address) == 3  # the open sessions spread over both engines
