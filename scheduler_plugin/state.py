@@ -123,6 +123,9 @@ class SessionRecord:
     # why every stateful instance of the session is gone (it was opened on a scheduler that
     # stopped: its workers closed with it): its stateful calls here fail, never run fresh
     outlived: str | None = None
+    # The component of its first call (its root: "Planner", "Router", ...): the workflow it
+    # runs, whose own history gives its fair completion time (Agent Fair Share per workflow)
+    workflow: str | None = None
     closed_reason: str | None = None  # why the scheduler closed it (driver gone, idle), if it did
     ended: bool = False  # its completion was handled (KV dropped, instances scheduled for release)
 
@@ -145,6 +148,10 @@ class _Running:
     def std(self) -> float | None:
         """Sample standard deviation (None with fewer than two samples)."""
         return math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else None
+
+
+WORKFLOW_HISTORY = 64  # completed sessions per workflow its expected time is taken from
+WORKFLOW_MIN_SESSIONS = 3  # completed sessions before a workflow's own time is used
 
 
 class WorkflowState:
@@ -187,6 +194,18 @@ class WorkflowState:
         self.errors: deque[CallRecord] = deque(maxlen=200)
         self.calls_erred = 0
         self.sessions_failed = 0
+        # workflow (a session's root component) -> how long its latest completed sessions took
+        self.workflow_times: dict[str, deque[float]] = {}
+        self._expected: dict[str, float] | None = {}  # their medians (None: to redo)
+
+    def expected_times(self) -> dict[str, float]:
+        """Workflow -> the median time its latest completed sessions took (those with at least
+        ``WORKFLOW_MIN_SESSIONS``): a session's fair completion time. Redone only after a session
+        completed (the control loop asks every tick)."""
+        if self._expected is None:
+            self._expected = {w: sorted(t)[len(t) // 2] for w, t in self.workflow_times.items()
+                              if len(t) >= WORKFLOW_MIN_SESSIONS}
+        return self._expected
 
     # -- events -----------------------------------------------------------------------
     def session(self, sid: str, tenant: str | None, now: float) -> SessionRecord:
@@ -265,6 +284,8 @@ class WorkflowState:
                     self._client_done(gone)
         else:
             s = self.session(sid, ann.get("tenant"), now)
+            if s.workflow is None:
+                s.workflow = rec.component
             s.calls[key] = rec
             s.open_calls += 1
             s.version += 1
@@ -423,6 +444,12 @@ class WorkflowState:
                 self.sessions_failed += 1
             self.calls_of_completed += len(s.calls)
             self.completed[s.id] = now
+            if s.workflow is not None:
+                times = self.workflow_times.get(s.workflow)
+                if times is None:
+                    times = self.workflow_times[s.workflow] = deque(maxlen=WORKFLOW_HISTORY)
+                times.append(now - s.created)
+                self._expected = None
             self.completed.move_to_end(s.id)
             self.activity.pop(s.id, None)
 

@@ -62,6 +62,7 @@ class SessionView:
     progress: int  # completed calls
     open_calls: int
     state: str
+    workflow: str | None = None  # its root component (the workflow it runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +104,15 @@ class ClusterView:
     # (session, model) -> context tokens of the session's KV on its kv_affinity worker: what a
     # move to another engine recomputes
     kv_tokens: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    # workflow (root component) -> the median time its completed sessions took (those with
+    # enough history): a session's own fair completion time
+    expected_times: Mapping[str, float] = field(default_factory=dict)
 
     @staticmethod
     def freeze(now: float, workers: dict, calls: dict, sessions: dict, components: dict,
                kv_affinity: dict | None = None, truncated: bool = False, models: dict | None = None,
-               draining: set | frozenset = frozenset(), kv_tokens: dict | None = None) -> "ClusterView":
+               draining: set | frozenset = frozenset(), kv_tokens: dict | None = None,
+               expected_times: dict | None = None) -> "ClusterView":
         """Wrap plain dicts read-only; immutable maps (``immutables.Map``) are taken as they are
         (no copy: nothing can change them)."""
         return ClusterView(
@@ -116,6 +121,7 @@ class ClusterView:
             kv_affinity=_read_only(kv_affinity or {}, copy=True), truncated=truncated,
             models=MappingProxyType(dict(models or {})), draining=frozenset(draining),
             kv_tokens=_read_only(kv_tokens or {}, copy=True),
+            expected_times=MappingProxyType(dict(expected_times or {})),
         )
 
     def duration(self, component: str, default: float = 0.5) -> float:

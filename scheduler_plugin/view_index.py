@@ -236,7 +236,7 @@ class ViewSources:
 
 def session_view(rec: Any) -> SessionView:
     """The frozen view of one :class:`~dask_agents.scheduler_plugin.state.SessionRecord`."""
-    return make_session_view(rec.id, rec.tenant, rec.created, rec.progress, rec.open_calls, rec.state)
+    return make_session_view(rec.id, rec.tenant, rec.created, rec.progress, rec.open_calls, rec.state, rec.workflow)
 
 
 def call_view(src: ViewSources, ts: Any, rec: Any, worker: str | None) -> CallView:
@@ -322,7 +322,7 @@ def scan_view(src: ViewSources, now: float, max_calls: int, idle_since: dict[str
         if ctx and model in ctx:
             kv_tokens[(sid, model)] = ctx[model]
     return ClusterView.freeze(now, workers, calls, sessions, components, affinity, truncated, models,
-                              draining, kv_tokens)
+                              draining, kv_tokens, state.expected_times())
 
 
 def _worker_view(src: ViewSources, address: str, nthreads: int, processing: int, running: int,
@@ -594,7 +594,7 @@ class ViewIndex:
         draining = set(draining)
         components, models = _common(src, draining)
         return ClusterView.freeze(now, workers, calls, self.sessions, components, _affinity(src),
-                                  truncated, models, draining, self.kv_tokens)
+                                  truncated, models, draining, self.kv_tokens, src.state.expected_times())
 
     def _emit(self, src: ViewSources, address: str, summary: tuple, queued: list[CallView], now: float,
               calls: dict, workers: dict) -> None:

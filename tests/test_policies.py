@@ -13,8 +13,9 @@ from dask_agents.scheduler_plugin.view import CallView, ClusterView, ComponentVi
 NOW = 1000.0
 
 
-def call(key, worker="A", session="s1", comp="Dev", prio=None, model=None, stateful=False, nbytes=0, arrival=0):
-    return CallView(key=key, component=comp, kind="llm" if model else "agent", session=session, tenant=None,
+def call(key, worker="A", session="s1", comp="Dev", prio=None, model=None, stateful=False, nbytes=0, arrival=0,
+         tenant=None):
+    return CallView(key=key, component=comp, kind="llm" if model else "agent", session=session, tenant=tenant,
                     worker=worker, priority=prio or fifo(0, arrival), created=NOW - 1, ready=NOW - 1,
                     stateful=stateful, model=model, input_bytes=nbytes)
 
@@ -31,8 +32,8 @@ def view(workers, calls, sessions=(), components=(), affinity=None, kv_tokens=No
     )
 
 
-def session(sid, progress=0, created=NOW - 1, tenant=None):
-    return SessionView(sid, tenant, created, progress, 1, "active")
+def session(sid, progress=0, created=NOW - 1, tenant=None, workflow=None):
+    return SessionView(sid, tenant, created, progress, 1, "active", workflow)
 
 
 # -- prioritization ----------------------------------------------------------------------------
@@ -85,6 +86,67 @@ def test_bad_prioritize_options():
         Prioritize(fair_share_key="planet")
     with pytest.raises(ValueError):
         Prioritize(fair_share_slowdown=0)
+    with pytest.raises(ValueError, match="fair_share_slo\\['acme'\\] must be a positive number"):
+        Prioritize(fair_share_slo={"acme": "soon"})
+
+
+def test_fair_share_orders_two_workflows_by_their_own_expected_times():
+    """SAGA's Agent Fair Share per workflow: a chat session (its workflow's sessions took 1 s)
+    that has waited 6 s is starved; a coding session (its workflow's took 60 s) that has waited
+    60 s is not, although one budget for all (the flattened graph's 10 s) said the opposite of
+    neither and starved the coding agent. The more starved (by budgets taken) run first."""
+    comps = [ComponentView("Dev", 1.0, 10, 10.0)]  # the flattened graph: 10 s per session
+    calls = [call("code", session="coder", arrival=1), call("chat", session="chat", arrival=2),
+             call("chat2", session="chat2", arrival=3)]
+    sessions = [session("coder", progress=30, created=NOW - 60, workflow="Planner"),
+                session("chat", progress=0, created=NOW - 6, workflow="Router"),
+                session("chat2", progress=0, created=NOW - 13, workflow="Router")]
+    expected = {"Planner": 60.0, "Router": 1.0}
+    v = ClusterView.freeze(NOW, {"A": worker("A", ["code", "chat", "chat2"])}, {c.key: c for c in calls},
+                           {x.id: x for x in sessions}, {c.name: c for c in comps}, expected_times=expected)
+    acts = {a.key: a.priority for a in Prioritize(fair_share_slowdown=4.0)(v)}
+    assert acts["code"] == priority(0, 30, 1)  # 60 s of a 240 s budget: progress order only
+    assert acts["chat"] == priority(0, 0, 2, starved=1)  # 6 s past 4 x 1 s: one budget
+    assert acts["chat2"] == priority(0, 0, 3, starved=3)  # 13 s: three budgets, runs first
+    assert acts["chat2"] < acts["chat"] < acts["code"]
+    # one budget for all (no workflow history yet): the coding agent starves, the chats do not
+    flat = ClusterView.freeze(NOW, {"A": worker("A", ["code", "chat", "chat2"])}, {c.key: c for c in calls},
+                              {x.id: x for x in sessions}, {c.name: c for c in comps})
+    acts = {a.key: a.priority for a in Prioritize(fair_share_slowdown=4.0)(flat)}
+    assert acts == {"code": priority(0, 30, 1, starved=1)}
+
+
+def test_a_tenants_slo_is_its_sessions_budget():
+    calls = [call("gold", session="g", tenant="gold", arrival=1), call("free", session="f", tenant="free", arrival=2)]
+    sessions = [session("g", created=NOW - 3, tenant="gold", workflow="Router"),
+                session("f", created=NOW - 3, tenant="free", workflow="Router")]
+    v = ClusterView.freeze(NOW, {"A": worker("A", ["gold", "free"])}, {c.key: c for c in calls},
+                           {x.id: x for x in sessions}, {}, expected_times={"Router": 10.0})
+    for key in ("session", "tenant"):
+        acts = {a.key: a.priority for a in Prioritize(fair_share_key=key, fair_share_slo={"gold": 2.0})(v)}
+        assert acts == {"gold": priority(0, 0, 1, starved=1)}  # 3 s past its 2 s SLO; free has 40 s
+
+
+def test_the_state_learns_each_workflows_completion_time():
+    """A session's workflow is the component of its first call; its completed sessions' times
+    (the median of the latest) become that workflow's expected time, once there are enough."""
+    from dask_agents.scheduler_plugin.state import WORKFLOW_MIN_SESSIONS, WorkflowState
+
+    st = WorkflowState()
+    runs = [("Planner", 50.0), ("Router", 1.0), ("Planner", 70.0), ("Router", 2.0), ("Planner", 60.0),
+            ("Router", 3.0)]
+    for i, (root, took) in enumerate(runs):
+        sid, t0 = f"s{i}", 100.0 * i
+        st.add_call(f"{root}-{i}", {"session": sid, "component": root}, (), t0)
+        st.add_call(f"llm-{i}", {"session": sid, "component": "llm.coder"}, (), t0 + 0.1)  # not its root
+        assert st.sessions[sid].workflow == root
+        st.close_session(sid, t0)
+        st.on_transition(f"llm-{i}", "memory", t0 + took / 2)
+        st.on_transition(f"{root}-{i}", "memory", t0 + took)
+        assert st.sessions[sid].state == "completed"
+        if i < 2 * WORKFLOW_MIN_SESSIONS - 2:
+            assert st.expected_times() == {}  # too few of either yet
+    assert st.expected_times() == {"Planner": 60.0, "Router": 2.0}
 
 
 # -- late-binding balance ---------------------------------------------------------------------

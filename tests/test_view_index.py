@@ -355,7 +355,7 @@ def test_fast_constructors_build_what_the_dataclasses_build(data):
              "idle_since": "f?", "agents_ready": bool, "key": str, "component": str, "kind": str, "session": "s?",
              "tenant": "s?", "worker": "s?", "priority": tuple, "created": float, "ready": "f?", "stateful": bool,
              "model": "s?", "restricted": bool, "input_bytes": int, "batch_max": "i?", "id": str, "progress": int,
-             "open_calls": int, "state": str}
+             "open_calls": int, "state": str, "workflow": "s?"}
     for cls, make in ((v.WorkerView, v.make_worker_view), (v.CallView, v.make_call_view),
                       (v.SessionView, v.make_session_view)):
         fs = dataclasses.fields(cls)

@@ -92,7 +92,8 @@ def engine_priority(priority: tuple) -> int:
     if len(priority) != 5:
         return 0
     user, starved, progress = (int(x) for x in priority[:3])
-    return (user * 2 + starved) * 1_000_000 + max(progress, -999_999)
+    # starved is minus the session's fair-share deficit, 0 to 4 (policies/prioritize.MAX_DEFICIT)
+    return (user * 5 + max(starved, -4)) * 1_000_000 + max(progress, -999_999)
 
 
 def task_priority(key: str) -> tuple:
