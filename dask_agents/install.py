@@ -148,10 +148,13 @@ def _check_settings(names: set[str]) -> None:
     entries = agents_config.get("llm.models") or {}
     for name in sorted(names & set(entries)):
         try:
-            ModelSettings(**entries[name])
+            settings = ModelSettings(**entries[name])
         except ValidationError as e:
             why = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
             raise ConfigError(f"agents.llm.models.{name}: {why}") from None
+        why = settings.context_error()
+        if why is not None:
+            raise ConfigError(f"agents.llm.models.{name}: {why}")
 
 
 def _check_models(models: Any) -> None:

@@ -14,7 +14,7 @@ import os
 from typing import Any, Literal
 
 from dask.utils import parse_bytes
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 # Models that ship with the package (a config with dummy weights: no download exists or is needed).
 BUILTIN_MODELS = ("tiny-llama",)
@@ -127,22 +127,26 @@ class ModelSettings(BaseModel):
     max_replicas: int | None = Field(None, alias="max-replicas", ge=1,
                                      description="Most engine workers reallocation gives this model.")
 
-    @model_validator(mode="after")
-    def _within_context(self) -> ModelSettings:
-        # vLLM refuses a longer context at load with a pydantic message about its own ModelConfig;
-        # this says which setting and which limit, before anything loads
+    def context_error(self) -> str | None:
+        """Why a built-in model's ``max-model-len`` is past what its shipped config allows (None
+        when it is not). vLLM refuses it at load with a pydantic message about its own
+        ModelConfig; ``da.install`` says this instead, naming the setting and the limit, before
+        anything is installed. Only the built-in models are checked here (their config is
+        ours; other models' limits are vLLM's to derive), and not emulated engines."""
+        if not self.model.startswith("builtin:") or self.engine == "emulated":
+            return None
         try:
             limit = context_limit(self.model_path())
         except ValueError:  # an unknown builtin: model_path() says so where it is used
-            return self
-        if limit is not None and self.max_model_len > limit and os.environ.get(
-                "VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").lower() not in ("1", "true"):
-            raise ValueError(
-                f"max-model-len {self.max_model_len} is longer than {self.model}'s context: its config.json "
+            return None
+        if limit is None or self.max_model_len <= limit:
+            return None
+        if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true"):
+            return None
+        return (f"max-model-len {self.max_model_len} is longer than {self.model}'s context: its config.json "
                 f"allows {limit} tokens (max_position_embeddings); set max-model-len to {limit} or less (or "
-                f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 on the workers, with which vLLM goes past it and warns that "
-                f"outputs may be wrong)")
-        return self
+                f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 where the driver and the workers run, with which vLLM goes "
+                f"past it and warns that outputs may be wrong)")
 
     def eos_ignored(self) -> bool:
         """Whether calls generate past EOS unless they say (``ignore-eos``; unset: dummy weights)."""

@@ -170,6 +170,9 @@ class Admission:
         self.engines: dict[tuple[str, str], EngineRoom] = {}
         self.bound_to: dict[str, tuple[str, str]] = {}  # key -> (worker, model) while in flight
         self.admitted_on: dict[tuple[str, str], str] = {}  # (session, model) -> worker
+        # sessions bound by their first agent call (bind_early) whose LLM calls have not come yet:
+        # their working set is the model's typical peak until then
+        self.early: set[tuple[str, str]] = set()
         self.tokens: dict[tuple[str, str], int] = {}  # (session, model) -> largest call budget seen
         self.models_of: dict[str, set[str]] = defaultdict(set)  # session -> models it called (cleanup index)
         self.peak: dict[tuple[str, str], int] = {}  # (session, model) -> largest context reported
@@ -207,7 +210,7 @@ class Admission:
         held sessions back that fit (measured: 0.92x plain Dask's mean at a load it sustained)."""
         sk = (sid, model)
         tokens = max(self.peak.get(sk, 0), self.tokens.get(sk, 0))
-        if new:
+        if new or sk in self.early:
             tokens = max(tokens, int(self.typical.get(model, 0)))
         bs = self.block_size.get(model, 16)
         tokens = max(bs, tokens - int(self.shared.get(model, 0)))
@@ -269,6 +272,7 @@ class Admission:
         budget = int(ann.get("llm_prompt_len") or 0) + int(ann.get("llm_max_tokens") or 0)
         sk = (rec.session, model)
         self.models_of[rec.session].add(model)
+        self.early.discard(sk)  # (bound early: from now on it counts what its calls need)
         if budget > self.tokens.get(sk, 0):
             self.tokens[sk] = budget
         h = HeldCall(rec.key, rec.session, model, rec.component, time.time(), budget)
@@ -308,10 +312,17 @@ class Admission:
         if self.short(model, rooms):
             return None
         component = f"llm.{model}"
+        candidates = self.placement.candidates(model, component)
+        if self._spare(model, candidates):  # another engine may start: its first LLM call decides
+            return None
         h = HeldCall("", sid, model, component, time.time(), 0)
-        worker = self._roomiest(h, self.placement.candidates(model, component), rooms, loose=True)
+        # it must fit with the typical peak of the model's sessions (loose=False), and it counts
+        # that peak until its own first LLM call says what it needs (``early``): a burst of
+        # sessions opened by agent calls must not all bind at one block each, then outgrow the KV
+        worker = self._roomiest(h, candidates, rooms, loose=False)
         if worker is None:
             return None
+        self.early.add(sk)
         self.models_of[sid].add(model)
         self.admitted_on[sk] = worker
         self.room(worker, model).sessions.add(sid)
@@ -421,6 +432,7 @@ class Admission:
                 self._lease_changed(worker, model)
         peak = self.peak.pop((sid, model), 0)
         self.tokens.pop((sid, model), None)
+        self.early.discard((sid, model))
         models = self.models_of.get(sid)
         if models is not None:
             models.discard(model)
@@ -531,8 +543,9 @@ class Admission:
     def _near_ok(self, h: HeldCall, candidates: list[str], rooms: dict) -> bool:
         """Whether a new session may go to the engine beside its creator (``h.near``) rather
         than the roomiest: it has a slot, the session fits, and it has at most ``near-slack``
-        live sessions (``balance-by: calls``: calls in flight) more than the least loaded engine (locality, not a pile-up: its LLM calls
-        then run there under the lease, with no hop)."""
+        live sessions (``balance-by: calls``: calls in flight) more than the least loaded
+        engine (locality, not a pile-up: its LLM calls then run there under the lease, with no
+        hop)."""
         r = self.room(h.near, h.model)
         if not r.has_slot() or not self._fits(r, h.session, rooms, True):
             return False

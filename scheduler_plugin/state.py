@@ -126,6 +126,7 @@ class SessionRecord:
     # The component of its first call (its root: "Planner", "Router", ...): the workflow it
     # runs, whose own history gives its fair completion time (Agent Fair Share per workflow)
     workflow: str | None = None
+    timed: bool = False  # its completion time went into its workflow's history
     closed_reason: str | None = None  # why the scheduler closed it (driver gone, idle), if it did
     ended: bool = False  # its completion was handled (KV dropped, instances scheduled for release)
 
@@ -152,6 +153,7 @@ class _Running:
 
 WORKFLOW_HISTORY = 64  # completed sessions per workflow its expected time is taken from
 WORKFLOW_MIN_SESSIONS = 3  # completed sessions before a workflow's own time is used
+WORKFLOWS_MAX = 1024  # workflows whose history is kept (the oldest seen goes first)
 
 
 class WorkflowState:
@@ -444,12 +446,17 @@ class WorkflowState:
                 self.sessions_failed += 1
             self.calls_of_completed += len(s.calls)
             self.completed[s.id] = now
-            if s.workflow is not None:
+            # its time teaches its workflow's fair time: once (a reopened session completes
+            # again), and only if it ran as meant (not failed, not closed by the scheduler)
+            if s.workflow is not None and not s.timed and not s.failed and s.closed_reason is None:
+                s.timed = True
                 times = self.workflow_times.get(s.workflow)
                 if times is None:
                     times = self.workflow_times[s.workflow] = deque(maxlen=WORKFLOW_HISTORY)
                 times.append(now - s.created)
                 self._expected = None
+                if len(self.workflow_times) > WORKFLOWS_MAX:  # root names come from clients: a bound
+                    del self.workflow_times[next(iter(self.workflow_times))]
             self.completed.move_to_end(s.id)
             self.activity.pop(s.id, None)
 

@@ -380,3 +380,38 @@ def test_balance_by_calls_counts_calls_in_flight_not_sessions() -> None:
     adm.room("near", "m").inflight.update({"a", "b", "c", "d"})
     assert not adm._near_ok(h, ["near", "far"], {})  # 4 against 2: past the slack of 1
     assert adm._roomiest(h, ["near", "far"], {}, loose=True) == "far"
+
+
+def test_sessions_bound_by_their_first_agent_call_count_the_typical_peak() -> None:
+    """Placement from the start must not get around admission: a burst of sessions opened by
+    agent calls (``bind_early``, before any LLM call says what a session needs) binds only
+    while each fits at the model's typical peak, and counts that peak until its first LLM call;
+    the rest are left to their first LLM call, which admission holds until there is room. An
+    engine that may still start elsewhere (``_spare``) leaves the choice to that call too."""
+    from dask_agents.scheduler_plugin.admission import Admission
+    from dask_agents.scheduler_plugin.placement import Placement
+    from dask_agents.scheduler_plugin.recovery import Recovery
+    from dask_agents.scheduler_plugin.roster import Roster
+    from dask_agents.scheduler_plugin.state import WorkflowState
+
+    roster, state = Roster(), WorkflowState()
+    adm = Admission(roster, state, Placement(roster, state, Recovery(roster, state), lambda component: None))
+    for w in ("w1", "w2"):
+        r = adm.room(w, "m")
+        r.capacity, r.block_size, r.slots = 100, 16, 64  # a KV limit of 0.9 x 100 = 90 blocks each
+        roster.hosts["m"].add(w)
+    adm.placement.candidates = lambda model, component: ["w1", "w2"]
+    adm._spare = lambda model, candidates: []
+    adm.typical["m"] = 30 * 16  # the model's sessions grow to 30 blocks
+    for i in range(10):
+        state.session(f"s{i}", None, 0.0)
+    bound = [adm.bind_early(f"s{i}", "m") for i in range(10)]
+    # 30 blocks each: three fit an engine (90), and the model is short once one engine is past 0.9 x 90
+    assert bound == ["w1", "w2", "w1", "w2", "w1"] + [None] * 5, bound
+    assert adm.working_set("s0", "m") == 30 and adm.counts["bound_early"] == 5
+    adm.early.discard(("s0", "m"))  # (what its first LLM call does): it counts what it needs
+    assert adm.working_set("s0", "m") == 1
+    adm._spare = lambda model, candidates: ["w3"]  # a third engine may start: not bound here
+    state.session("s10", None, 0.0)
+    adm.room("w1", "m").sessions.clear()
+    assert adm.bind_early("s10", "m") is None

@@ -147,6 +147,16 @@ def test_the_state_learns_each_workflows_completion_time():
         if i < 2 * WORKFLOW_MIN_SESSIONS - 2:
             assert st.expected_times() == {}  # too few of either yet
     assert st.expected_times() == {"Planner": 60.0, "Router": 2.0}
+    # a completed session reopened by a late call and completed again counts once; a session
+    # with a failed call, or one the scheduler closed, does not count
+    st.add_call("Router-late", {"session": "s1", "component": "Router"}, (), 900.0)
+    st.on_transition("Router-late", "memory", 999.0)
+    assert st.sessions["s1"].state == "completed" and len(st.workflow_times["Router"]) == 3
+    st.add_call("Router-bad", {"session": "bad", "component": "Router"}, (), 1000.0)
+    st.close_session("bad", 1000.0)
+    st.on_transition("Router-bad", "erred", 1900.0, error="boom")
+    assert st.sessions["bad"].state == "completed" and len(st.workflow_times["Router"]) == 3
+    assert st.expected_times() == {"Planner": 60.0, "Router": 2.0}
 
 
 # -- late-binding balance ---------------------------------------------------------------------
@@ -319,6 +329,11 @@ def test_engine_priority_keeps_the_workflow_order():
     assert engine_priority(starved) < engine_priority(advanced) < engine_priority(new)
     assert engine_priority(priority(-1, 0, 1)) < engine_priority(starved)  # user priority still wins
     assert engine_priority((0, 3, 1)) == 0  # not ours: neutral
+    # the most starved (a deficit of 4) stays within its user priority, in the engine as in Dask
+    most = priority(0, 0, 10, starved=4)
+    assert engine_priority(priority(-1, 0, 1)) < engine_priority(most) < engine_priority(priority(0, 9, 2, starved=3))
+    assert engine_priority(most) < engine_priority(priority(1, 0, 1, starved=4))
+    assert priority(-1, 0, 1) < most < priority(1, 0, 1, starved=4)
 
 
 def test_reallocation_ignores_too_few_completions():

