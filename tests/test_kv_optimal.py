@@ -185,3 +185,21 @@ def test_offline_schedule_is_not_beaten_when_running_steps_fit(trace, extra, hos
     assert offline >= lower_bound(trace, t, COST).recomputed_tokens
     for cls in POLICIES.values():
         assert Simulator(trace, t, cls(PARAMS), COST, tick=0.1).run().recomputed_tokens >= offline, cls.name
+
+
+def test_offline_schedule_evicts_the_deeper_of_equal_next_reads():
+    """Found by the property above (hypothesis): s1 reads (200, 201, 202), then (200, 201) while
+    s2 needs a third block (300), then (200, 201, 202) again. At s2's arrival every block is next
+    read by s1's last step; 202, no longer in s1's latest prompt (stale), counted as a chain's
+    head, so 201 went first and s1's last step recomputed 201 and 202: 24 tokens against LRU's 20.
+    A stale block now ranks by its position in the read that needs it."""
+    def step(sid, at, blocks, last):
+        return Step(sid, at, tuple(blocks), 0, 1, 0.0, "file_io", "act", last)
+
+    trace = Trace("equal-reads", "file", BS, (
+        step("s0", 0, [], True), step("s1", 0, [200, 201, 202], False), step("s2", 0, [], False),
+        step("s1", 0.05, [200, 201], False), step("s2", 0.05, [300], True), step("s1", 0.1, [200, 201, 202], True)))
+    t = tiers(trace.peak_running(), 0)
+    offline = Simulator(trace, t, Offline(trace, PARAMS), COST, tick=0.1).run().recomputed_tokens
+    lru = Simulator(trace, t, POLICIES["lru"](PARAMS), COST, tick=0.1).run().recomputed_tokens
+    assert offline == lru == 5 * BS  # the four blocks once, and 202 again

@@ -225,6 +225,7 @@ class Offline(Policy):
         # still ordered), and arrival times for prefetch timing.
         self._arrivals: dict[str, list[int]] = {}
         self._uses: dict[int, list[int]] = {}
+        self._depths: dict[int, list[int]] = {}  # block -> its position in each read (beside _uses)
         self._at: list[float] = []
         for _, arrival, i in trace.timeline():
             if arrival:
@@ -232,8 +233,9 @@ class Offline(Policy):
                 step = trace.steps[i]
                 self._at.append(step.at)
                 self._arrivals.setdefault(step.session, []).append(k)
-                for b in step.blocks:
+                for depth, b in enumerate(step.blocks):
                     self._uses.setdefault(b, []).append(k)
+                    self._depths.setdefault(b, []).append(depth)
 
     @staticmethod
     def _next(ordinals: list[int], view: KVView) -> float:
@@ -243,6 +245,13 @@ class Offline(Policy):
     def next_use(self, view: KVView, block: int) -> float:
         """Arrival ordinal of the next step that reads ``block`` (inf if none)."""
         return self._next(self._uses.get(block, []), view)
+
+    def next_depth(self, view: KVView, block: int) -> int:
+        """``block``'s position in the next step that reads it (0 if none): at equal next reads
+        the deeper block goes first, since a miss recomputes every block after it."""
+        uses = self._uses.get(block, [])
+        i = bisect.bisect_left(uses, view.arrivals)
+        return self._depths[block][i] if i < len(uses) else 0
 
     def next_step(self, view: KVView, sid: str) -> float:
         """Arrival ordinal of the session's next step (inf if none)."""
@@ -273,8 +282,8 @@ class Offline(Policy):
             nu = self.next_use(view, b)
             if nu == _NEVER:
                 yield b
-            else:
-                heap.append((-nu, 0, seq, 0, (b,)))
+            else:  # (its depth in the read that needs it: a stale block is no chain's head)
+                heap.append((-nu, -self.next_depth(view, b), seq, 0, (b,)))
                 seq += 1
         for s in view.sessions.values():
             if s.state != FINISHED and s.blocks and getattr(s, tier) > 0:
