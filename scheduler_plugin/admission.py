@@ -49,6 +49,16 @@ workflow policy is blind. So the scheduler keeps LLM calls until an engine has r
   session's prefix was evicted (cache hits below half of what the session held) moves the
   limit (``adaptive``): additive increase while new sessions wait and nothing is evicted,
   multiplicative decrease when prefixes go missing (:meth:`Admission.adapt`).
+- **Parking (pause and resume at tool boundaries).** An admitted session paused on a tool
+  expected to outlast moving its KV to the host tier and back (``park-margin`` x its working
+  set's offload plus restore time at ``agents.kv.tiers.host.bandwidth``; the expected rest of
+  the pause from :meth:`KVHints.remaining`, learned per tool kind) is left out of its engine's
+  resident working sets while the engine's host tier has room for it (longest pauses first), so
+  a waiting session is admitted in its place (``counts["admitted_parked"]``). Nothing is sent:
+  the engine's KV manager moves the parked KV to the host when the newcomer's prefill needs
+  the room (paused sessions on long tools come first in its eviction order) and restores it
+  when the tool returns (the ``running`` hint). A parked session that resumes is admitted as
+  it is (its calls never wait for room it had); the engine restores or recomputes what it must.
 - **Bounded wait.** A new session held for ``max-wait`` is admitted to the engine with a
   free slot and the smallest working set anyway, and the admission says so (event topic
   ``agents-admission``, counter ``waited_out``): never starved.
@@ -65,7 +75,7 @@ import math
 import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import dask_agents.config as agents_config
 from dask_agents.stats import percentile
@@ -76,6 +86,13 @@ from dask_agents.scheduler_plugin.state import WorkflowState
 
 if TYPE_CHECKING:
     from dask_agents.scheduler_plugin.placement import Placement
+
+
+class Pauses(Protocol):
+    """How much longer a paused session waits (:class:`~dask_agents.scheduler_plugin.kv_hints.KVHints`)."""
+
+    def remaining(self, sid: str, now: float) -> float | None:
+        """Expected seconds until ``sid``'s pause ends; None when it is not paused on a tool."""
 
 HELD = "inproc://dask-agents-held-llm-call"
 TOPIC = "agents-admission"
@@ -96,6 +113,8 @@ class EngineRoom:
     used: int | None = None
     pinned: int | None = None
     free: int | None = None
+    block_bytes: int | None = None  # bytes of one KV block (reported capacity / blocks)
+    host_free: int | None = None  # blocks the host tier has free (None: no host tier reported)
     inflight: set[str] = field(default_factory=set)  # calls bound here that have not ended
     sessions: set[str] = field(default_factory=set)  # sessions admitted here
     # The estimates' correction, learned from what the engine shows (see KVFeedback): the
@@ -146,10 +165,12 @@ class Admission:
 
     SHORT = 0.9  # an engine this full (slots, or KV limit) makes its model short: see short()
 
-    def __init__(self, roster: Roster, state: WorkflowState, placement: "Placement"):
+    def __init__(self, roster: Roster, state: WorkflowState, placement: "Placement",
+                 pauses: Pauses | None = None):
         self.roster = roster
         self.state = state
         self.placement = placement  # binds the calls admitted (and lists an engine's candidates)
+        self.pauses = pauses  # how much longer paused sessions wait (KVHints): parking
         self.enabled = bool(agents_config.get("scheduler.admission.enabled", True))
         self.max_wait = agents_config.seconds("scheduler.admission.max-wait")
         self.kv_target = float(agents_config.get("scheduler.admission.kv-target", 0.9))
@@ -162,6 +183,10 @@ class Admission:
         # what "least loaded" counts while stepping aside: "calls" in flight on an engine now, or
         # its live "sessions" (a session paused on a long tool holds KV and no batch slot)
         self.balance_by = str(agents_config.get("scheduler.admission.balance-by", "sessions"))
+        self.park = bool(agents_config.get("scheduler.admission.park", True))
+        self.park_margin = float(agents_config.get("scheduler.admission.park-margin", 2.0))
+        self.host_bandwidth = agents_config.parse_bandwidth(agents_config.get("kv.tiers.host.bandwidth", "25 GB/s"))
+        self.interval = agents_config.seconds("scheduler.admission.interval")
         self.open: dict[str, bool] = {}  # model -> its lease is out (nothing of it short), as last sent
         self._lease_dirty: set[str] = set()  # workers whose lease changed since it was last sent
         self._lease_soon = False
@@ -225,15 +250,47 @@ class Admission:
         s = self.state.sessions.get(sid)
         return s is not None and s.state != "completed"
 
-    def resident(self, room: EngineRoom) -> int:
+    def resident(self, room: EngineRoom, parked: bool = True) -> int:
         """Blocks of the working sets of the live sessions admitted to ``room`` (dropping the
-        ones that ended without our hook running: expired records)."""
+        ones that ended without our hook running: expired records), less the parked ones'
+        (:meth:`parked`) unless ``parked`` is False."""
         gone = [sid for sid in room.sessions if not self._live(sid)]
         for sid in gone:
             self._forget_session(sid, room.model)
         if not room.sessions:
             return 0
-        return self.shared_blocks(room.model) + sum(self.working_set(sid, room.model) for sid in room.sessions)
+        total = self.shared_blocks(room.model) + sum(self.working_set(sid, room.model) for sid in room.sessions)
+        if parked:
+            total -= sum(self.parked(room, time.time()).values())
+        return total
+
+    def parked(self, room: EngineRoom, now: float) -> dict[str, int]:
+        """Sessions admitted to ``room`` whose KV may leave its device for the host tier now, with
+        their working sets (blocks): paused on tools whose expected rest (``pauses``) is more
+        than ``park-margin`` x the time to offload and restore that KV, and more than two
+        admission intervals (the pump must see the room before the session is back); the
+        longest pauses first, as many as the host tier's free blocks hold. Empty without a
+        host tier, without pause estimates, or with ``park`` off."""
+        if not (self.park and self.pauses is not None and room.host_free and room.block_bytes):
+            return {}
+        candidates = []
+        for sid in room.sessions:
+            if (sid, room.model) in self.early:
+                continue
+            rest = self.pauses.remaining(sid, now)
+            if rest is None or rest <= 2 * self.interval:
+                continue
+            blocks = self.working_set(sid, room.model)
+            move_s = 2 * blocks * room.block_bytes / self.host_bandwidth  # offload, then restore
+            if rest > self.park_margin * move_s:
+                candidates.append((rest, sid, blocks))
+        out: dict[str, int] = {}
+        room_left = room.host_free
+        for _rest, sid, blocks in sorted(candidates, reverse=True):
+            if blocks <= room_left:
+                out[sid] = blocks
+                room_left -= blocks
+        return out
 
     def short(self, model: str, rooms: dict) -> bool:
         """Whether ``model``'s engines are short of room, so admission must hold and order calls
@@ -388,6 +445,11 @@ class Admission:
             if blocks.get("capacity"):
                 r.capacity = int(blocks["capacity"])
             r.used, r.pinned, r.free = blocks.get("used"), blocks.get("pinned"), blocks.get("free")
+            cap_bytes, held = st.get("kv_capacity_bytes") or {}, st.get("kv_bytes") or {}
+            if r.capacity and cap_bytes.get("device"):
+                r.block_bytes = max(1, int(cap_bytes["device"]) // r.capacity)
+            if r.block_bytes and cap_bytes.get("host"):
+                r.host_free = max(0, int(cap_bytes["host"]) - int(held.get("host") or 0)) // r.block_bytes
         if self.held:
             self._soon()
 
@@ -614,6 +676,9 @@ class Admission:
             self.waits.append(waited)
             self.counts["admitted"] += 1
             if old is None:
+                if self.park and not h.note and self._into_parked(r, h.session, rooms):
+                    self.counts["admitted_parked"] += 1
+                    h.note = "into the room of sessions parked on tools"
                 self.recent.append(Admitted(time.time(), h.session, h.model, worker, waited, h.note))
                 if h.note:
                     dask_compat.add_event(self.roster.scheduler, TOPIC, {"action": "admitted", "session": h.session,
@@ -624,6 +689,16 @@ class Admission:
         r.inflight.add(h.key)
         self.bound_to[h.key] = (worker, h.model)
         self.counts["bound"] += 1
+
+    def _into_parked(self, r: EngineRoom, sid: str, rooms: dict) -> bool:
+        """Whether session ``sid``, just admitted to ``r``, fits only because parked sessions'
+        working sets were left out (``rooms`` still holds ``r``'s count from before it came)."""
+        parked = self.parked(r, time.time())
+        if not parked:
+            return False
+        mine = self.working_set(sid, r.model, new=True)
+        resident = self._resident(r, rooms) - self.working_set(sid, r.model)  # (cached, or recounted with it)
+        return resident + sum(parked.values()) + mine > r.kv_limit(self.kv_target)
 
     def _hold(self, h: HeldCall) -> None:
         self.held[h.key] = h
@@ -796,6 +871,7 @@ class Admission:
             "wait_p99_s": percentile(waits, 99) if waits.size else None,
             "engines": [{"worker": r.worker, "model": r.model, "slots": r.slots, "inflight": len(r.inflight),
                          "sessions": len(r.sessions), "resident_blocks": self.resident(r),
+                         "parked": len(self.parked(r, time.time())), "host_free_blocks": r.host_free,
                          "capacity_blocks": r.capacity, "used_blocks": r.used, "pinned_blocks": r.pinned,
                          "free_blocks": r.free, "limit_factor": round(r.factor, 3),
                          "prefix_miss_rate": round(r.misses, 3)} for r in self.engines.values()],

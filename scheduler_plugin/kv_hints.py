@@ -12,15 +12,31 @@ session's KV a small hint at each change (on the batched stream, off the critica
   the pause from the tool's latency distribution (``dask_agents.kv.runtime.aeg``) and retain, offload or prefetch;
 - ``finished``: sent by the session's end (``agents_end_session``), which invalidates at once.
 
+A session's tool calls end its pause: when the last of its tool calls in flight ends while none
+of its LLM calls runs, the holders hear ``running`` again (its next LLM call is coming: the
+manager starts restoring what it offloaded one hop before that call is even created).
+
 Hints only inform the worker's policy; a lost or late hint costs cache hits, never a call.
+
+Pauses. The same transitions tell how long each paused session will wait:
+:meth:`KVHints.remaining` is the expected rest of its pause, from the latency distribution of
+each tool kind it waits on (SAGA's prior for the kind, scaled by ``agents.emulation.time-scale``,
+until ``agents.kv.min-samples`` tool calls of the kind were seen ending here; then those
+samples), conditioned on how long the tool has run. Admission reads it to park sessions paused on
+long tools (``scheduler_plugin/admission.py``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict
 from typing import Any, Callable
 
 from dask.utils import key_split
+
+import dask_agents.config as agents_config
+from dask_agents.kv.runtime.aeg import LatencyModel
+from dask_agents.kv.runtime.tool_latency import PRIORS, ToolLatency
 
 HINT_OP = "agents-kv-hint"
 _DONE = ("memory", "erred", "released", "forgotten")
@@ -40,13 +56,21 @@ class KVHints:
         self._session_of: dict[str, str] = {}
         self._last: dict[str, tuple] = {}  # session -> last (state, wait_key) sent
         self._ended: set[str] = set()  # recently ended sessions: late transitions are ignored
+        # session -> its tool calls of a known kind in flight: call key -> (kind, started)
+        self.tools: dict[str, dict[str, tuple[str, float]]] = defaultdict(dict)
+        self.latency: dict[str, LatencyModel] = {}  # tool kind -> its latency, learned from calls ending here
+        self._scale = float(agents_config.get("emulation.time-scale", 1.0)) or 1.0
+        self._min_samples = int(agents_config.get("kv.min-samples", 20))
 
-    def on_transition(self, rec: Any, finish: str, worker: str | None) -> None:
+    def on_transition(self, rec: Any, finish: str, worker: str | None, now: float | None = None) -> None:
         """A call of a session changed state (``rec``: its CallRecord; ``worker``: where it
-        runs, for ``processing``)."""
+        runs, for ``processing``; ``now``: when, default now: a fast-path call's own times)."""
         sid = rec.session
         if sid is None or sid in self._ended:
             return
+        kind = getattr(rec, "tool_kind", None)
+        if kind and rec.kind != "llm":
+            self._tool(sid, rec.key, kind, finish, time.time() if now is None else now)
         if rec.kind == "llm":
             if finish == "processing" and worker is not None and rec.key not in self._processing.get(sid, ()):
                 self._processing[sid].add(rec.key)
@@ -57,9 +81,46 @@ class KVHints:
             elif finish in _DONE and rec.key in self._processing.get(sid, ()):
                 self._llm_done(sid, rec.key, key_split(rec.creator) if rec.creator else None)
         elif finish == "processing" and sid in self.holders and not self.llm_open.get(sid):
-            kind = getattr(rec, "tool_kind", None)
             if kind:  # the session's KV now waits on this tool: its kind predicts for how long
                 self._hint(sid, "paused", wait_key=kind)
+        elif (kind and finish in _DONE and sid in self.holders and not self.llm_open.get(sid)
+              and not self.tools.get(sid)):  # its last tool returned: its next LLM call is coming
+            self._hint(sid, "running")
+
+    def _tool(self, sid: str, key: str, kind: str, finish: str, now: float) -> None:
+        """Track a tool call of a known kind: in flight from ``processing``; its duration, when
+        it ends in ``memory``, teaches its kind's latency."""
+        if finish == "processing":
+            self.tools[sid].setdefault(key, (kind, now))
+            return
+        if finish not in _DONE:
+            return
+        calls = self.tools.get(sid)
+        entry = calls.pop(key, None) if calls is not None else None
+        if calls is not None and not calls:
+            del self.tools[sid]
+        if entry is not None and finish == "memory" and now >= entry[1]:
+            self.latency_of(kind).add(now - entry[1])
+
+    def latency_of(self, kind: str) -> LatencyModel:
+        """The latency model of tool kind ``kind`` (its prior scaled by the emulation time scale
+        until enough of its calls were seen end)."""
+        m = self.latency.get(kind)
+        if m is None:
+            p = PRIORS.get(kind, PRIORS["custom"])
+            if self._scale != 1.0:
+                p = ToolLatency(p.p50 * self._scale, p.p95 * self._scale, p.p99 * self._scale)
+            m = self.latency[kind] = LatencyModel(p, self._min_samples)
+        return m
+
+    def remaining(self, sid: str, now: float) -> float | None:
+        """Expected seconds until session ``sid``'s pause ends: the longest expected rest of
+        its tool calls in flight, each given how long it has run; None when it is not paused on
+        a tool (an LLM call of it runs, or it waits on something else: no prediction)."""
+        calls = self.tools.get(sid)
+        if not calls or self.llm_open.get(sid):
+            return None
+        return max(self.latency_of(kind).residual(max(0.0, now - started)) for kind, started in calls.values())
 
     def forget(self, key: str) -> None:
         """An LLM call left ``processing`` after the workflow state dropped its record (O(1)):
@@ -88,6 +149,7 @@ class KVHints:
         self.holders.pop(sid, None)
         self.llm_open.pop(sid, None)
         self._last.pop(sid, None)
+        self.tools.pop(sid, None)
         for key in self._processing.pop(sid, ()):
             self._session_of.pop(key, None)
         self._ended.add(sid)

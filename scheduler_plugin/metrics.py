@@ -18,6 +18,7 @@ import bisect
 import logging
 import math
 import threading
+import time
 import weakref
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -447,9 +448,11 @@ def _admission_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
     yield waiting
     decisions = CounterMetricFamily(_name("admission_decisions"), "Admission decisions by kind (admitted: a "
                                     "session given an engine; waited_out: admitted after max-wait without room; "
-                                    "rebound: a waiting call moved to another engine; bound: calls bound)",
+                                    "rebound: a waiting call moved to another engine; bound: calls bound; "
+                                    "admitted_parked: a session admitted into the room of sessions parked on tools)",
                                     labels=["kind"])
-    for kind in ("admitted", "bound", "held", "waited_out", "rebound", "policy_targets", "engines_started"):
+    for kind in ("admitted", "bound", "held", "waited_out", "rebound", "policy_targets", "engines_started",
+                 "admitted_parked"):
         decisions.add_metric([kind], adm.counts.get(kind, 0))
     yield decisions
     resident = GaugeMetricFamily(_name("admission_resident_blocks"), "Estimated KV blocks of the live sessions "
@@ -457,8 +460,13 @@ def _admission_families(plugin: "AgentsSchedulerPlugin") -> Iterator[Any]:
                                  labels=["worker", "model"])
     inflight = GaugeMetricFamily(_name("admission_calls_bound"), "LLM calls bound to an engine and not ended, "
                                  "by worker and model", labels=["worker", "model"])
+    parked = GaugeMetricFamily(_name("admission_parked_sessions"), "Admitted sessions paused on a tool long "
+                               "enough for their KV to wait in the host tier, left out of the resident blocks, "
+                               "by worker and model", labels=["worker", "model"])
     name = worker_label(plugin)
     engines = list(adm.engines.values())
+    now = time.time()
+    yield _summed(parked, [((name(r.worker), r.model), len(adm.parked(r, now))) for r in engines])
     yield _summed(resident, [((name(r.worker), r.model), adm.resident(r)) for r in engines])
     yield _summed(inflight, [((name(r.worker), r.model), len(r.inflight)) for r in engines])
 

@@ -116,7 +116,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                                      agents_config.seconds("dashboard.window"))
         self.dashboard: Any = None
         # LLM calls the scheduler holds until an engine has room (scheduler_plugin/admission.py)
-        self.admission = Admission(self.roster, self.state, self.placement)
+        self.admission = Admission(self.roster, self.state, self.placement, pauses=self.kv_hints)
         self.placement.bind_early = self.admission.bind_early
         # the control loop's view, updated by the hooks below (scheduler_plugin/view_index.py)
         self.view_sources = ViewSources(self.roster, self.state, self.placement.bindings, self.admission.is_held)
@@ -517,7 +517,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         key = rec.key
         if finish == "processing" and worker is not None and rec.kind == "llm" and rec.session is not None:
             self.placement.session_workers[rec.session].add(worker)  # its KV is there: dropped at session end
-        self.kv_hints.on_transition(rec, finish, worker)
+        self.kv_hints.on_transition(rec, finish, worker, now)
         self.view_index.on_transition(rec, finish, worker, ts)
         if rec.kind == "llm":
             self.admission.on_transition(key, finish)

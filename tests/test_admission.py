@@ -12,6 +12,7 @@ as the control plane knows, with no timing involved.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Iterator
 
 import dask
@@ -415,3 +416,120 @@ def test_sessions_bound_by_their_first_agent_call_count_the_typical_peak() -> No
     state.session("s10", None, 0.0)
     adm.room("w1", "m").sessions.clear()
     assert adm.bind_early("s10", "m") is None
+
+
+def test_sessions_paused_on_long_tools_are_parked_while_the_host_tier_holds_them() -> None:
+    """Pause and resume at tool boundaries: an admitted session whose tool is expected to run
+    longer than ``park-margin`` x moving its KV to the host tier and back leaves its engine's
+    resident working sets while the host tier has room for it (longest pauses first), so a
+    waiting session fits in its place; short pauses, sessions not paused on a tool, a full
+    host tier or ``park: false`` park nothing."""
+    from dask_agents.scheduler_plugin.admission import Admission
+    from dask_agents.scheduler_plugin.placement import Placement
+    from dask_agents.scheduler_plugin.recovery import Recovery
+    from dask_agents.scheduler_plugin.roster import Roster
+    from dask_agents.scheduler_plugin.state import WorkflowState
+
+    class Pauses:
+        rest: dict[str, float] = {}
+
+        def remaining(self, sid: str, now: float) -> float | None:
+            return self.rest.get(sid)
+
+    def make(**config: object) -> Admission:
+        with dask.config.set({f"agents.scheduler.admission.{k}": v for k, v in config.items()}):
+            roster, state = Roster(), WorkflowState()
+            adm = Admission(roster, state, Placement(roster, state, Recovery(roster, state), lambda c: None),
+                            pauses=Pauses())
+        for i in range(4):
+            state.session(f"s{i}", None, 0.0)
+        # 100 blocks of 2 MiB on the device (a KV limit of 90), 40 free in the host tier
+        adm.on_engine_stats("w", {"m": {"block_size": 16, "kv_blocks": {"capacity": 100},
+                                        "kv_capacity_bytes": {"device": 100 * 2**21, "host": 50 * 2**21},
+                                        "kv_bytes": {"device": 0, "host": 10 * 2**21}}})
+        r = adm.room("w", "m")
+        for sid, tokens in (("s0", 30 * 16), ("s1", 30 * 16), ("s2", 20 * 16)):
+            r.sessions.add(sid)
+            adm.admitted_on[(sid, "m")] = "w"
+            adm.peak[(sid, "m")] = tokens
+        return adm
+
+    adm = make()
+    r = adm.room("w", "m")
+    assert r.host_free == 40 and r.block_bytes == 2**21
+    adm.typical["m"] = 30 * 16
+    assert adm.resident(r) == 80 and not adm._fits(r, "s3", {})  # s3 (30 blocks at its peak) waits
+    # s0 waits on a 40 s test run, s2 on a 20 s one, s1 on a 50 ms file read: moving 30 blocks
+    # (60 MiB) out and back takes 5 ms at 25 GB/s, but the pump must see the room first
+    adm.pauses.rest = {"s0": 40.0, "s1": 0.05, "s2": 20.0}
+    assert adm.parked(r, 0.0) == {"s0": 30}  # the host tier's 40 blocks hold s0, not s0 and s2
+    assert adm.resident(r) == 50 and adm.resident(r, parked=False) == 80 and adm._fits(r, "s3", {})
+    r.host_free = 25
+    assert adm.parked(r, 0.0) == {"s2": 20}  # only the smaller one fits the host tier now
+    r.host_free = 60
+    assert adm.parked(r, 0.0) == {"s0": 30, "s2": 20}
+    adm.park_margin = 1e6  # a margin past what a 40 s pause covers: nothing is worth moving
+    assert adm.parked(r, 0.0) == {}
+    adm.pauses.rest = {}  # nobody waits on a tool
+    assert adm.parked(make().room("w", "m"), 0.0) == {}
+    off = make(park=False)
+    off.pauses.rest = {"s0": 40.0}
+    assert off.parked(off.room("w", "m"), 0.0) == {} and off.resident(off.room("w", "m")) == 80
+    no_host = make()
+    no_host.pauses.rest = {"s0": 40.0}
+    no_host.room("w", "m").host_free = None
+    assert no_host.parked(no_host.room("w", "m"), 0.0) == {}
+
+
+_TOOL_GO = threading.Event()
+
+
+@da.tool(kind="code_exec")
+def _test_run_held() -> str:
+    """A test run that lasts until the test lets it end."""
+    _TOOL_GO.wait(60)
+    return "passed"
+
+
+# the engine of CONFIG with a host tier of 64 blocks; a waiting new session is admitted after
+# 20 s at most (the test would see ``waited_out``, not ``admitted_parked``)
+PARK = {**CONFIG, "agents.scheduler.admission.max-wait": "20s",
+        "agents.llm.models": {"emu": {**EMU, "emulation": {**EMU["emulation"], "host_kv_blocks": 64}}}}
+LONG_B = [(7 * i) % 251 + 3 for i in range(600)]  # 600 tokens (with 100 output: 44 blocks), not LONG's prefix
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], timeout=60, config=PARK)
+async def test_a_session_paused_on_a_long_tool_makes_room_for_a_waiting_one(c: Client, s: Scheduler,
+                                                                          a: Worker) -> None:
+    """Pause and resume (issue 28): session A (32 blocks) waits on a test run; session B (44
+    blocks) does not fit beside it under the engine's limit (57 of 64 blocks) and would wait
+    (max-wait); A is parked instead, B admitted and served, A's KV moved to the host tier for
+    B's prefill, and A's next call, after its tool, finds its whole prompt cached (restored from
+    the host: host hits, nothing recomputed)."""
+    import time
+
+    plugin = await _engines(c, s, 1)
+    adm = plugin.admission
+    await async_wait_for(lambda: adm.room(a.address, "emu").host_free == 64)
+    engine = a.plugins["dask-agents"].engines.start("emu")
+    _TOOL_GO.clear()
+    try:
+        async with da.session(c) as sa:
+            first = await da.llm("emu").generate(LONG, max_tokens=100)
+            assert first.cached_tokens == 0
+            run = da.stub(_test_run_held)()
+            await async_wait_for(lambda: plugin.kv_hints.remaining(sa.id, time.time()) is not None)
+            assert adm.parked(adm.room(a.address, "emu"), time.time()) == {sa.id: 32}
+            async with da.session(c) as sb:
+                out_b = await da.llm("emu").generate(LONG_B, max_tokens=100)
+            assert out_b.output_tokens == 100 and out_b.worker == a.address
+            assert adm.counts["admitted_parked"] == 1 and adm.counts["waited_out"] == 0
+            assert [x.note for x in adm.recent if x.session == sb.id] == ["into the room of sessions parked on tools"]
+            assert engine.stats()["offloaded_blocks"] > 0  # A's blocks made room for B's
+            _TOOL_GO.set()
+            assert await run == "passed"
+            again = await da.llm("emu").generate(LONG + [5] * 40, max_tokens=10)
+        assert again.cached_tokens == 400  # A's 25 full prompt blocks: kept or restored, none recomputed
+        assert engine.stats()["host_hits"] > 0
+    finally:
+        _TOOL_GO.set()

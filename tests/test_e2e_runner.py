@@ -214,14 +214,19 @@ def test_ideal_llm_seconds_is_the_cost_models_single_sequence_time():
 
 
 @pytest.mark.parametrize("name", ["swe", "finance", "router"])
-def test_ideal_bound_is_below_an_unloaded_request_and_tight_on_the_in_process_floor(name):
+def test_ideal_bound_is_below_an_unloaded_request_and_counts_every_component(name, monkeypatch):
     """One request alone: the bound is below what the plain-Dask baseline measures and below the
     in-process floor (every concurrent agent with an engine to itself: the bound's single-sequence
-    steps), and not loose by a whole component (a bound that left out the tools or the LLM steps).
+    steps), and not loose by a whole component: it exceeds the same critical path with the tools,
+    or the LLM steps, taken as free (a bound that left either out would equal one of them), and
+    is at most their sum.
 
     Wall-clock emulation: load on the machine only slows the floor, so "below" cannot flake. How
     tight the bound is (within 10% here alone, 1.11x on CI's two cores) is a speed, measured by the
-    benchmark, not asserted; the LLM steps' exactness is asserted on the cost model above."""
+    benchmark, not asserted (it was, and flaked 3x slow under the full suite's load); the LLM
+    steps' exactness is asserted on the cost model above."""
+    from benchmarks.e2e import ideal as ideal_mod
+    from benchmarks.e2e.program import LLMOut
     from benchmarks.e2e.variants.common import InProcess
 
     wf = workflow(name)
@@ -233,7 +238,16 @@ def test_ideal_bound_is_below_an_unloaded_request_and_tight_on_the_in_process_fl
     floor = runner.run_point(lambda: InProcess(setup, per_agent=True), wf, [spec], [0.0], 0.01, setup,
                              {spec.id: bound}, 600)
     assert floor["completed"] == 1 and bound[0] < floor["mean_s"]
-    assert bound[0] > floor["mean_s"] / 2, (floor["mean_s"], bound[0])
+    with monkeypatch.context() as m:  # tools free: the LLM steps' critical path alone
+        m.setattr(ideal_mod._Ctx, "tool", lambda self, call: call.answer)
+        llm_only = ideal(wf, spec, setup.engine)[0]
+    with monkeypatch.context() as m:  # LLM free: the tools' critical path alone
+        m.setattr(ideal_mod._Ctx, "llm", lambda self, call: LLMOut(len(call.prompt), 0, call.max_tokens))
+        tools_only = ideal(wf, spec, setup.engine)[0]
+    # each component adds to it, and it is no longer than both critical paths end to end (a
+    # path's LLM steps and tools are at most each one's longest path)
+    assert 0 < llm_only < bound[0] and 0 < tools_only < bound[0], (bound[0], llm_only, tools_only)
+    assert bound[0] <= (llm_only + tools_only) * (1 + 1e-9), (bound[0], llm_only, tools_only)
     if name == "swe":
         from benchmarks.e2e.variants.dask_plain import PlainDask
 

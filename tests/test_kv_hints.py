@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dask
+import pytest
+
 from dask_agents.scheduler_plugin.kv_hints import HINT_OP, KVHints
 
 
@@ -97,3 +100,61 @@ def test_session_end_drops_the_key_index_too():
     h.on_transition(Rec("llm.coder-a", "llm"), "processing", "w1")
     h.on_session_end("s1")
     assert not h._session_of
+
+
+def test_the_last_tool_returning_tells_the_holders_the_session_resumes():
+    """A session's KV waits on its tools; when the last of them returns (and no LLM call of it
+    runs) its next LLM call is coming: the holders hear ``running`` (restore now), not before."""
+    h, sent = hints()
+    llm = Rec("llm.coder-1", "llm")
+    h.on_transition(llm, "processing", "w1", now=0.0)
+    h.on_transition(llm, "memory", None, now=1.0)
+    tests, lint = Rec("run_tests-1", "tool", tool_kind="code_exec"), Rec("lint-1", "tool", tool_kind="file_io")
+    h.on_transition(tests, "processing", "w2", now=1.0)
+    h.on_transition(lint, "processing", "w2", now=1.0)
+    h.on_transition(lint, "memory", None, now=1.2)  # the tests still run: still paused
+    assert [(m[1], m[3]) for m in sent] == [("running", None), ("paused", None), ("paused", "code_exec"),
+                                            ("paused", "file_io")]
+    h.on_transition(tests, "memory", None, now=9.0)
+    assert sent[-1] == ("w1", "running", None, None) and not h.tools
+    # and what they took is learned, per kind
+    assert h.latency_of("code_exec").n == 1 and h.latency_of("file_io").n == 1
+    assert h.latency_of("code_exec")._sorted == [pytest.approx(8.0)]
+
+
+def test_remaining_is_the_longest_expected_rest_of_the_tools_in_flight():
+    """The expected rest of a pause: per tool in flight its kind's latency given how long it
+    ran (the prior until enough samples, then the samples); None while an LLM call of the
+    session runs or it waits on no tool (nothing to predict from)."""
+    with dask.config.set({"agents.kv.min-samples": 3}):
+        h, _ = hints()
+    assert h.remaining("s1", 0.0) is None
+    for i, d in enumerate((10.0, 20.0, 30.0)):  # code_exec calls took 10, 20 and 30 s
+        t = Rec(f"t-{i}", "tool", tool_kind="code_exec")
+        h.on_transition(t, "processing", "w", now=0.0)
+        h.on_transition(t, "memory", None, now=d)
+    slow, fast = Rec("tests-9", "tool", tool_kind="code_exec"), Rec("read-9", "tool", tool_kind="file_io")
+    h.on_transition(slow, "processing", "w", now=100.0)
+    h.on_transition(fast, "processing", "w", now=100.0)
+    assert h.remaining("s1", 100.0) == pytest.approx(20.0)  # mean of 10, 20, 30: the longest rest
+    h.on_transition(fast, "memory", None, now=101.0)
+    assert h.remaining("s1", 115.0) == pytest.approx(10.0)  # ran 15 s: 20 or 30, 10 s more expected
+    assert h.remaining("s2", 115.0) is None
+    llm = Rec("llm.coder-2", "llm")
+    h.on_transition(llm, "processing", "w", now=116.0)  # an LLM call runs (a parallel branch)
+    assert h.remaining("s1", 116.0) is None
+    h.on_transition(llm, "erred", None, now=117.0)
+    h.on_transition(slow, "erred", None, now=118.0)  # failed: not a latency sample
+    assert h.latency_of("code_exec").n == 3 and "s1" not in h.tools
+    h.on_transition(Rec("read-10", "tool", tool_kind="file_io"), "processing", "w", now=119.0)
+    h.on_session_end("s1")
+    assert h.remaining("s1", 120.0) is None and not h.tools
+
+
+def test_tool_priors_are_scaled_by_the_emulation_time_scale():
+    from dask_agents.kv.runtime.tool_latency import prior
+
+    with dask.config.set({"agents.emulation.time-scale": 0.1}):
+        h, _ = hints()
+    assert h.latency_of("code_exec").prior.p50 == pytest.approx(prior("code_exec").p50 * 0.1)
+    assert h.latency_of("no-such-kind").prior.p50 == pytest.approx(prior("custom").p50 * 0.1)
