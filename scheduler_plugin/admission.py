@@ -59,6 +59,8 @@ workflow policy is blind. So the scheduler keeps LLM calls until an engine has r
   the room (paused sessions on long tools come first in its eviction order) and restores it
   when the tool returns (the ``running`` hint). A parked session that resumes is admitted as
   it is (its calls never wait for room it had); the engine restores or recomputes what it must.
+  Two such sessions in a row returning to a recompute pause parking on that engine for
+  ``max-wait``.
 - **Bounded wait.** A new session held for ``max-wait`` is admitted to the engine with a
   free slot and the smallest working set anyway, and the admission says so (event topic
   ``agents-admission``, counter ``waited_out``): never starved.
@@ -115,6 +117,9 @@ class EngineRoom:
     free: int | None = None
     block_bytes: int | None = None  # bytes of one KV block (reported capacity / blocks)
     host_free: int | None = None  # blocks the host tier has free (None: no host tier reported)
+    lent: set[str] = field(default_factory=set)  # parked sessions whose room a newcomer took, until they return
+    park_misses: int = 0  # such sessions in a row whose return found their prefix gone
+    park_off_until: float = 0.0  # parking paused here until then (returns kept missing)
     inflight: set[str] = field(default_factory=set)  # calls bound here that have not ended
     sessions: set[str] = field(default_factory=set)  # sessions admitted here
     # The estimates' correction, learned from what the engine shows (see KVFeedback): the
@@ -270,8 +275,11 @@ class Admission:
         than ``park-margin`` x the time to offload and restore that KV, and more than two
         admission intervals (the pump must see the room before the session is back); the
         longest pauses first, as many as the host tier's free blocks hold. Empty without a
-        host tier, without pause estimates, or with ``park`` off."""
-        if not (self.park and self.pauses is not None and room.host_free and room.block_bytes):
+        host tier, without pause estimates, with ``park`` off, or for ``max-wait`` after
+        :data:`PARK_MISSES` sessions in a row whose room was lent came back to find their
+        prefix gone (recomputed: the engine could not keep or restore it)."""
+        if not (self.park and self.pauses is not None and room.host_free and room.block_bytes) \
+                or now < room.park_off_until:
             return {}
         candidates = []
         for sid in room.sessions:
@@ -426,6 +434,8 @@ class Admission:
         before = self.peak.get(sk)
         if before is not None and m.get("cached_tokens") is not None and self.admitted_on.get(sk) == rec.worker:
             self._feedback(rec.worker, rec.model, int(m["prompt_tokens"]), int(m["cached_tokens"]), before)
+            self._park_feedback(rec.worker, rec.session, rec.model, int(m["prompt_tokens"]),
+                                int(m["cached_tokens"]), before)
         if sk not in self.peak and m.get("cached_tokens") is not None:  # its first call: hits are shared blocks
             old = self.shared.get(rec.model)
             cached = float(m["cached_tokens"])
@@ -491,6 +501,7 @@ class Admission:
             r = self.engines.get((worker, model))
             if r is not None:
                 r.sessions.discard(sid)
+                r.lent.discard(sid)
                 self._lease_changed(worker, model)
         peak = self.peak.pop((sid, model), 0)
         self.tokens.pop((sid, model), None)
@@ -690,15 +701,42 @@ class Admission:
         self.bound_to[h.key] = (worker, h.model)
         self.counts["bound"] += 1
 
+    PARK_MISSES = 2  # lent sessions in a row returning to a recompute: parking pauses on that engine
+
     def _into_parked(self, r: EngineRoom, sid: str, rooms: dict) -> bool:
         """Whether session ``sid``, just admitted to ``r``, fits only because parked sessions'
-        working sets were left out (``rooms`` still holds ``r``'s count from before it came)."""
+        working sets were left out (``rooms`` still holds ``r``'s count from before it came);
+        if so those sessions' room is lent (:meth:`_park_feedback` judges their return)."""
         parked = self.parked(r, time.time())
         if not parked:
             return False
         mine = self.working_set(sid, r.model, new=True)
         resident = self._resident(r, rooms) - self.working_set(sid, r.model)  # (cached, or recounted with it)
-        return resident + sum(parked.values()) + mine > r.kv_limit(self.kv_target)
+        if resident + sum(parked.values()) + mine <= r.kv_limit(self.kv_target):
+            return False
+        r.lent.update(parked)
+        return True
+
+    def _park_feedback(self, worker: str, sid: str, model: str, prompt: int, cached: int, held_before: int) -> None:
+        """A returning call of ``sid`` on ``worker``: if its room was lent while it was parked,
+        whether its prefix was kept or restored (else recomputed: a miss). ``PARK_MISSES`` misses
+        in a row pause parking on the engine for ``max-wait``; a hit resets the count."""
+        r = self.engines.get((worker, model))
+        if r is None or sid not in r.lent:
+            return
+        r.lent.discard(sid)
+        expected = min(prompt, held_before)
+        if expected < 2 * r.block_size:
+            return
+        if cached >= 0.5 * expected:
+            r.park_misses = 0
+            return
+        r.park_misses += 1
+        self.counts["park_misses"] += 1
+        if r.park_misses >= self.PARK_MISSES:
+            r.park_misses = 0
+            r.park_off_until = time.time() + self.max_wait
+            self.counts["park_paused"] += 1
 
     def _hold(self, h: HeldCall) -> None:
         self.held[h.key] = h

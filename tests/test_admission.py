@@ -533,3 +533,57 @@ async def test_a_session_paused_on_a_long_tool_makes_room_for_a_waiting_one(c: C
         assert engine.stats()["host_hits"] > 0
     finally:
         _TOOL_GO.set()
+
+
+def test_parking_pauses_on_an_engine_whose_parked_sessions_come_back_to_a_recompute() -> None:
+    """A parked session whose room was lent and whose return finds its prefix gone cost a
+    recompute (the host tier could not keep it, or the tool ended before the restore): two in
+    a row pause parking on that engine for ``max-wait``; a return that finds its prefix resets
+    the count."""
+    import time
+
+    from dask_agents.scheduler_plugin.admission import Admission
+    from dask_agents.scheduler_plugin.placement import Placement
+    from dask_agents.scheduler_plugin.recovery import Recovery
+    from dask_agents.scheduler_plugin.roster import Roster
+    from dask_agents.scheduler_plugin.state import WorkflowState
+
+    class Pauses:
+        def remaining(self, sid: str, now: float) -> float | None:
+            return 40.0 if sid.startswith("p") else None
+
+    roster, state = Roster(), WorkflowState()
+    adm = Admission(roster, state, Placement(roster, state, Recovery(roster, state), lambda c: None), pauses=Pauses())
+    adm.on_engine_stats("w", {"m": {"block_size": 16, "kv_blocks": {"capacity": 100},
+                                    "kv_capacity_bytes": {"device": 100 * 2**21, "host": 100 * 2**21}}})
+    r = adm.room("w", "m")
+    adm.typical["m"] = 40 * 16
+    for sid in ("p1", "p2", "p3", "n1", "n2", "n3"):
+        state.session(sid, None, 0.0)
+
+    def returns(sid: str, cached: int) -> None:
+        rec = type("Rec", (), {"model": "m", "session": sid, "worker": "w",
+                               "metrics": {"prompt_tokens": 800, "cached_tokens": cached, "output_tokens": 10}})()
+        adm.on_llm_report(rec)
+
+    def park_and_lend(parked: str, newcomer: str) -> None:
+        r.sessions.clear()
+        r.sessions.add(parked)
+        adm.admitted_on[(parked, "m")] = "w"
+        adm.peak[(parked, "m")] = 60 * 16  # 60 blocks: a 40-block newcomer fits (limit 90) only in its room
+        assert adm.parked(r, time.time()) == {parked: 60}
+        r.sessions.add(newcomer)
+        assert adm._into_parked(r, newcomer, {}) and parked in r.lent
+        r.sessions.discard(newcomer)
+
+    park_and_lend("p1", "n1")
+    returns("p1", cached=800)  # kept or restored: a hit
+    assert r.park_misses == 0 and not r.lent
+    park_and_lend("p2", "n2")
+    returns("p2", cached=0)  # recomputed
+    assert r.park_misses == 1 and adm.parked(r, time.time()) == {"p2": 60}  # one miss: parking goes on
+    park_and_lend("p3", "n3")
+    returns("p3", cached=16)  # recomputed again: two in a row
+    assert adm.counts["park_misses"] == 2 and adm.counts["park_paused"] == 1
+    assert adm.parked(r, time.time()) == {} and r.park_off_until >= time.time() + adm.max_wait - 1
+    assert adm.parked(r, r.park_off_until + 1) == {"p3": 60}  # after max-wait it parks again
