@@ -587,3 +587,51 @@ def test_parking_pauses_on_an_engine_whose_parked_sessions_come_back_to_a_recomp
     assert adm.counts["park_misses"] == 2 and adm.counts["park_paused"] == 1
     assert adm.parked(r, time.time()) == {} and r.park_off_until >= time.time() + adm.max_wait - 1
     assert adm.parked(r, r.park_off_until + 1) == {"p3": 60}  # after max-wait it parks again
+
+
+def test_admission_without_a_cap_holds_what_a_tuned_cap_would_and_follows_a_doubled_context() -> None:
+    """No cap is configured: the number of live sessions an engine admits comes from the
+    working sets it learns (ended sessions' peak contexts, live sessions' own). On a hand-made
+    trace of sessions that grow to 100 blocks on an engine whose limit is 900 blocks, it settles
+    at 9 live sessions, the cap a user would tune; when contexts double to 200 blocks, it
+    settles at 4 once the typical peak has followed, with no knob touched."""
+    from collections import deque
+
+    from dask_agents.scheduler_plugin.admission import Admission
+    from dask_agents.scheduler_plugin.placement import Placement
+    from dask_agents.scheduler_plugin.recovery import Recovery
+    from dask_agents.scheduler_plugin.roster import Roster
+    from dask_agents.scheduler_plugin.state import WorkflowState
+
+    roster, state = Roster(), WorkflowState()
+    adm = Admission(roster, state, Placement(roster, state, Recovery(roster, state), lambda c: None))
+    adm.on_engine_stats("w", {"m": {"block_size": 16, "kv_blocks": {"capacity": 1000}}})
+    r = adm.room("w", "m")
+    live: deque[str] = deque()
+    n = 0
+
+    def run(blocks: int, sessions: int) -> list[int]:
+        """Sessions arrive whenever one may be admitted and each grows to ``blocks``; the oldest
+        ends before the next arrival: the live count at each admission."""
+        nonlocal n
+        seen = []
+        for _ in range(sessions):
+            sid = f"s{n}"
+            n += 1
+            state.session(sid, None, 0.0)
+            while not adm._fits(r, sid, {}):  # it waits until enough sessions ended
+                old = live.popleft()
+                state.sessions[old].state = "completed"
+                adm.on_session_ended(old)
+            r.sessions.add(sid)
+            adm.admitted_on[(sid, "m")] = "w"
+            adm.models_of[sid].add("m")
+            adm.peak[(sid, "m")] = blocks * 16  # it grows to its peak
+            live.append(sid)
+            seen.append(len(live))
+        return seen
+
+    first = run(100, 60)
+    assert first[-20:] == [9] * 20 and adm.typical["m"] == pytest.approx(1600)
+    second = run(200, 60)
+    assert second[-20:] == [4] * 20 and adm.typical["m"] == pytest.approx(3200, rel=0.01)
