@@ -635,3 +635,63 @@ def test_admission_without_a_cap_holds_what_a_tuned_cap_would_and_follows_a_doub
     assert first[-20:] == [9] * 20 and adm.typical["m"] == pytest.approx(1600)
     second = run(200, 60)
     assert second[-20:] == [4] * 20 and adm.typical["m"] == pytest.approx(3200, rel=0.01)
+
+
+@da.tool(kind="code_exec")
+def _test_run(seconds: float) -> str:
+    """A test run of known length (the workload's tool latency, what the KV manager learns)."""
+    import time
+
+    time.sleep(seconds)
+    return "passed"
+
+
+@da.tool(kind="code_exec")
+def _test_run_until_restored(session: str) -> bool:
+    """A test run that ends once ``session``'s KV, after leaving the engine's device for the host
+    tier, is all back on the device (at most 60 s): True if it saw both while still running."""
+    import time
+
+    from distributed import get_worker
+
+    engine = get_worker().plugins["dask-agents"].engines.start("emu")
+    deadline = time.monotonic() + 60
+    offloaded = False
+    while time.monotonic() < deadline:
+        r = engine.kv_directive("inspect", session)["residency"]
+        offloaded = offloaded or r["device_blocks"] < r["blocks"]
+        if offloaded and r["device_blocks"] == r["blocks"]:  # (the host tier may keep its copy)
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 4)], timeout=90,
+             config={**PARK, "agents.kv.min-samples": 3, "agents.kv.prefetch-margin": "500ms", "agents.kv.tick": "20ms"})
+async def test_a_parked_session_is_restored_before_its_tool_returns(c: Client, s: Scheduler, a: Worker) -> None:
+    """Pause and resume (issue 28), the resume half: session A's test runs take about 3 s (its
+    first three teach the scheduler and the engine's KV manager); A is parked during the fourth,
+    B takes its room and ends; the KV manager brings A's KV back from the host tier while the
+    test still runs, on its learned length: the tool itself sees A's blocks back on the device
+    before it returns (it ends only then, so a restore after it could not pass)."""
+    import time
+
+    plugin = await _engines(c, s, 1)
+    adm = plugin.admission
+    await async_wait_for(lambda: adm.room(a.address, "emu").host_free == 64)
+    engine = a.plugins["dask-agents"].engines.start("emu")
+    llm = da.llm("emu")
+    async with da.session(c) as sa:
+        await llm.generate(LONG, max_tokens=100)
+        for i in range(3):  # what its test runs take, learned on both sides
+            assert await da.stub(_test_run)(3.0) == "passed"
+            await llm.generate(LONG + [5] * (i + 1), max_tokens=10)
+        assert plugin.kv_hints.latency_of("code_exec").empirical
+        run = da.stub(_test_run_until_restored)(sa.id)
+        await async_wait_for(lambda: sa.id in adm.parked(adm.room(a.address, "emu"), time.time()))
+        async with da.session(c):
+            await llm.generate(LONG_B, max_tokens=100)
+        assert adm.counts["admitted_parked"] == 1 and engine.stats()["offloaded_blocks"] > 0
+        assert await run is True  # restored while the tool ran
+        again = await llm.generate(LONG + [6] * 40, max_tokens=10)
+    assert again.cached_tokens == 400
