@@ -96,6 +96,7 @@ class Pauses(Protocol):
     def remaining(self, sid: str, now: float) -> float | None:
         """Expected seconds until ``sid``'s pause ends; None when it is not paused on a tool."""
 
+
 HELD = "inproc://dask-agents-held-llm-call"
 TOPIC = "agents-admission"
 LEASE_OP = "agents-lease"  # scheduler -> worker: dask_agents.worker_plugin.plugin.LEASE_OP

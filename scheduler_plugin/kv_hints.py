@@ -46,6 +46,8 @@ class KVHints:
     """Tracks, per session, which workers hold its KV and whether an LLM call of it is in flight,
     and sends ``HINT_OP`` messages through ``send(worker, msg)`` when that changes."""
 
+    MAX_KINDS = 256  # tool kinds with a latency model of their own (more share "custom"'s)
+
     def __init__(self, send: Callable[[str, dict], None]):
         self.send = send
         self.holders: dict[str, set[str]] = defaultdict(set)  # session -> workers its LLM calls ran on
@@ -106,6 +108,8 @@ class KVHints:
         """The latency model of tool kind ``kind`` (its prior scaled by the emulation time scale
         until enough of its calls were seen end)."""
         m = self.latency.get(kind)
+        if m is None and len(self.latency) >= self.MAX_KINDS and kind not in PRIORS:
+            return self.latency_of("custom")  # a bound: kinds are clients' strings
         if m is None:
             p = PRIORS.get(kind, PRIORS["custom"])
             if self._scale != 1.0:

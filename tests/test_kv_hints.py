@@ -158,3 +158,13 @@ def test_tool_priors_are_scaled_by_the_emulation_time_scale():
         h, _ = hints()
     assert h.latency_of("code_exec").prior.p50 == pytest.approx(prior("code_exec").p50 * 0.1)
     assert h.latency_of("no-such-kind").prior.p50 == pytest.approx(prior("custom").p50 * 0.1)
+
+
+def test_latency_models_are_bounded_in_number():
+    """Tool kinds are clients' strings: past ``MAX_KINDS`` models, unknown kinds share the
+    default kind's (memory on the scheduler stays bounded)."""
+    h, _ = hints()
+    h.MAX_KINDS = 4
+    models = [h.latency_of(f"kind-{i}") for i in range(10)]
+    assert len(h.latency) == 5 and models[-1] is h.latency["custom"]
+    assert h.latency_of("code_exec") is h.latency["code_exec"]  # a known kind always has its own

@@ -67,7 +67,7 @@ def test_a_parked_sessions_kv_comes_back_from_the_host_exactly(client):
             first = llm.generate(PROMPT_A, max_tokens=40).value(300)
             run = da.stub(held_test_run)()
             wait_for(lambda: sa.id in adm.parked(room, time.time()))
-            with da.session(client) as sb:
+            with da.session(client):
                 out_b = llm.generate(PROMPT_B, max_tokens=40).value(300)
             assert out_b.output_tokens == 40
             assert adm.counts["admitted_parked"] == 1 and adm.counts["waited_out"] == 0
