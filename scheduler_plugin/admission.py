@@ -50,11 +50,12 @@ workflow policy is blind. So the scheduler keeps LLM calls until an engine has r
   limit (``adaptive``): additive increase while new sessions wait and nothing is evicted,
   multiplicative decrease when prefixes go missing (:meth:`Admission.adapt`).
 - **Parking (pause and resume at tool boundaries).** An admitted session paused on a tool
-  expected to outlast moving its KV to the host tier and back (``park-margin`` x its working
-  set's offload plus restore time at ``agents.kv.tiers.host.bandwidth``; the expected rest of
-  the pause from :meth:`KVHints.remaining`, learned per tool kind) is left out of its engine's
-  resident working sets while the engine's host tier has room for it (longest pauses first), so
-  a waiting session is admitted in its place (``counts["admitted_parked"]``). Nothing is sent:
+  unlikely to return before its KV could move to the host tier and back (``park-margin`` x its
+  working set's offload plus restore time at ``agents.kv.tiers.host.bandwidth``; the odds from
+  :meth:`KVHints.resume_within`, learned per tool kind) is left out of its engine's resident
+  working sets while the engine's host tier has room for it (longest pauses first), so a
+  waiting session is admitted in its place (``counts["admitted_parked"]``), borrowing the
+  room of as few parked sessions as cover it; those stay parked until they are back. Nothing is sent:
   the engine's KV manager moves the parked KV to the host when the newcomer's prefill needs
   the room (paused sessions on long tools come first in its eviction order) and restores it
   when the tool returns (the ``running`` hint). A parked session that resumes is admitted as
@@ -95,6 +96,9 @@ class Pauses(Protocol):
 
     def remaining(self, sid: str, now: float) -> float | None:
         """Expected seconds until ``sid``'s pause ends; None when it is not paused on a tool."""
+
+    def resume_within(self, sid: str, now: float, horizon: float) -> float | None:
+        """Probability that ``sid``'s pause ends within ``horizon`` s; None when not paused on a tool."""
 
 
 HELD = "inproc://dask-agents-held-llm-call"
@@ -204,6 +208,10 @@ class Admission:
         # sessions bound by their first agent call (bind_early) whose LLM calls have not come yet:
         # their working set is the model's typical peak until then
         self.early: set[tuple[str, str]] = set()
+        # LLM calls held or bound and not ended, per (session, model): such a session is back
+        # (or about to be) whatever its tools say, so it is never parked
+        self._open: Counter = Counter()
+        self._open_sk: dict[str, tuple[str, str]] = {}  # call key -> its (session, model) in ``_open``
         self.tokens: dict[tuple[str, str], int] = {}  # (session, model) -> largest call budget seen
         self.models_of: dict[str, set[str]] = defaultdict(set)  # session -> models it called (cleanup index)
         self.peak: dict[tuple[str, str], int] = {}  # (session, model) -> largest context reported
@@ -272,28 +280,36 @@ class Admission:
 
     def parked(self, room: EngineRoom, now: float) -> dict[str, int]:
         """Sessions admitted to ``room`` whose KV may leave its device for the host tier now, with
-        their working sets (blocks): paused on tools whose expected rest (``pauses``) is more
-        than ``park-margin`` x the time to offload and restore that KV, and more than two
-        admission intervals (the pump must see the room before the session is back); the
-        longest pauses first, as many as the host tier's free blocks hold. Empty without a
-        host tier, without pause estimates, with ``park`` off, or for ``max-wait`` after
-        :data:`PARK_MISSES` sessions in a row whose room was lent came back to find their
-        prefix gone (recomputed: the engine could not keep or restore it)."""
+        their working sets (blocks): paused on tools (``pauses``) unlikely (below
+        ``PARK_PROBABILITY``) to return within ``park-margin`` x the time to offload and
+        restore that KV, nor within two admission intervals (the pump must see the room before
+        the session is back); the longest expected pauses first, as many as the host tier's
+        free blocks hold; and, until they are back, those whose room was lent (their KV is on
+        its way to the host: the host's free blocks no longer count it). Never a session with
+        an LLM call held or bound. Empty without a host tier, without pause estimates, with
+        ``park`` off, or for ``max-wait`` after :data:`PARK_MISSES` sessions in a row whose
+        room was lent came back to find their prefix gone (recomputed)."""
         if not (self.park and self.pauses is not None and room.host_free and room.block_bytes) \
                 or now < room.park_off_until:
             return {}
+        out: dict[str, int] = {}
         candidates = []
         for sid in room.sessions:
-            if (sid, room.model) in self.early:
-                continue
+            sk = (sid, room.model)
+            if sk in self.early or self._open.get(sk):
+                continue  # not started yet, or a call of it is held or bound: it is back
             rest = self.pauses.remaining(sid, now)
-            if rest is None or rest <= 2 * self.interval:
+            if rest is None:
                 continue
             blocks = self.working_set(sid, room.model)
+            if sid in room.lent:  # its room was lent: parked until it is back (its KV went, or goes, down)
+                out[sid] = blocks
+                continue
             move_s = 2 * blocks * room.block_bytes / self.host_bandwidth  # offload, then restore
-            if rest > self.park_margin * move_s:
+            horizon = max(2 * self.interval, self.park_margin * move_s)
+            back = self.pauses.resume_within(sid, now, horizon)
+            if back is not None and back < self.PARK_PROBABILITY:
                 candidates.append((rest, sid, blocks))
-        out: dict[str, int] = {}
         room_left = room.host_free
         for _rest, sid, blocks in sorted(candidates, reverse=True):
             if blocks <= room_left:
@@ -412,6 +428,7 @@ class Admission:
             return
         # ended (or released: cancelled, or its worker was lost and recovery places it again)
         where = self.bound_to.pop(key, None)
+        self._closed(key)
         if where is not None:
             r = self.engines.get(where)
             if r is not None:
@@ -423,6 +440,9 @@ class Admission:
         there until it ends (:meth:`on_transition`), so :meth:`short` counts it."""
         self.bound_to[key] = (worker, model)
         self.room(worker, model).inflight.add(key)
+        rec = self.state.calls.get(key)
+        if rec is not None and rec.session is not None:
+            self._opened(key, (rec.session, model))
         self.counts["leased_calls"] += 1
 
     def on_llm_report(self, rec: Any) -> None:
@@ -457,10 +477,10 @@ class Admission:
                 r.capacity = int(blocks["capacity"])
             r.used, r.pinned, r.free = blocks.get("used"), blocks.get("pinned"), blocks.get("free")
             cap_bytes, held = st.get("kv_capacity_bytes") or {}, st.get("kv_bytes") or {}
-            if r.capacity and cap_bytes.get("device"):
-                r.block_bytes = max(1, int(cap_bytes["device"]) // r.capacity)
-            if r.block_bytes and cap_bytes.get("host"):
-                r.host_free = max(0, int(cap_bytes["host"]) - int(held.get("host") or 0)) // r.block_bytes
+            r.block_bytes = max(1, int(cap_bytes["device"]) // r.capacity) \
+                if r.capacity and cap_bytes.get("device") else None
+            r.host_free = max(0, int(cap_bytes["host"]) - int(held.get("host") or 0)) // r.block_bytes \
+                if r.block_bytes and cap_bytes.get("host") else None  # (none reported: no host tier now)
         if self.held:
             self._soon()
 
@@ -541,9 +561,9 @@ class Admission:
         nothing is short (``loose``) with what its pending call needs now."""
         if sid in r.sessions:
             return True
-        resident = self._resident(r, rooms)
-        return resident == 0 or (resident + self.working_set(sid, r.model, new=not loose)
-                                 <= r.kv_limit(self.kv_target))
+        resident = self._resident(r, rooms)  # (drops expired sessions first)
+        return not r.sessions or (resident + self.working_set(sid, r.model, new=not loose)
+                                  <= r.kv_limit(self.kv_target))
 
     def _choose(self, h: HeldCall, now: float, rooms: dict, new_blocked: bool,
                 waiting_on: Counter | None = None, loose: bool = False) -> str | None:
@@ -679,6 +699,7 @@ class Admission:
         if old != worker:
             if old is not None and (old, h.model) in self.engines:
                 self.engines[(old, h.model)].sessions.discard(h.session)
+                self.engines[(old, h.model)].lent.discard(h.session)
                 self._lease_changed(old, h.model)
             self.admitted_on[sk] = worker
             r.sessions.add(h.session)
@@ -700,9 +721,11 @@ class Admission:
         self.placement.place(ts, h.session, f"llm:{h.model}", [worker])
         r.inflight.add(h.key)
         self.bound_to[h.key] = (worker, h.model)
+        self._opened(h.key, sk)
         self.counts["bound"] += 1
 
     PARK_MISSES = 2  # lent sessions in a row returning to a recompute: parking pauses on that engine
+    PARK_PROBABILITY = 0.5  # a session this likely to be back within the move's time is not parked
 
     def _into_parked(self, r: EngineRoom, sid: str, rooms: dict) -> bool:
         """Whether session ``sid``, just admitted to ``r``, fits only because parked sessions'
@@ -713,9 +736,16 @@ class Admission:
             return False
         mine = self.working_set(sid, r.model, new=True)
         resident = self._resident(r, rooms) - self.working_set(sid, r.model)  # (cached, or recounted with it)
-        if resident + sum(parked.values()) + mine <= r.kv_limit(self.kv_target):
+        short = resident + sum(parked.values()) + mine - r.kv_limit(self.kv_target)
+        if short <= 0:
             return False
-        r.lent.update(parked)
+        now = time.time()  # lend the room of the longest pauses, as much as covers the shortfall
+        for p in sorted(parked, key=lambda p: -(self.pauses.remaining(p, now) or 0.0)):
+            if short <= 0:
+                break
+            if p not in r.lent:
+                r.lent.add(p)
+                short -= parked[p]
         return True
 
     def _park_feedback(self, worker: str, sid: str, model: str, prompt: int, cached: int, held_before: int) -> None:
@@ -739,13 +769,27 @@ class Admission:
             r.park_off_until = time.time() + self.max_wait
             self.counts["park_paused"] += 1
 
+    def _opened(self, key: str, sk: tuple[str, str]) -> None:
+        if key not in self._open_sk:
+            self._open_sk[key] = sk
+            self._open[sk] += 1
+
+    def _closed(self, key: str) -> None:
+        sk = self._open_sk.pop(key, None)
+        if sk is not None:
+            self._open[sk] -= 1
+            if self._open[sk] <= 0:
+                del self._open[sk]
+
     def _hold(self, h: HeldCall) -> None:
         self.held[h.key] = h
         self.held_by_model[h.model] += 1
+        self._opened(h.key, (h.session, h.model))
 
     def _unhold(self, key: str) -> HeldCall | None:
         h = self.held.pop(key, None)
         if h is not None:
+            self._closed(key)
             self.held_by_model[h.model] -= 1
             if self.held_by_model[h.model] <= 0:
                 del self.held_by_model[h.model]

@@ -71,8 +71,7 @@ class KVHints:
         if sid is None or sid in self._ended:
             return
         kind = getattr(rec, "tool_kind", None)
-        if kind and rec.kind != "llm":
-            self._tool(sid, rec.key, kind, finish, time.time() if now is None else now)
+        ended = kind and rec.kind != "llm" and self._tool(sid, rec.key, kind, finish, time.time() if now is None else now)
         if rec.kind == "llm":
             if finish == "processing" and worker is not None and rec.key not in self._processing.get(sid, ()):
                 self._processing[sid].add(rec.key)
@@ -85,24 +84,26 @@ class KVHints:
         elif finish == "processing" and sid in self.holders and not self.llm_open.get(sid):
             if kind:  # the session's KV now waits on this tool: its kind predicts for how long
                 self._hint(sid, "paused", wait_key=kind)
-        elif (kind and finish in _DONE and sid in self.holders and not self.llm_open.get(sid)
-              and not self.tools.get(sid)):  # its last tool returned: its next LLM call is coming
+        elif (ended and finish in ("memory", "erred") and sid in self.holders and not self.llm_open.get(sid)
+              and not self.tools.get(sid)):  # its last tool in flight returned: its next LLM call is coming
             self._hint(sid, "running")
 
-    def _tool(self, sid: str, key: str, kind: str, finish: str, now: float) -> None:
+    def _tool(self, sid: str, key: str, kind: str, finish: str, now: float) -> bool:
         """Track a tool call of a known kind: in flight from ``processing``; its duration, when
-        it ends in ``memory``, teaches its kind's latency."""
+        it ends in ``memory``, teaches its kind's latency. True when this ended a call in flight
+        (not a release after its result was used, nor a call that never started)."""
         if finish == "processing":
             self.tools[sid].setdefault(key, (kind, now))
-            return
+            return False
         if finish not in _DONE:
-            return
+            return False
         calls = self.tools.get(sid)
         entry = calls.pop(key, None) if calls is not None else None
         if calls is not None and not calls:
             del self.tools[sid]
         if entry is not None and finish == "memory" and now >= entry[1]:
             self.latency_of(kind).add(now - entry[1])
+        return entry is not None
 
     def latency_of(self, kind: str) -> LatencyModel:
         """The latency model of tool kind ``kind`` (its prior scaled by the emulation time scale
@@ -125,6 +126,18 @@ class KVHints:
         if not calls or self.llm_open.get(sid):
             return None
         return max(self.latency_of(kind).residual(max(0.0, now - started)) for kind, started in calls.values())
+
+    def resume_within(self, sid: str, now: float, horizon: float) -> float | None:
+        """Probability that session ``sid``'s pause ends within ``horizon`` seconds: that every
+        tool call of it in flight ends by then, each given how long it has run (independent);
+        None when it is not paused on a tool (see :meth:`remaining`)."""
+        calls = self.tools.get(sid)
+        if not calls or self.llm_open.get(sid):
+            return None
+        p = 1.0
+        for kind, started in calls.values():
+            p *= self.latency_of(kind).resume_within(max(0.0, now - started), horizon)
+        return p
 
     def forget(self, key: str) -> None:
         """An LLM call left ``processing`` after the workflow state dropped its record (O(1)):

@@ -477,6 +477,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         bookkeeping still hold for it. O(1): a few dict lookups for any other task."""
         self.view_index.forget(key)
         self.kv_hints.forget(key)
+        if finish in ("memory", "erred", "released", "forgotten"):
+            self.admission.on_transition(key, finish)  # its slot and open-call count (O(1) if not ours)
         self.placement.migrating.pop(key, None)
         if key in self.placement.placed and (finish != "released" or not dask_compat.is_wanted(self.scheduler, key)):
             self.placement.unplace(key)  # over (released and not wanted: cancelled); wanted: it runs again

@@ -436,6 +436,10 @@ def test_sessions_paused_on_long_tools_are_parked_while_the_host_tier_holds_them
         def remaining(self, sid: str, now: float) -> float | None:
             return self.rest.get(sid)
 
+        def resume_within(self, sid: str, now: float, horizon: float) -> float | None:
+            rest = self.rest.get(sid)
+            return None if rest is None else float(rest <= horizon)
+
     def make(**config: object) -> Admission:
         with dask.config.set({f"agents.scheduler.admission.{k}": v for k, v in config.items()}):
             roster, state = Roster(), WorkflowState()
@@ -551,6 +555,9 @@ def test_parking_pauses_on_an_engine_whose_parked_sessions_come_back_to_a_recomp
     class Pauses:
         def remaining(self, sid: str, now: float) -> float | None:
             return 40.0 if sid.startswith("p") else None
+
+        def resume_within(self, sid: str, now: float, horizon: float) -> float | None:
+            return 0.0 if sid.startswith("p") else None
 
     roster, state = Roster(), WorkflowState()
     adm = Admission(roster, state, Placement(roster, state, Recovery(roster, state), lambda c: None), pauses=Pauses())
@@ -695,3 +702,57 @@ async def test_a_parked_session_is_restored_before_its_tool_returns(c: Client, s
         assert await run is True  # restored while the tool ran
         again = await llm.generate(LONG + [6] * 40, max_tokens=10)
     assert again.cached_tokens == 400
+
+
+def test_parking_counts_what_is_back_and_lends_only_what_a_newcomer_needs() -> None:
+    """Parking's accounting, adversarially: a session with an LLM call held or bound is back
+    whatever its tools say (never parked, so a pump cannot admit a second newcomer into its
+    room); a newcomer borrows the room of as few parked sessions as cover it (longest pauses
+    first), which stay parked until they are back; an engine whose every session is parked is
+    not empty: a newcomer must still fit its limit."""
+    import time
+
+    from dask_agents.scheduler_plugin.admission import Admission, HeldCall
+    from dask_agents.scheduler_plugin.placement import Placement
+    from dask_agents.scheduler_plugin.recovery import Recovery
+    from dask_agents.scheduler_plugin.roster import Roster
+    from dask_agents.scheduler_plugin.state import WorkflowState
+
+    class Pauses:
+        rest = {"p1": 40.0, "p2": 30.0}
+
+        def remaining(self, sid: str, now: float) -> float | None:
+            return self.rest.get(sid)
+
+        def resume_within(self, sid: str, now: float, horizon: float) -> float | None:
+            return 0.0 if sid in self.rest else None
+
+    roster, state = Roster(), WorkflowState()
+    adm = Admission(roster, state, Placement(roster, state, Recovery(roster, state), lambda c: None), pauses=Pauses())
+    adm.on_engine_stats("w", {"m": {"block_size": 16, "kv_blocks": {"capacity": 100},
+                                    "kv_capacity_bytes": {"device": 100 * 2**21, "host": 100 * 2**21}}})
+    r = adm.room("w", "m")
+    for sid in ("p1", "p2", "n1", "n2", "big"):
+        state.session(sid, None, 0.0)
+    for sid in ("p1", "p2"):
+        r.sessions.add(sid)
+        adm.admitted_on[(sid, "m")] = "w"
+        adm.peak[(sid, "m")] = 40 * 16
+    now = time.time()
+    assert adm.parked(r, now) == {"p1": 40, "p2": 40} and adm.resident(r) == 0
+    adm.tokens[("big", "m")] = 95 * 16  # past the limit (90) alone
+    assert not adm._fits(r, "big", {})  # every session parked: the engine is not empty
+    # a newcomer of 20 blocks needs 80 + 20 - 90 = 10 blocks of room: p1's (the longest pause) covers it
+    adm.tokens[("n1", "m")] = 20 * 16
+    r.sessions.add("n1")
+    assert adm._into_parked(r, "n1", {}) and r.lent == {"p1"}
+    # p2's LLM call is held (its tool returned): it is back, not parked, whatever its tools say
+    adm._hold(HeldCall("llm-p2", "p2", "m", "llm.m", now, 100))
+    assert adm.parked(r, now) == {"p1": 40}
+    adm._unhold("llm-p2")
+    assert "p2" in adm.parked(r, now)
+    # p1 stays parked while its room is lent, however unlikely its prediction says it is to stay away
+    adm.pauses.resume_within = lambda sid, now, horizon: 1.0
+    assert adm.parked(r, now) == {"p1": 40}
+    adm.pauses.rest = {"p2": 30.0}  # p1's tool returned: it is back
+    assert adm.parked(r, now) == {}

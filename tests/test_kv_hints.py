@@ -168,3 +168,29 @@ def test_latency_models_are_bounded_in_number():
     models = [h.latency_of(f"kind-{i}") for i in range(10)]
     assert len(h.latency) == 5 and models[-1] is h.latency["custom"]
     assert h.latency_of("code_exec") is h.latency["code_exec"]  # a known kind always has its own
+
+
+def test_only_a_tool_call_ending_in_flight_resumes_the_session():
+    """``running`` goes out when a tool call that was in flight ends (memory or erred), not on a
+    release after its result was used, a release to run it again (its worker was lost), nor
+    the end of a call that never started; and not while another tool of the session runs."""
+    h, sent = hints()
+    llm = Rec("llm.coder-1", "llm")
+    h.on_transition(llm, "processing", "w1", now=0.0)
+    h.on_transition(llm, "memory", None, now=1.0)
+    t1, t2 = Rec("t-1", "tool", tool_kind="code_exec"), Rec("t-2", "tool", tool_kind="code_exec")
+    h.on_transition(t1, "processing", "w2", now=1.0)
+    h.on_transition(t1, "released", None, now=2.0)  # its worker was lost: it runs again
+    h.on_transition(Rec("never-1", "tool", tool_kind="file_io"), "released", None, now=2.0)  # cancelled unstarted
+    assert [m[1] for m in sent] == ["running", "paused", "paused"]
+    h.on_transition(t1, "processing", "w3", now=2.5)
+    h.on_transition(t2, "processing", "w3", now=2.5)
+    h.on_transition(t1, "memory", None, now=4.0)  # t2 still runs
+    assert sent[-1][1] == "paused"
+    h.on_transition(t2, "memory", None, now=5.0)
+    assert sent[-1][1] == "running"
+    n = len(sent)
+    h.on_transition(llm, "processing", "w1", now=5.1)
+    h.on_transition(llm, "memory", None, now=6.0)
+    h.on_transition(t2, "released", None, now=6.1)  # its result released once used: nothing
+    assert [m[1] for m in sent[n:]] == ["running", "paused"]
