@@ -5,6 +5,8 @@ its step, its KV manager's state)."""
 
 from __future__ import annotations
 
+import threading
+
 import dask
 import pandas as pd
 import pytest
@@ -137,24 +139,38 @@ def _kv_state(session: str, dask_worker=None) -> dict | str:
         return f"{type(e).__name__}: {e}"
 
 
+_TESTS_GO = threading.Event()
+
+
+@da.tool(kind="code_exec")
+def _held_test_run() -> str:
+    """A test run that lasts until the test lets it end (in-process workers share the event)."""
+    _TESTS_GO.wait(120)
+    return "passed"
+
+
 def test_the_scheduler_tells_the_engine_what_a_session_waits_on(client):
     """An LLM step, then a code_exec tool: the engine's KV manager hears the session paused on
-    code_exec (the kind predicts the pause), from the scheduler's hints."""
-    from dask_agents.emulation import code_exec_tool
-
-    coder, run_tests = da.llm("inproc"), da.stub(code_exec_tool)
-    with dask.config.set({"agents.emulation.time-scale": 0.05}):
+    code_exec (the kind predicts the pause), from the scheduler's hints; when the tool returns
+    it hears the session running again (its next step is coming: restore now)."""
+    coder = da.llm("inproc")
+    _TESTS_GO.clear()
+    try:
         with da.session(client) as s:
             r = coder.generate(SYSTEM + " Write the failing test first.", max_tokens=2).value(300)
-            tool = run_tests("pytest -x", seed=1)
+            tool = da.stub(_held_test_run)()
 
-            def paused_on_tool():
+            def state():
                 st = client.run(_kv_state, s.id, workers=[r.worker])[r.worker]
-                return st if isinstance(st, dict) and st["wait_key"] == "code_exec" else None
+                return st if isinstance(st, dict) else {}
 
-            st = wait_for(paused_on_tool)
-            assert st["state"] == "paused"
-            tool.value(120)
+            st = wait_for(lambda: (x := state()).get("wait_key") == "code_exec" and x)
+            assert st["state"] == "paused"  # the tool is held: the session waits on it
+            _TESTS_GO.set()
+            assert tool.value(120) == "passed"
+            wait_for(lambda: state().get("state") == "running")
+    finally:
+        _TESTS_GO.set()
 
 
 def _crash_next_step(model: str, dask_worker=None) -> int:

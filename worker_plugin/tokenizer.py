@@ -15,9 +15,12 @@ chat is rendered with :func:`render_chatml` (the built-in model's own template, 
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 OFFSET = 3
+
+_IMPORT_LOCK = threading.Lock()  # see ModelTokenizer.load
 
 
 class ByteTokenizer:
@@ -58,13 +61,17 @@ class ModelTokenizer:
         ``AutoTokenizer`` imports torch: 0.4 GB in a worker that hosts no model itself)."""
         import os
 
-        if os.path.isfile(os.path.join(path, "tokenizer.json")):
-            from transformers import PreTrainedTokenizerFast
+        # transformers' lazy module is not safe to import from two threads at once: two workers
+        # of one process (LocalCluster(processes=False)) loading their engines together failed
+        # one with "cannot import name 'PreTrainedTokenizerFast'" when nothing had imported it yet
+        with _IMPORT_LOCK:
+            if os.path.isfile(os.path.join(path, "tokenizer.json")):
+                from transformers import PreTrainedTokenizerFast
 
-            return cls(PreTrainedTokenizerFast.from_pretrained(path))
-        from transformers import AutoTokenizer
+                return cls(PreTrainedTokenizerFast.from_pretrained(path))
+            from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(path, revision=revision))
+            return cls(AutoTokenizer.from_pretrained(path, revision=revision))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt's text (with the special tokens the model adds, as vLLM does)."""
