@@ -36,7 +36,7 @@ from dask.utils import key_split
 
 import dask_agents.config as agents_config
 from dask_agents.kv.runtime.aeg import LatencyModel
-from dask_agents.kv.runtime.tool_latency import PRIORS, ToolLatency
+from dask_agents.kv.runtime.tool_latency import PRIORS, scaled_prior
 
 HINT_OP = "agents-kv-hint"
 _DONE = ("memory", "erred", "released", "forgotten")
@@ -112,10 +112,7 @@ class KVHints:
         if m is None and len(self.latency) >= self.MAX_KINDS and kind not in PRIORS:
             return self.latency_of("custom")  # a bound: kinds are clients' strings
         if m is None:
-            p = PRIORS.get(kind, PRIORS["custom"])
-            if self._scale != 1.0:
-                p = ToolLatency(p.p50 * self._scale, p.p95 * self._scale, p.p99 * self._scale)
-            m = self.latency[kind] = LatencyModel(p, self._min_samples)
+            m = self.latency[kind] = LatencyModel(scaled_prior(kind, self._scale), self._min_samples)
         return m
 
     def remaining(self, sid: str, now: float) -> float | None:

@@ -73,7 +73,7 @@ from dask_agents.kv.runtime.blocks import ACCELERATOR, DISK, HOST, CostModel, Ti
 from dask_agents.kv.runtime.engine_kv import EngineKV, KVDirectiveError
 from dask_agents.kv.runtime.policies import WALRU, Policy, get_policy
 from dask_agents.kv.runtime.sizing import KVGeometry
-from dask_agents.kv.runtime.tool_latency import PRIORS, ToolLatency
+from dask_agents.kv.runtime.tool_latency import scaled_prior
 from dask_agents.kv.runtime.view import (
     FINISHED,
     PAUSED,
@@ -107,10 +107,7 @@ class ScaledGraph(AgentGraph):
         """The latency model of ``key`` (its kind's prior scaled, created on first use)."""
         m = self.latencies.get(key)
         if m is None:
-            p = PRIORS.get(key, PRIORS["custom"])
-            if self.scale != 1.0:
-                p = ToolLatency(p.p50 * self.scale, p.p95 * self.scale, p.p99 * self.scale)
-            m = self.latencies[key] = LatencyModel(p, self.min_samples)
+            m = self.latencies[key] = LatencyModel(scaled_prior(key, self.scale), self.min_samples)
         return m
 
 

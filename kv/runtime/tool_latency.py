@@ -120,3 +120,10 @@ def prior(kind: str) -> ToolLatency:
         return PRIORS[kind]
     except KeyError:
         raise ValueError(f"unknown tool kind {kind!r} (known: {', '.join(PRIORS)})") from None
+
+
+def scaled_prior(kind: str, scale: float = 1.0) -> ToolLatency:
+    """The latency prior of tool ``kind`` (``custom``'s for a kind with none), its latencies
+    times ``scale`` (emulated tools that sleep ``scale`` times their latency)."""
+    p = PRIORS.get(kind, PRIORS["custom"])
+    return p if scale == 1.0 else ToolLatency(p.p50 * scale, p.p95 * scale, p.p99 * scale)
