@@ -102,13 +102,19 @@ def test_session_end_drops_the_key_index_too():
     assert not h._session_of
 
 
-def test_the_last_tool_returning_tells_the_holders_the_session_resumes():
-    """A session's KV waits on its tools; when the last of them returns (and no LLM call of it
-    runs) its next LLM call is coming: the holders hear ``running`` (restore now), not before."""
+def after_an_llm_step():
+    """Hints after one LLM step of session s1 on w1 (its KV is there, the session paused)."""
     h, sent = hints()
     llm = Rec("llm.coder-1", "llm")
     h.on_transition(llm, "processing", "w1", now=0.0)
     h.on_transition(llm, "memory", None, now=1.0)
+    return h, sent, llm
+
+
+def test_the_last_tool_returning_tells_the_holders_the_session_resumes():
+    """A session's KV waits on its tools; when the last of them returns (and no LLM call of it
+    runs) its next LLM call is coming: the holders hear ``running`` (restore now), not before."""
+    h, sent, llm = after_an_llm_step()
     tests, lint = Rec("run_tests-1", "tool", tool_kind="code_exec"), Rec("lint-1", "tool", tool_kind="file_io")
     h.on_transition(tests, "processing", "w2", now=1.0)
     h.on_transition(lint, "processing", "w2", now=1.0)
@@ -174,10 +180,7 @@ def test_only_a_tool_call_ending_in_flight_resumes_the_session():
     """``running`` goes out when a tool call that was in flight ends (memory or erred), not on a
     release after its result was used, a release to run it again (its worker was lost), nor
     the end of a call that never started; and not while another tool of the session runs."""
-    h, sent = hints()
-    llm = Rec("llm.coder-1", "llm")
-    h.on_transition(llm, "processing", "w1", now=0.0)
-    h.on_transition(llm, "memory", None, now=1.0)
+    h, sent, llm = after_an_llm_step()
     t1, t2 = Rec("t-1", "tool", tool_kind="code_exec"), Rec("t-2", "tool", tool_kind="code_exec")
     h.on_transition(t1, "processing", "w2", now=1.0)
     h.on_transition(t1, "released", None, now=2.0)  # its worker was lost: it runs again
