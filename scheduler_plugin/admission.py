@@ -170,6 +170,16 @@ class Admitted:
     note: str = ""
 
 
+def _prefix_missed(r: EngineRoom, prompt: int, cached: int, held_before: int) -> bool | None:
+    """Whether a returning call of a session admitted to ``r`` found its prefix evicted: its
+    cache hits below half of what the session held before (None: too short to tell a miss from
+    block rounding)."""
+    expected = min(prompt, held_before)
+    if expected < 2 * r.block_size:
+        return None
+    return cached < 0.5 * expected
+
+
 class Admission:
     """Holds LLM calls of sessions in the scheduler and binds them to engines with room."""
 
@@ -298,18 +308,15 @@ class Admission:
             sk = (sid, room.model)
             if sk in self.early or self._open.get(sk):
                 continue  # not started yet, or a call of it is held or bound: it is back
-            rest = self.pauses.remaining(sid, now)
-            if rest is None:
-                continue
             blocks = self.working_set(sid, room.model)
+            move_s = 2 * blocks * room.block_bytes / self.host_bandwidth  # offload, then restore
+            back = self.pauses.resume_within(sid, now, max(2 * self.interval, self.park_margin * move_s))
+            if back is None:
+                continue  # not paused on a tool
             if sid in room.lent:  # its room was lent: parked until it is back (its KV went, or goes, down)
                 out[sid] = blocks
-                continue
-            move_s = 2 * blocks * room.block_bytes / self.host_bandwidth  # offload, then restore
-            horizon = max(2 * self.interval, self.park_margin * move_s)
-            back = self.pauses.resume_within(sid, now, horizon)
-            if back is not None and back < self.PARK_PROBABILITY:
-                candidates.append((rest, sid, blocks))
+            elif back < self.PARK_PROBABILITY:
+                candidates.append((self.pauses.remaining(sid, now) or 0.0, sid, blocks))
         room_left = room.host_free
         for _rest, sid, blocks in sorted(candidates, reverse=True):
             if blocks <= room_left:
@@ -454,9 +461,12 @@ class Admission:
         sk = (rec.session, rec.model)
         before = self.peak.get(sk)
         if before is not None and m.get("cached_tokens") is not None and self.admitted_on.get(sk) == rec.worker:
-            self._feedback(rec.worker, rec.model, int(m["prompt_tokens"]), int(m["cached_tokens"]), before)
-            self._park_feedback(rec.worker, rec.session, rec.model, int(m["prompt_tokens"]),
-                                int(m["cached_tokens"]), before)
+            r = self.engines.get((rec.worker, rec.model))
+            if r is not None:
+                miss = _prefix_missed(r, int(m["prompt_tokens"]), int(m["cached_tokens"]), before)
+                if miss is not None:
+                    self._feedback(r, miss)
+                self._park_feedback(r, rec.session, miss)
         if sk not in self.peak and m.get("cached_tokens") is not None:  # its first call: hits are shared blocks
             old = self.shared.get(rec.model)
             cached = float(m["cached_tokens"])
@@ -748,18 +758,17 @@ class Admission:
                 short -= parked[p]
         return True
 
-    def _park_feedback(self, worker: str, sid: str, model: str, prompt: int, cached: int, held_before: int) -> None:
-        """A returning call of ``sid`` on ``worker``: if its room was lent while it was parked,
-        whether its prefix was kept or restored (else recomputed: a miss). ``PARK_MISSES`` misses
-        in a row pause parking on the engine for ``max-wait``; a hit resets the count."""
-        r = self.engines.get((worker, model))
-        if r is None or sid not in r.lent:
+    def _park_feedback(self, r: EngineRoom, sid: str, miss: bool | None) -> None:
+        """A returning call of ``sid`` on ``r``: if its room was lent while it was parked, whether
+        its prefix was kept or restored (else recomputed: a ``miss``; None: too short to tell).
+        ``PARK_MISSES`` misses in a row pause parking on the engine for ``max-wait``; a hit
+        resets the count."""
+        if sid not in r.lent:
             return
-        r.lent.discard(sid)
-        expected = min(prompt, held_before)
-        if expected < 2 * r.block_size:
+        r.lent.discard(sid)  # it is back
+        if miss is None:
             return
-        if cached >= 0.5 * expected:
+        if not miss:
             r.park_misses = 0
             return
         r.park_misses += 1
@@ -910,16 +919,11 @@ class Admission:
     MISS_LOW, MISS_HIGH, MIN_SAMPLES = 0.05, 0.2, 8
     FACTOR_MIN, FACTOR_MAX, STEP, BACKOFF, EVERY_S, ALPHA = 0.5, 4.0, 0.1, 0.7, 1.0, 0.1
 
-    def _feedback(self, worker: str, model: str, prompt: int, cached: int, held_before: int) -> None:
-        """A returning call of a session admitted to ``worker`` reported its cache hits."""
-        r = self.engines.get((worker, model))
-        if r is None or not self.adaptive:
+    def _feedback(self, r: EngineRoom, miss: bool) -> None:
+        """A returning call of a session admitted to ``r`` found its prefix (or ``miss``)."""
+        if not self.adaptive:
             return
-        expected = min(prompt, held_before)
-        if expected < 2 * r.block_size:  # too short to tell a miss from block rounding
-            return
-        miss = 1.0 if cached < 0.5 * expected else 0.0
-        r.misses += self.ALPHA * (miss - r.misses)
+        r.misses += self.ALPHA * (float(miss) - r.misses)
         r.samples += 1
 
     def adapt(self, now: float) -> None:
