@@ -14,6 +14,9 @@ ANNOTATION = "agents"
 _TEXT_FIELDS = ("call", "component", "method", "kind", "session", "tenant", "creator", "model", "tool_kind",
                 "llm_model", "opened_on", "stream")
 _INT_FIELDS = ("llm_prompt_len", "llm_max_tokens")  # an LLM call's size, for KV admission
+_REPLICA_FIELDS = ("min_replicas", "max_replicas")  # a bounded component's replicas, for reallocation
+MAX_REPLICAS = 2**16
+"""Largest replica bound an annotation may carry (more workers than any cluster has)."""
 MAX_LABEL = 256
 """Longest text an annotation field may carry."""
 
@@ -28,8 +31,9 @@ def sanitize_annotation(ann: Any) -> dict | None:
     opened_on stream``) are strings of at most ``MAX_LABEL`` characters or None; ``deps`` a list of strings;
     ``created`` a finite number or None; ``stateful`` a bool (only ``True`` is true);
     ``batching`` None or ``{"max_batch": int >= 1, "max_wait": finite float >= 0}``;
-    ``llm_prompt_len`` and ``llm_max_tokens`` ints in ``[0, 2**31]`` or None; ``timeout`` a
-    finite number > 0 or None. Wrong
+    ``llm_prompt_len`` and ``llm_max_tokens`` ints in ``[0, 2**31]`` or None; ``min_replicas``
+    and ``max_replicas`` ints in ``[0, MAX_REPLICAS]`` and ``[1, MAX_REPLICAS]`` or None (both
+    None unless both are valid and ordered); ``timeout`` a finite number > 0 or None. Wrong
     values become None (or the empty default); unknown fields are dropped."""
     import math
 
@@ -50,6 +54,10 @@ def sanitize_annotation(ann: Any) -> dict | None:
         if f in ann:
             v = ann[f]
             out[f] = v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 2**31 else None
+    if "max_replicas" in ann:
+        lo, hi = (ann.get(f) for f in _REPLICA_FIELDS)
+        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) and 0 <= lo <= hi <= MAX_REPLICAS
+        out["min_replicas"], out["max_replicas"] = (lo, hi) if ok and hi >= 1 else (None, None)
     if "timeout" in ann:
         t = ann["timeout"]
         ok = isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0

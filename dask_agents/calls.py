@@ -148,6 +148,8 @@ def submit_call(
         ann["batching"] = {"max_batch": hints.batching.max_batch, "max_wait": hints.batching.max_wait}
     if hints.timeout is not None:
         ann["timeout"] = hints.timeout
+    if hints.max_replicas is not None:  # a bounded component: the reallocate policy routes it
+        ann["min_replicas"], ann["max_replicas"] = hints.min_replicas, hints.max_replicas
     if s is not None:  # which scheduler the session lives on: see scheduler_plugin.sessions
         if s.opened_on is None and client.status == "running":  # (not while reconnecting: unknown)
             s.opened_on = _scheduler_id(client)

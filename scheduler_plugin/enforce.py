@@ -200,6 +200,13 @@ class Enforcer:
             bad = [w for w in a.workers if not dask_compat.has_worker(s, w)]
             if bad:
                 return f"unknown workers {bad}"
+            bounds = self.host.state.component_bounds.get(a.component)
+            if bounds is not None:  # a bounded component: its route is its replicas
+                lo, hi = bounds
+                if not a.workers or len(a.workers) > hi:
+                    return f"{len(a.workers) or 'every'} workers, past max_replicas={hi}"
+                if len(a.workers) < min(lo, len(self.host.roster.ready)):
+                    return f"{len(a.workers)} workers, below min_replicas={lo}"
             if a.workers:
                 self.routes[a.component] = tuple(a.workers)
             else:

@@ -119,7 +119,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.admission = Admission(self.roster, self.state, self.placement, pauses=self.kv_hints)
         self.placement.bind_early = self.admission.bind_early
         # the control loop's view, updated by the hooks below (scheduler_plugin/view_index.py)
-        self.view_sources = ViewSources(self.roster, self.state, self.placement.bindings, self.admission.is_held)
+        self.view_sources = ViewSources(self.roster, self.state, self.placement.bindings, self.admission.is_held,
+                                        self._all_routes)
         self.view_index = ViewIndex(self.view_sources)
         # sessions from open to end: owners, grace, closing, releasing (scheduler_plugin/sessions.py)
         self.sessions = Sessions(self.roster, self.state, self.placement, self._session_completed)
@@ -202,6 +203,10 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
     def _routes(self, component: str) -> Any:
         """The workers the control plane routed ``component`` to (None: not routed)."""
         return self.control.enforcer.routes.get(component) if self.control is not None else None
+
+    def _all_routes(self) -> dict[str, tuple[str, ...]]:
+        """component -> the workers the control plane routed it to (every routed component)."""
+        return self.control.enforcer.routes if self.control is not None else {}
 
     def __getstate__(self) -> dict:
         return {}

@@ -67,7 +67,10 @@ class SessionView:
 
 @dataclass(frozen=True, slots=True)
 class ComponentView:
-    """Per-component statistics (flattened workflow graph). Counters are cumulative."""
+    """Per-component statistics (flattened workflow graph). Counters are cumulative.
+
+    A component whose hints bound its replicas (``max_replicas``) has the workers the control
+    plane routed it to as ``replicas`` (empty: not routed yet, it runs anywhere)."""
 
     name: str
     mean_duration: float | None
@@ -75,6 +78,9 @@ class ComponentView:
     visits_per_session: float
     open: int = 0  # created and not finished
     completed: int = 0  # finished successfully so far
+    replicas: tuple[str, ...] = ()
+    min_replicas: int = 1
+    max_replicas: int | None = None  # None: unbounded (every worker is its replica)
 
 
 @dataclass(frozen=True, slots=True)

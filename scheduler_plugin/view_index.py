@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import immutables
 
@@ -225,13 +225,15 @@ class PlacedMap(_IndexedDict):
 @dataclass(frozen=True)
 class ViewSources:
     """What a view is built from, and nothing more: the workers (``roster``), the calls and
-    sessions (``state``), the bindings (placement's :class:`BindingMap`: the KV affinity) and
-    whether admission holds a call (``is_held``)."""
+    sessions (``state``), the bindings (placement's :class:`BindingMap`: the KV affinity),
+    whether admission holds a call (``is_held``) and the control plane's routes
+    (``routes``: component -> workers)."""
 
     roster: Roster
     state: WorkflowState
     bindings: dict
     is_held: Callable[[str], bool]
+    routes: Callable[[], Mapping[str, tuple[str, ...]]] = dict
 
 
 def session_view(rec: Any) -> SessionView:
@@ -257,7 +259,15 @@ def call_view(src: ViewSources, ts: Any, rec: Any, worker: str | None) -> CallVi
 
 def _common(src: ViewSources, draining: Iterable[str]) -> tuple[dict, dict]:
     """Components and models: small (one entry per component / model), built each tick."""
-    components = {c: ComponentView(c, *stats) for c, stats in src.state.component_stats().items()}
+    bounded = src.state.component_bounds
+    routes = src.routes() if bounded else {}
+    components = {}
+    for c, stats in src.state.component_stats().items():
+        if c in bounded:  # its replicas: the live workers of its route
+            replicas = tuple(w for w in routes.get(c, ()) if src.roster.alive(w))
+            components[c] = ComponentView(c, *stats, replicas, *bounded[c])
+        else:
+            components[c] = ComponentView(c, *stats)
     draining = set(draining)
     bounds = model_bounds()
     models = {

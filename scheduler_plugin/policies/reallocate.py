@@ -1,4 +1,5 @@
-"""Dynamic resource reallocation (Nalar Alg. 2) for engine workers.
+"""Dynamic resource reallocation (Nalar Alg. 2): engine workers between models, and workers
+between the routes of bounded CPU components.
 
 Per model v, each tick measures
     mu_v   per-replica service rate: completions / (replicas x seconds), only over ticks in
@@ -17,22 +18,74 @@ swap its engine, kick both sides) is the enforcement layer's job.
 With ``provision`` on and no donor to take from, the policy asks the cluster manager for a
 new worker for the bottleneck instead (at most once per ``provision_cooldown``); this needs
 a cluster link (``da.attach_cluster``) and costs money on real clusters, so it is opt-in.
+
+CPU components run on any worker's threads: every worker is already their replica, and there
+is nothing to move, unless their hints bound them (``max_replicas``, e.g. a test runner that
+must not take every thread from the agents). A bounded component's replicas are the workers
+the control plane routes it to (a ``Route``: its new calls go only there, on the scheduler
+and on the workers' fast paths), among the workers without an engine (every worker when all
+have one). It starts on ``min_replicas`` workers (at least one), the least covered by other
+bounded components' routes, and the same rule moves workers toward the bottleneck:
+    x_c = (threads of its replicas / mean call duration) / max(lam_c + open_c / window, delta)
+(a worker with T threads completes T / duration calls a second while busy: measured from
+every completed call, so a tool of minutes has a service rate before its window holds
+``min_completions`` of them; a backlog is demand as much as arrivals are). Only an
+overloaded bottleneck (x_c < 1) gains workers: a CPU component that keeps up with its demand
+has nothing to gain from more. It first takes workers no bounded route holds, as many as its
+demand needs, up to its ``max_replicas``; else one worker moves from the donor that stays
+above it (the rule above), which is how a component gives workers back when another becomes
+the bottleneck. The enforcer refuses a route outside the component's bounds.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
-
+import math
 from collections import deque
+from typing import Iterator
 
 from dask.utils import parse_timedelta
 
-from dask_agents.scheduler_plugin.actions import Provision, Reassign
-from dask_agents.scheduler_plugin.view import ClusterView
+from dask_agents.scheduler_plugin.actions import Provision, Reassign, Route
+from dask_agents.scheduler_plugin.view import ClusterView, ComponentView
+
+
+class _Rates:
+    """Arrival rate and per-replica service rate of each pool (a model, a component) over a
+    sliding window of ticks."""
+
+    def __init__(self, window: float, min_completions: int):
+        self.window = window
+        self.min_completions = min_completions
+        self.mu: dict[str, float] = {}
+        self.lam: dict[str, float] = {}
+        self._prev: dict[str, tuple[int, int, int]] = {}  # pool -> (created, completed, open)
+        # pool -> ticks (time, dt, arrivals, completions, replica-seconds while work existed)
+        self._ticks: dict[str, deque] = {}
+
+    def observe(self, name: str, now: float, dt: float | None, counters: tuple[int, int, int],
+                replicas: int) -> None:
+        """Add one tick of ``name``'s cumulative ``counters`` (created, completed, open)."""
+        prev = self._prev.get(name)
+        self._prev[name] = counters
+        if prev is None or not dt or dt <= 0:
+            return
+        worked = replicas > 0 and (prev[2] > 0 or counters[2] > 0)  # runnable work existed
+        ticks = self._ticks.setdefault(name, deque())
+        ticks.append((now, dt, counters[0] - prev[0], counters[1] - prev[1] if worked else 0,
+                      replicas * dt if worked else 0.0))
+        while ticks and now - ticks[0][0] > self.window:
+            ticks.popleft()
+        span = sum(t[1] for t in ticks)
+        self.lam[name] = sum(t[2] for t in ticks) / span if span > 0 else 0.0
+        done = sum(t[3] for t in ticks)
+        busy = sum(t[4] for t in ticks)
+        if busy > 0 and done >= self.min_completions:
+            self.mu[name] = done / busy
 
 
 class Reallocate:
-    """Suggest moving engine workers between models toward the bottleneck."""
+    """Suggest moving engine workers between models, and workers between bounded CPU
+    components' routes, toward the bottleneck."""
 
     def __init__(self, persistence: int = 4, epsilon: float = 0.1, delta: float = 1e-3, window: str | float = "2s",
                  min_completions: int = 4, provision: bool = False, provision_cooldown: str | float = "30s"):
@@ -43,13 +96,13 @@ class Reallocate:
         # a per-tick estimate swings the bottleneck back and forth.
         self.window = float(parse_timedelta(window, default="s"))
         self.min_completions = int(min_completions)
-        self.mu: dict[str, float] = {}
-        self.lam: dict[str, float] = {}
-        self._prev: dict[str, tuple[int, int, int]] = {}  # model -> (created, completed, open)
+        self._models = _Rates(self.window, self.min_completions)
+        self._components = _Rates(self.window, self.min_completions)
+        self.mu = self._models.mu  # model -> service rate per replica
+        self.lam = self._models.lam  # model -> arrival rate
         self._prev_time: float | None = None
-        # model -> ticks (time, dt, arrivals, completions, replica-seconds while work existed)
-        self._ticks: dict[str, deque] = {}
         self.streak: tuple[str | None, int] = (None, 0)
+        self.cpu_streak: tuple[str | None, int] = (None, 0)
         self.provision = bool(provision)
         self.provision_cooldown = float(parse_timedelta(provision_cooldown, default="s"))
         self._last_provision: float | None = None
@@ -60,23 +113,11 @@ class Reallocate:
         self._prev_time = view.now
         for m in view.models.values():
             c = view.components.get(m.component)
-            now = (c.calls, c.completed, c.open) if c is not None else (0, 0, 0)
-            prev = self._prev.get(m.name)
-            self._prev[m.name] = now
-            if prev is None or not dt or dt <= 0:
-                continue
-            worked = bool(m.replicas) and (prev[2] > 0 or now[2] > 0)  # runnable work existed
-            ticks = self._ticks.setdefault(m.name, deque())
-            ticks.append((view.now, dt, now[0] - prev[0], now[1] - prev[1] if worked else 0,
-                          len(m.replicas) * dt if worked else 0.0))
-            while ticks and view.now - ticks[0][0] > self.window:
-                ticks.popleft()
-            span = sum(t[1] for t in ticks)
-            self.lam[m.name] = sum(t[2] for t in ticks) / span if span > 0 else 0.0
-            done = sum(t[3] for t in ticks)
-            busy = sum(t[4] for t in ticks)
-            if busy > 0 and done >= self.min_completions:
-                self.mu[m.name] = done / busy
+            counters = (c.calls, c.completed, c.open) if c is not None else (0, 0, 0)
+            self._models.observe(m.name, view.now, dt, counters, len(m.replicas))
+        for c in view.components.values():
+            if c.max_replicas is not None:
+                self._components.observe(c.name, view.now, dt, (c.calls, c.completed, c.open), len(c.replicas))
 
     def capacity(self, model: str, replicas: int) -> float:
         """Normalized capacity x of ``model`` with ``replicas`` replicas."""
@@ -84,8 +125,9 @@ class Reallocate:
         mu = self.mu.get(model) or (sum(known) / len(known) if known else 0.0)
         return replicas * mu / max(self.lam.get(model, 0.0), self.delta)
 
-    def __call__(self, view: ClusterView) -> Iterator[Reassign | Provision]:
+    def __call__(self, view: ClusterView) -> Iterator[Reassign | Provision | Route]:
         self.observe(view)
+        yield from self._cpu(view)
         if not self.mu or len(view.models) < 2:
             return
         x = {m: self.capacity(m, len(v.replicas)) for m, v in view.models.items()}
@@ -126,3 +168,91 @@ class Reallocate:
         self.streak = (None, 0)
         yield Reassign(worker, donor.name, bottleneck,
                        reason=f"x[{bottleneck}]={x[bottleneck]:.2f} < x[{donor.name}]={x[donor.name]:.2f}")
+
+    # -- bounded CPU components ---------------------------------------------------------------
+    def cpu_capacity(self, view: ClusterView, c: ComponentView, workers: tuple[str, ...] | list[str]) -> float | None:
+        """Normalized capacity x of component ``c`` on ``workers``: their threads over its mean
+        call duration, over its demand: its arrival rate plus the rate that clears its open
+        calls within ``window`` (a backlog is demand too, when arrivals stopped). None before
+        any call of it completed; infinite while it has no demand."""
+        demand = self._components.lam.get(c.name, 0.0) + c.open / self.window
+        if not c.mean_duration:
+            return None if demand > 0 else math.inf
+        threads = sum(view.workers[w].nthreads for w in workers if w in view.workers)
+        return threads / c.mean_duration / max(demand, self.delta)
+
+    def _cpu(self, view: ClusterView) -> Iterator[Route]:
+        """Routes for bounded components: set up (and topped up to ``min_replicas``), then one
+        move per ``persistence`` ticks toward the bottleneck."""
+        bounded = {n: c for n, c in view.components.items() if c.max_replicas is not None}
+        if not bounded:
+            return
+        ok = [w for w, v in sorted(view.workers.items()) if v.agents_ready and w not in view.draining]
+        pool = [w for w in ok if not view.workers[w].models] or ok
+        if not pool:
+            return
+        routes = {n: [w for w in c.replicas if w in ok] for n, c in bounded.items()}
+        cover = {w: 0 for w in pool}  # bounded routes holding each worker
+        for r in routes.values():
+            for w in r:
+                cover[w] = cover.get(w, 0) + 1
+        changed = False
+        for n, c in sorted(bounded.items()):  # set up, or top up after workers left
+            want = min(max(c.min_replicas, 1), c.max_replicas, len(ok))
+            if len(routes[n]) < want:  # (engine workers only if the others are fewer than its minimum)
+                spare = sorted((w for w in pool if w not in routes[n]), key=lambda w: (cover.get(w, 0), w))
+                for w in spare + [w for w in ok if w not in pool and w not in routes[n]]:
+                    if len(routes[n]) >= want:
+                        break
+                    routes[n].append(w)
+                    cover[w] = cover.get(w, 0) + 1
+                changed = True
+                yield Route(n, tuple(routes[n]), reason=f"{n}: {len(routes[n])} of min {c.min_replicas}, "
+                                                        f"max {c.max_replicas} replicas")
+        if changed:
+            return  # measure on the routes first
+        x = {n: self.cpu_capacity(view, c, routes[n]) for n, c in bounded.items()}
+        busy = [n for n, c in bounded.items() if c.open > 0 and x[n] is not None]
+        if not busy:
+            self.cpu_streak = (None, 0)
+            return
+        bottleneck = min(busy, key=lambda n: x[n])
+        streak = self.cpu_streak
+        self.cpu_streak = (bottleneck, streak[1] + 1 if streak[0] == bottleneck else 1)
+        b = bounded[bottleneck]
+        if self.cpu_streak[1] < self.persistence or len(routes[bottleneck]) >= b.max_replicas:
+            return
+        xb = x[bottleneck]
+        if xb >= 1:
+            return  # its threads keep up with its demand: a move would only disturb
+        free = [w for w in sorted(pool, key=lambda w: view.workers[w].processing) if not cover[w]]
+        if free:  # idle capacity no bounded component holds first, as much as its demand needs
+            need = max(1, math.ceil(len(routes[bottleneck]) * ((1 + self.epsilon) / max(xb, 1e-9) - 1)))
+            take = free[:min(need, b.max_replicas - len(routes[bottleneck]))]
+            self.cpu_streak = (None, 0)
+            yield Route(bottleneck, tuple(routes[bottleneck] + take),
+                        reason=f"x[{bottleneck}]={xb:.2f} < 1: {len(take)} free worker(s)")
+            return
+        best = None
+        for name, d in bounded.items():
+            mine = [w for w in routes[name] if w not in routes[bottleneck]]
+            floor = max(d.min_replicas, 1)  # never an empty route: that is "anywhere"
+            if name == bottleneck or not mine or len(routes[name]) <= floor or x[name] is None:
+                continue
+            w = min(mine, key=lambda w: view.workers[w].processing)
+            gained = self.cpu_capacity(view, b, routes[bottleneck] + [w])
+            after = self.cpu_capacity(view, d, [v for v in routes[name] if v != w])
+            if after <= gained:
+                continue  # the donor would become the new bottleneck
+            new_min = min([gained, after] + [v for m, v in x.items() if m not in (name, bottleneck) and v is not None])
+            if new_min <= (1 + self.epsilon) * xb:
+                continue  # not worth the disruption
+            if best is None or after > best[1]:
+                best = (name, after, w)
+        if best is None:
+            return
+        donor, _, w = best
+        self.cpu_streak = (None, 0)
+        reason = f"x[{bottleneck}]={xb:.2f} < x[{donor}]={x[donor]:.2f}: {w} moves"
+        yield Route(donor, tuple(v for v in routes[donor] if v != w), reason=reason)
+        yield Route(bottleneck, tuple(routes[bottleneck] + [w]), reason=reason)
