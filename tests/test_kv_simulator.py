@@ -98,3 +98,77 @@ def test_finished_sessions_under_a_shared_prompt_are_forgotten(policy):
     r = sim.run()
     assert r.hit_tokens >= 60 * BS  # the shared block stayed cached
     assert len(sim.sessions) <= 6  # k, and the sessions owning the other 5 cached blocks (60 before)
+
+
+# -- the walk index and the prefix shortcut (replay speed) must not change a replay ---------------
+class _Checked(Simulator):
+    """Checks after every event that each session's ``hi`` is exact: 1 + the position of its
+    last block in each tier (0: none)."""
+
+    def check(self) -> None:
+        for s in self.sessions.values():
+            want = [0, 0, 0]
+            for i, b in enumerate(s.chain):
+                t = self.loc.get(b)
+                if t is not None:
+                    want[t] = i + 1
+            assert s.hi == want, (s.id, s.hi, want)
+
+    def _arrive(self, step, now):
+        super()._arrive(step, now)
+        self.check()
+
+    def _end(self, step, now):
+        super()._end(step, now)
+        self.check()
+
+    def _apply(self, actions, now):
+        super()._apply(actions, now)
+        self.check()
+
+
+class _FullWalks(Simulator):
+    """The reference: every walk goes to a chain's head (no prefix shortcut)."""
+
+    prefix_closed = property(lambda self: False, lambda self, value: None)
+
+
+def _policy(name, t):
+    from dask_agents.kv.offline.optimal import Offline
+
+    return Offline(t, PARAMS) if name == "offline" else get_policy(name, PARAMS)
+
+
+def _small_generated():
+    return generate(GenParams(sessions=8, seed=2, block_size=BS, system_tokens=4 * BS, task_tokens=4 * BS,
+                              user_tokens=BS, summary_tokens=4 * BS, max_context=120 * BS))
+
+
+NOT_PREFIX_CLOSED = trace(  # block 2 follows 1 in a's chain and 9 in b's, 6 follows 5 and nothing
+    step("a", 0, [1, 2, 3, 4], duration=1), step("b", 0.5, [9, 2, 3, 7], duration=1),
+    step("c", 1.0, [5, 6, 8], duration=0.2), step("a", 2.0, [1, 2, 3, 4, 10], last=True),
+    step("c", 2.5, [6, 8, 11], last=True), step("b", 3.0, [9, 2, 3, 7, 12], last=True))
+
+
+@pytest.mark.parametrize("policy", ["lru", "wa_lru", "nalar", "ours", "offline"])
+def test_the_walk_index_is_exact_after_every_event(policy):
+    for t, size in ((_small_generated(), (40, 20)), (_small_generated().without_session_ends(), (40, 20)),
+                    (NOT_PREFIX_CLOSED, (6, 3))):
+        sim = _Checked(t, tiers(*size), _policy(policy, t), COST, tick=0.5)
+        sim.run()
+    assert sim.prefix_closed is False  # the last trace is not prefix-closed: walks go to the head
+
+
+@pytest.mark.parametrize("policy", ["lru", "wa_lru", "nalar", "ours", "offline"])
+def test_the_prefix_shortcut_changes_no_replay(policy):
+    from dataclasses import asdict
+
+    t = _small_generated()
+    for trace_ in (t, t.without_session_ends()):
+        for size in ((30, 0), (40, 20)):
+            fast = Simulator(trace_, tiers(*size), _policy(policy, trace_), COST, tick=0.5)
+            slow = _FullWalks(trace_, tiers(*size), _policy(policy, trace_), COST, tick=0.5)
+            a, b = asdict(fast.run()), asdict(slow.run())
+            assert fast.prefix_closed
+            a.pop("wall_s"), b.pop("wall_s")
+            assert a == b

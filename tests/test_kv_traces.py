@@ -63,6 +63,8 @@ def test_save_and_load_round_trip(tmp_path):
 
 @pytest.mark.parametrize("line, body, what", [
     (2, '{"session": "a", "at": 0, "blocks": [1, "x"]}', "blocks must be a list of non-negative integers"),
+    # (the simulator failed with a KeyError on such a prompt: a repeated block was pinned twice, unpinned once)
+    (2, '{"session": "a", "at": 0, "blocks": [5, 6, 5]}', "blocks holds block 5 twice"),
     (2, '{"session": "a", "at": -1, "blocks": []}', "at must be a finite number >= 0"),
     (2, '{"at": 0, "blocks": []}', "missing field\\(s\\) session"),
     (2, '{"session": "a", "at": 0, "blocks": [], "tail_tokens": 9}', "tail_tokens 9 must be below the block size 4"),

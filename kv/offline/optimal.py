@@ -269,14 +269,15 @@ class Offline(Policy):
         reversed is already in order) and of the blocks no live session holds."""
         heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []  # (-next read, -depth, seq, cursor, chain)
         seq = 0
-        where = view.where
+        where, tail = view.where, view.tail
 
-        def skip(chain: tuple[int, ...], i: int) -> int:
-            """The cursor moved past blocks not in ``tier`` (cheap; ranking them is not)."""
+        def skip(chain: tuple[int, ...], j: int) -> int:
+            """The cursor (a position in ``chain``, moving to the head) past blocks not in
+            ``tier`` (cheap; ranking them is not); -1 past the head."""
             if where is not None:
-                while i < len(chain) and where(chain[i]) != tier:
-                    i += 1
-            return i
+                while j >= 0 and where(chain[j]) != tier:
+                    j -= 1
+            return j
 
         for b in view.stale_blocks(tier):
             nu = self.next_use(view, b)
@@ -287,18 +288,18 @@ class Offline(Policy):
                 seq += 1
         for s in view.sessions.values():
             if s.state != FINISHED and s.blocks and getattr(s, tier) > 0:
-                chain = s.blocks[::-1]
-                i = skip(chain, 0)
-                if i < len(chain):
-                    heap.append((-self.next_use(view, chain[i]), 1 + i - len(chain), seq, i, chain))
+                chain = s.blocks
+                j = skip(chain, (len(chain) if tail is None else min(tail(s.id, tier), len(chain))) - 1)
+                if j >= 0:
+                    heap.append((-self.next_use(view, chain[j]), -j, seq, j, chain))
                     seq += 1
         heapq.heapify(heap)
         while heap:
-            _, _, n, i, chain = heapq.heappop(heap)
-            yield chain[i]
-            i = skip(chain, i + 1)
-            if i < len(chain):
-                heapq.heappush(heap, (-self.next_use(view, chain[i]), 1 + i - len(chain), n, i, chain))
+            _, _, n, j, chain = heapq.heappop(heap)
+            yield chain[j]
+            j = skip(chain, j - 1)
+            if j >= 0:
+                heapq.heappush(heap, (-self.next_use(view, chain[j]), -j, n, j, chain))
 
     def tick(self, view: KVView) -> tuple[Action, ...]:
         """Prefetch just in time, making room from sessions needed later. (No drops: a block a

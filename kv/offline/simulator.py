@@ -48,6 +48,7 @@ from dask_agents.kv.offline.traces import Trace
 from dask_agents.kv.runtime.view import FINISHED, PAUSED, RUNNING, Drop, Evict, KVView, Prefetch, SessionView, Trim
 
 ACC = 0
+_TIER = {name: i for i, name in enumerate(TIER_NAMES)}
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class SimResult:
 
 
 class _Session:
-    __slots__ = ("id", "state", "node", "key", "last_access", "paused_since", "chain", "pinned")
+    __slots__ = ("id", "state", "node", "key", "last_access", "paused_since", "chain", "pinned", "pos", "hi")
 
     def __init__(self, sid: str):
         self.id = sid
@@ -96,6 +97,11 @@ class _Session:
         self.paused_since: float | None = None
         self.chain: tuple[int, ...] = ()  # its latest prompt's blocks (a finished session: its last)
         self.pinned: tuple[int, ...] = ()  # what its running step pins
+        self.pos: dict[int, int] = {}  # block -> its (last) position in ``chain``
+        # per tier: 1 + the position of its last block in the tier (0: none), kept as blocks
+        # move (Simulator._move): walks from the tail start there, so an evicted tail is not
+        # walked again at every eviction
+        self.hi = [0, 0, 0]
 
 
 class Simulator:
@@ -136,6 +142,12 @@ class Simulator:
         self._leaving = [0, 0, 0]
         self.arrivals = 0
         self.restorable = [t for t in (1, 2) if cost.restore_wins(self._tiers[t])]
+        # Whether every chain held so far is prefix-closed: a block always follows the same
+        # parent (true of prefix-hashed ids: a block names its whole prefix). Then whoever holds
+        # a block holds every block before it, so a walk from a chain's tail may stop at the
+        # first block another live session still needs: every block before it is needed too.
+        self._parent: dict[int, int | None] = {}
+        self.prefix_closed = True
 
     # -- state helpers ---------------------------------------------------------------------
 
@@ -146,24 +158,59 @@ class Simulator:
         if src is not None:
             del self.lru[src][b]
         self.ready.pop(b, None)
-        self.dirty.update(self.holders.get(b, ()))
+        holders = self.holders.get(b, ())
+        self.dirty.update(holders)
+        loc = self.loc
         if dst is None:
-            if self.loc.pop(b, None) is not None:
+            if loc.pop(b, None) is not None:
                 self.m["discarded"] += 1
         else:
-            self.loc[b] = dst
+            loc[b] = dst
             self.lru[dst][b] = None
             if dst == ACC and len(self.lru[ACC]) > self.m["peak"]:
                 self.m["peak"] = len(self.lru[ACC])
+        if src == dst:
+            return
+        sessions = self.sessions
+        for h in holders:  # keep each holder's hi tight: raised past b, lowered below its top
+            s = sessions.get(h)
+            if s is None:
+                continue
+            p = s.pos.get(b)
+            if p is None:
+                continue
+            hi = s.hi
+            if dst is not None and hi[dst] <= p:
+                hi[dst] = p + 1
+            if src is not None and hi[src] == p + 1:
+                chain, j = s.chain, p - 1
+                while j >= 0 and loc.get(chain[j]) != src:
+                    j -= 1
+                hi[src] = j + 1
 
     def _hold(self, s: _Session, chain: tuple[int, ...]) -> None:
         """Make ``chain`` the live session's latest prompt (releasing the previous one)."""
         self._release(s)
         holders, live = self.holders, self.live
+        if self.prefix_closed:
+            parent, prev = self._parent, None
+            for b in chain:
+                if parent.setdefault(b, prev) != prev:
+                    self.prefix_closed = False  # (from now on walks go to the head)
+                    break
+                prev = b
         for b in chain:
             holders.setdefault(b, set()).add(s.id)
             live[b] = live.get(b, 0) + 1
         s.chain = chain
+        s.pos = pos = {}
+        s.hi = hi = [0, 0, 0]
+        loc = self.loc
+        for i, b in enumerate(chain):
+            pos[b] = i
+            t = loc.get(b)
+            if t is not None:
+                hi[t] = i + 1
 
     def _release(self, s: _Session, forget: bool = True) -> None:
         """The session stops being live for its chain's blocks (and holding them, if ``forget``)."""
@@ -183,11 +230,18 @@ class Simulator:
                     del holders[b]
         if forget:
             s.chain = ()
+            s.pos = {}
+            s.hi = [0, 0, 0]
 
     def _where(self, b: int) -> str | None:
         """The tier block ``b`` is in (None: not cached)."""
         t = self.loc.get(b)
         return None if t is None else TIER_NAMES[t]
+
+    def _tail(self, sid: str, tier: str) -> int:
+        """No block of the session's chain at or past this position is in ``tier``."""
+        s = self.sessions.get(sid)
+        return s.hi[_TIER[tier]] if s is not None else 0
 
     def _stale(self, tier: int) -> Iterator[int]:
         """Blocks of ``tier`` no live session holds, least recently used first."""
@@ -245,6 +299,7 @@ class Simulator:
             return loc.get(b) == tier and b not in pins and b not in taken and b not in keep
 
         name = TIER_NAMES[tier]
+        closed = self.prefix_closed
         view = self._view(now)
         for item in self.policy.order(view, name):
             if isinstance(item, str):
@@ -256,13 +311,19 @@ class Simulator:
                 # until the victims are chosen) ends the walk at the last of them.
                 v = view.sessions.get(item)
                 left = getattr(v, name) if v is not None else len(s.chain)
-                for b in reversed(s.chain):
-                    if left <= 0:
-                        break
+                chain = s.chain
+                i = s.hi[tier] - 1  # (its top block in the tier)
+                while i >= 0 and left > 0:
+                    b = chain[i]
+                    i -= 1
                     if loc.get(b) != tier:
                         continue
                     left -= 1
-                    if ok(b) and self._free_to_take(b, processed):
+                    if ok(b):
+                        if not self._free_to_take(b, processed):
+                            if closed:
+                                break  # a live session after this one needs it, and all before it
+                            continue
                         victims.append(b)
                         taken.add(b)
                         if len(victims) >= k:
@@ -315,7 +376,7 @@ class Simulator:
                       {name: len(self.lru[i]) for i, name in enumerate(TIER_NAMES)},
                       MappingProxyType(self.views), self.graph.view(), self.arrivals,
                       lambda tier: iter(self.lru[TIER_NAMES.index(tier)]),
-                      lambda tier: self._stale(TIER_NAMES.index(tier)), self._where)
+                      lambda tier: self._stale(TIER_NAMES.index(tier)), self._where, self._tail)
 
     # -- events ------------------------------------------------------------------------------
 
@@ -444,10 +505,20 @@ class Simulator:
     def _own_victims(self, s: _Session, want: float, victims: list[int], taken: set[int]) -> None:
         """Add the session's unpinned accelerator blocks no other live session holds, tail first."""
         mine = 0 if s.state == FINISHED else 1
-        for b in reversed(s.chain):
+        chain, loc, pins, live, closed = s.chain, self.loc, self.pins, self.live, self.prefix_closed
+        i = s.hi[ACC] - 1  # (its top block on the accelerator)
+        while i >= 0:
             if len(victims) >= want:
                 return
-            if self.loc.get(b) == ACC and b not in self.pins and b not in taken and self.live.get(b, 0) <= mine:
+            b = chain[i]
+            i -= 1
+            if loc.get(b) != ACC:
+                continue
+            if live.get(b, 0) > mine:
+                if closed:
+                    break  # another live session holds it, and every block before it
+                continue
+            if b not in pins and b not in taken:
                 victims.append(b)
                 taken.add(b)
 

@@ -440,6 +440,10 @@ def _ids(obj: Mapping, key: str, where: str) -> tuple[int, ...]:
     v = obj.get(key)
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
         raise ValueError(f"{where}: {key} must be a list of non-negative integers")
+    if len(set(v)) != len(v):  # a block names its prefix: it cannot come twice in one prompt
+        seen: set[int] = set()
+        twice = next(x for x in v if x in seen or seen.add(x))
+        raise ValueError(f"{where}: {key} holds block {twice} twice (one prompt's blocks are distinct)")
     return tuple(v)
 
 

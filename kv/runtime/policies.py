@@ -47,7 +47,7 @@ import bisect
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from dask_agents.kv.runtime.view import FINISHED, PAUSED, RUNNING, Action, Drop, Evict, KVView, Prefetch, SessionView, Trim
 
@@ -103,6 +103,13 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+def _later(rank: Callable[[], list[str]]) -> Iterator[str]:
+    """The sessions ``rank()`` lists, ranked only when the first is asked for: an order's
+    consumer (a simulator, the KV manager) often takes all it needs from the stale blocks
+    before it, and ranking every session holding the tier costs more than the rest."""
+    yield from rank()
 
 
 def _holding(view: KVView, tier: str) -> list[SessionView]:
@@ -171,10 +178,16 @@ class WALRU(Policy):
         age = {s.id: view.now - s.last_access for s in sessions}
         max_age = max(age.values(), default=0.0) or 1.0
         max_size = max((s.accelerator for s in sessions), default=0) or 1
+        reuse: dict[str, float] = {}  # per node: one estimate per pass, not one per session
         out = {}
         for s in sessions:
-            reuse = 0.0 if s.state == FINISHED else view.graph.reuse_probability(s.node)
-            out[s.id] = p.alpha * age[s.id] / max_age + p.beta * (1 - reuse) + p.gamma * s.accelerator / max_size
+            if s.state == FINISHED:
+                r = 0.0
+            else:
+                r = reuse.get(s.node)
+                if r is None:
+                    r = reuse[s.node] = view.graph.reuse_probability(s.node)
+            out[s.id] = p.alpha * age[s.id] / max_age + p.beta * (1 - r) + p.gamma * s.accelerator / max_size
         return out
 
     def _ranked(self, view: KVView, tier: str) -> tuple[list[SessionView], set[str]]:
@@ -203,19 +216,20 @@ class WALRU(Policy):
 
     def order(self, view: KVView, tier: str) -> Iterable[str | int]:
         """Stale blocks, then expired sessions by score, then protected ones by score, then running ones."""
-        return itertools.chain(view.stale_blocks(tier), [s.id for s in self._ranked(view, tier)[0]])
+        return itertools.chain(view.stale_blocks(tier), _later(lambda: [s.id for s in self._ranked(view, tier)[0]]))
 
     def tick(self, view: KVView) -> tuple[Action, ...]:
         """Threshold evictions and speculative prefetch."""
         p = self.params
         cap = view.capacity["accelerator"]
-        ranked, gone = self._ranked(view, "accelerator")
-        if view.used["accelerator"] > p.theta_high * cap:
-            out = _trim(view, ranked, p.theta_high * cap)
-        elif view.used["accelerator"] > p.theta_low * cap:
-            out = _trim(view, [s for s in ranked if s.id in gone], p.theta_low * cap)
-        else:
-            out = []
+        used = view.used["accelerator"]
+        out: list[Action] = []
+        if used > p.theta_low * cap:  # (below both thresholds nothing is ranked)
+            ranked, gone = self._ranked(view, "accelerator")
+            if used > p.theta_high * cap:
+                out = _trim(view, ranked, p.theta_high * cap)
+            else:
+                out = _trim(view, [s for s in ranked if s.id in gone], p.theta_low * cap)
         if view.offload_tier is not None:
             soon = [s for s in view.sessions.values() if s.state == PAUSED and s.restorable
                     and view.graph.latency(s.wait_key).resume_within(
@@ -241,10 +255,12 @@ class Nalar(Policy):
 
     def order(self, view: KVView, tier: str) -> Iterable[str | int]:
         """Stale blocks, then the longest predicted idle first; running sessions last."""
-        held = _holding(view, tier)
-        idle = {s.id: self.idle(view, s) for s in held}
-        return itertools.chain(view.stale_blocks(tier), [
-            s.id for s in sorted(held, key=lambda s: (s.state == RUNNING, -idle[s.id], s.last_access))])
+        def ranked() -> list[str]:
+            held = _holding(view, tier)
+            idle = {s.id: self.idle(view, s) for s in held}
+            return [s.id for s in sorted(held, key=lambda s: (s.state == RUNNING, -idle[s.id], s.last_access))]
+
+        return itertools.chain(view.stale_blocks(tier), _later(ranked))
 
     def tick(self, view: KVView) -> tuple[Action, ...]:
         """Drop finished sessions; offload idle ones to restore the reserve; prefetch soon-runnable ones."""
@@ -322,11 +338,13 @@ class Ours(Policy):
 
     def order(self, view: KVView, tier: str) -> Iterable[str | int]:
         """Stale blocks, then the furthest expected next use first (finished sessions first of all)."""
-        held = _holding(view, tier)
-        pauses = self.open_pauses(view)
-        nxt = {s.id: self.next_use(view, s, pauses) for s in held}
-        ranked = sorted(held, key=lambda s: (-nxt[s.id], s.last_access))
-        return itertools.chain(view.stale_blocks(tier), [s.id for s in ranked])
+        def ranked() -> list[str]:
+            held = _holding(view, tier)
+            pauses = self.open_pauses(view)
+            nxt = {s.id: self.next_use(view, s, pauses) for s in held}
+            return [s.id for s in sorted(held, key=lambda s: (-nxt[s.id], s.last_access))]
+
+        return itertools.chain(view.stale_blocks(tier), _later(ranked))
 
     def tick(self, view: KVView) -> tuple[Action, ...]:
         """Drop finished sessions; with a lower tier, keep headroom and prefetch before the resume."""

@@ -99,6 +99,10 @@ class KVView:
     # simulator); None otherwise. Lets a policy skip a chain's blocks that are not in a tier
     # instead of ranking them (the offline order walked every chain block per eviction).
     where: Callable[[int], str | None] | None = field(repr=False, default=None)
+    # ``tail(session, tier)``: a position in the session's chain (``blocks``) no block of the
+    # tier is at or past, where the caller can say cheaply (the simulator); None otherwise. A
+    # walk from the tail starts there instead of passing the evicted tail again at every call.
+    tail: Callable[[str, str], int] | None = field(repr=False, default=None)
 
     def usage(self, tier: str = ACCELERATOR) -> float:
         """Share of ``tier`` in use (1.0 for a tier of no capacity)."""
