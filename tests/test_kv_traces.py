@@ -274,3 +274,14 @@ def test_telemetry_files_and_their_errors(tmp_path):
         (tmp_path / "x.txt").write_text("x")
         load_telemetry(tmp_path / "x.txt")
     assert math.isclose(load_telemetry(frame, time_scale=0.5).steps[0].duration, 2.0)
+
+
+def test_prefix_closed_says_whether_every_block_keeps_its_parent():
+    from tests.kv_helpers import step, trace
+
+    assert generate(GenParams(sessions=3, seed=1)).prefix_closed()
+    closed = [step("a", 0, [1, 2, 3]), step("b", 1, [1, 2, 4]), step("a", 2, [1, 2, 3, 5], last=True)]
+    assert trace(*closed).prefix_closed()
+    # one late prompt where block 2 follows 9 (not 1): the whole trace is not, from its start
+    assert not trace(*closed, step("c", 3, [9, 2], last=True)).prefix_closed()
+    assert not trace(step("a", 0, [2, 3]), step("b", 1, [1, 2], last=True)).prefix_closed()  # 2 first, then after 1

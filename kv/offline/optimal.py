@@ -269,14 +269,18 @@ class Offline(Policy):
         reversed is already in order) and of the blocks no live session holds."""
         heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []  # (-next read, -depth, seq, cursor, chain)
         seq = 0
-        where, tail = view.where, view.tail
+        where, tail, movable = view.where, view.tail, view.movable
 
         def skip(chain: tuple[int, ...], j: int) -> int:
             """The cursor (a position in ``chain``, moving to the head) past blocks not in
-            ``tier`` (cheap; ranking them is not); -1 past the head."""
+            ``tier`` or that may not leave it (cheap; ranking them is not); -1 past the head."""
             if where is not None:
-                while j >= 0 and where(chain[j]) != tier:
-                    j -= 1
+                if movable is not None:
+                    while j >= 0 and (where(chain[j]) != tier or not movable(chain[j])):
+                        j -= 1
+                else:
+                    while j >= 0 and where(chain[j]) != tier:
+                        j -= 1
             return j
 
         for b in view.stale_blocks(tier):

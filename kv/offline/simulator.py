@@ -142,12 +142,11 @@ class Simulator:
         self._leaving = [0, 0, 0]
         self.arrivals = 0
         self.restorable = [t for t in (1, 2) if cost.restore_wins(self._tiers[t])]
-        # Whether every chain held so far is prefix-closed: a block always follows the same
-        # parent (true of prefix-hashed ids: a block names its whole prefix). Then whoever holds
-        # a block holds every block before it, so a walk from a chain's tail may stop at the
-        # first block another live session still needs: every block before it is needed too.
-        self._parent: dict[int, int | None] = {}
-        self.prefix_closed = True
+        # Whether the trace is prefix-closed (Trace.prefix_closed: a block always follows the
+        # same parent). Then whoever holds a block holds every block before it, so a walk from a
+        # chain's tail may stop at the first block another live session still needs (every
+        # block before it is needed too), and an order may leave out blocks that cannot move.
+        self.prefix_closed = trace.prefix_closed()
 
     # -- state helpers ---------------------------------------------------------------------
 
@@ -192,13 +191,6 @@ class Simulator:
         """Make ``chain`` the live session's latest prompt (releasing the previous one)."""
         self._release(s)
         holders, live = self.holders, self.live
-        if self.prefix_closed:
-            parent, prev = self._parent, None
-            for b in chain:
-                if parent.setdefault(b, prev) != prev:
-                    self.prefix_closed = False  # (from now on walks go to the head)
-                    break
-                prev = b
         for b in chain:
             holders.setdefault(b, set()).add(s.id)
             live[b] = live.get(b, 0) + 1
@@ -242,6 +234,10 @@ class Simulator:
         """No block of the session's chain at or past this position is in ``tier``."""
         s = self.sessions.get(sid)
         return s.hi[_TIER[tier]] if s is not None else 0
+
+    def _movable(self, b: int) -> bool:
+        """Whether block ``b`` may leave its tier now (not pinned, not read by the arriving step)."""
+        return b not in self.pins and b not in self._keep
 
     def _stale(self, tier: int) -> Iterator[int]:
         """Blocks of ``tier`` no live session holds, least recently used first."""
@@ -311,6 +307,8 @@ class Simulator:
                 # until the victims are chosen) ends the walk at the last of them.
                 v = view.sessions.get(item)
                 left = getattr(v, name) if v is not None else len(s.chain)
+                if tier == ACC and s.state == RUNNING and len(s.pinned) >= left:
+                    continue  # its step pins every block of it on the accelerator: nothing to take
                 chain = s.chain
                 i = s.hi[tier] - 1  # (its top block in the tier)
                 while i >= 0 and left > 0:
@@ -319,15 +317,20 @@ class Simulator:
                     if loc.get(b) != tier:
                         continue
                     left -= 1
-                    if ok(b):
-                        if not self._free_to_take(b, processed):
-                            if closed:
-                                break  # a live session after this one needs it, and all before it
-                            continue
-                        victims.append(b)
-                        taken.add(b)
-                        if len(victims) >= k:
+                    if b in keep:  # the arriving step reads it (and, prefix-closed, all before it)
+                        if closed:
                             break
+                        continue
+                    if b in pins or b in taken:
+                        continue
+                    if not self._free_to_take(b, processed):
+                        if closed:
+                            break  # a live session after this one needs it, and all before it
+                        continue
+                    victims.append(b)
+                    taken.add(b)
+                    if len(victims) >= k:
+                        break
             elif ok(item):
                 victims.append(item)
                 taken.add(item)
@@ -376,7 +379,9 @@ class Simulator:
                       {name: len(self.lru[i]) for i, name in enumerate(TIER_NAMES)},
                       MappingProxyType(self.views), self.graph.view(), self.arrivals,
                       lambda tier: iter(self.lru[TIER_NAMES.index(tier)]),
-                      lambda tier: self._stale(TIER_NAMES.index(tier)), self._where, self._tail)
+                      lambda tier: self._stale(TIER_NAMES.index(tier)), self._where, self._tail,
+                      # (an order that leaves blocks out keeps its merge only on prefix-closed chains)
+                      self._movable if self.prefix_closed else None)
 
     # -- events ------------------------------------------------------------------------------
 

@@ -148,7 +148,11 @@ class Trace:
     def peak_footprint(self) -> int:
         """Most distinct blocks the live sessions' latest prompts hold at once (a session is live
         from its first arrival to its last step's end): the accelerator size at which no policy
-        needs to evict anything but finished sessions. Benchmarks size memory relative to it."""
+        needs to evict anything but finished sessions. Benchmarks size memory relative to it.
+        Computed once per trace (a replay asks for it per memory size)."""
+        cached = self.__dict__.get("_peak_footprint")
+        if cached is not None:
+            return cached
         events = []  # (time, order, kind, step): arrivals before ends at equal times
         for i, s in enumerate(self.steps):
             events.append((s.at, 1, i))
@@ -170,6 +174,7 @@ class Trace:
                 for b in s.blocks:
                     ref[b] += 1
                 peak = max(peak, len(ref))
+        object.__setattr__(self, "_peak_footprint", peak)  # (frozen: set past it; not a field)
         return peak
 
     def timeline(self) -> list[tuple[float, bool, int]]:
@@ -204,10 +209,35 @@ class Trace:
         return Trace(f"{self.name} without session ends", f"{self.family}-no-ends", self.block_size, steps,
                      {**self.meta, "session_ends": False})
 
+    def prefix_closed(self) -> bool:
+        """Whether every block of the trace always follows the same parent (the block before it
+        in a prompt; none for a first block): true of prefix-hashed ids, where a block names its
+        whole prefix. Then whoever holds a block holds every block before it, and a chain's
+        blocks are never read before their parents. Computed once per trace."""
+        cached = self.__dict__.get("_prefix_closed")
+        if cached is not None:
+            return cached
+        parent: dict[int, int | None] = {}
+        closed = True
+        for s in self.steps:
+            prev = None
+            for b in s.blocks:
+                if parent.setdefault(b, prev) != prev:
+                    closed = False
+                    break
+                prev = b
+            if not closed:
+                break
+        object.__setattr__(self, "_prefix_closed", closed)
+        return closed
+
     def peak_running(self) -> int:
         """Most distinct blocks the running steps' prompts hold at once (they are pinned on the
         accelerator). With less accelerator than this, some steps cannot keep their prompt
-        whatever the policy."""
+        whatever the policy. Computed once per trace."""
+        cached = self.__dict__.get("_peak_running")
+        if cached is not None:
+            return cached
         ref: dict[int, int] = defaultdict(int)
         peak = 0
         for _, arrival, i in self.timeline():
@@ -219,6 +249,7 @@ class Trace:
                     if not ref[b]:
                         del ref[b]
             peak = max(peak, len(ref))
+        object.__setattr__(self, "_peak_running", peak)
         return peak
 
     def head(self, n_sessions: int) -> "Trace":

@@ -172,12 +172,14 @@ class WALRU(Policy):
         """Finished, or paused past its TTL."""
         return s.state == FINISHED or (s.state == PAUSED and view.elapsed(s) > self.ttl(view, s))
 
-    def scores(self, view: KVView, sessions: list[SessionView]) -> dict[str, float]:
-        """SAGA's score per session (higher: evict sooner)."""
+    def scores(self, view: KVView, sessions: list[SessionView],
+               among: list[SessionView] | None = None) -> dict[str, float]:
+        """SAGA's score per session (higher: evict sooner); age and size are normalized over
+        ``among`` (default: ``sessions`` themselves)."""
         p = self.params
-        age = {s.id: view.now - s.last_access for s in sessions}
-        max_age = max(age.values(), default=0.0) or 1.0
-        max_size = max((s.accelerator for s in sessions), default=0) or 1
+        among = sessions if among is None else among
+        max_age = max((view.now - s.last_access for s in among), default=0.0) or 1.0
+        max_size = max((s.accelerator for s in among), default=0) or 1
         reuse: dict[str, float] = {}  # per node: one estimate per pass, not one per session
         out = {}
         for s in sessions:
@@ -187,15 +189,15 @@ class WALRU(Policy):
                 r = reuse.get(s.node)
                 if r is None:
                     r = reuse[s.node] = view.graph.reuse_probability(s.node)
-            out[s.id] = p.alpha * age[s.id] / max_age + p.beta * (1 - r) + p.gamma * s.accelerator / max_size
+            out[s.id] = p.alpha * (view.now - s.last_access) / max_age + p.beta * (1 - r) + p.gamma * s.accelerator / max_size
         return out
 
-    def _ranked(self, view: KVView, tier: str) -> tuple[list[SessionView], set[str]]:
+    def _ranked(self, view: KVView, tier: str, expired_only: bool = False) -> tuple[list[SessionView], set[str]]:
         """Idle sessions holding ``tier`` (expired first, each group by score), then running ones;
-        and the ids of the expired ones."""
+        and the ids of the expired ones. ``expired_only``: the expired ones alone (scored as
+        among every idle one), what a trim down to the low threshold takes."""
         held = _holding(view, tier)
         idle = [s for s in held if s.state != RUNNING]
-        score = self.scores(view, idle)
         ttl: dict[str, float] = {}  # per wait key: one quantile per pass, not one per session
 
         def is_expired(s: SessionView) -> bool:
@@ -209,6 +211,11 @@ class WALRU(Policy):
             return view.elapsed(s) > t
 
         gone = {s.id for s in idle if is_expired(s)}
+        if expired_only:
+            expired = [s for s in idle if s.id in gone]
+            score = self.scores(view, expired, idle)
+            return sorted(expired, key=lambda s: -score[s.id]), gone
+        score = self.scores(view, idle)
         expired = sorted((s for s in idle if s.id in gone), key=lambda s: -score[s.id])
         kept = sorted((s for s in idle if s.id not in gone), key=lambda s: -score[s.id])
         running = sorted((s for s in held if s.state == RUNNING), key=lambda s: s.last_access)
@@ -224,12 +231,10 @@ class WALRU(Policy):
         cap = view.capacity["accelerator"]
         used = view.used["accelerator"]
         out: list[Action] = []
-        if used > p.theta_low * cap:  # (below both thresholds nothing is ranked)
-            ranked, gone = self._ranked(view, "accelerator")
-            if used > p.theta_high * cap:
-                out = _trim(view, ranked, p.theta_high * cap)
-            else:
-                out = _trim(view, [s for s in ranked if s.id in gone], p.theta_low * cap)
+        if used > p.theta_high * cap:
+            out = _trim(view, self._ranked(view, "accelerator")[0], p.theta_high * cap)
+        elif used > p.theta_low * cap:  # (below both thresholds nothing is ranked)
+            out = _trim(view, self._ranked(view, "accelerator", expired_only=True)[0], p.theta_low * cap)
         if view.offload_tier is not None:
             soon = [s for s in view.sessions.values() if s.state == PAUSED and s.restorable
                     and view.graph.latency(s.wait_key).resume_within(
@@ -245,19 +250,26 @@ class Nalar(Policy):
     ticks = True
 
     @staticmethod
-    def idle(view: KVView, s: SessionView) -> float:
-        """Predicted time until the session is runnable again (inf once finished)."""
+    def idle(view: KVView, s: SessionView, memo: dict | None = None) -> float:
+        """Predicted time until the session is runnable again (inf once finished). ``memo``:
+        a dict shared by one pass's calls (one mean per wait key, not one per session)."""
         if s.state == FINISHED:
             return math.inf
         if s.state == RUNNING:
             return 0.0
-        return max(0.0, view.graph.latency(s.wait_key).mean() - view.elapsed(s))
+        if memo is None:
+            return max(0.0, view.graph.latency(s.wait_key).mean() - view.elapsed(s))
+        mean = memo.get(s.wait_key)
+        if mean is None:
+            mean = memo[s.wait_key] = view.graph.latency(s.wait_key).mean()
+        return max(0.0, mean - view.elapsed(s))
 
     def order(self, view: KVView, tier: str) -> Iterable[str | int]:
         """Stale blocks, then the longest predicted idle first; running sessions last."""
         def ranked() -> list[str]:
             held = _holding(view, tier)
-            idle = {s.id: self.idle(view, s) for s in held}
+            memo: dict = {}
+            idle = {s.id: self.idle(view, s, memo) for s in held}
             return [s.id for s in sorted(held, key=lambda s: (s.state == RUNNING, -idle[s.id], s.last_access))]
 
         return itertools.chain(view.stale_blocks(tier), _later(ranked))
@@ -269,7 +281,8 @@ class Nalar(Policy):
         if paused is None:
             return tuple(out)
         cap = view.capacity["accelerator"]
-        idle = {s.id: self.idle(view, s) for s in paused}
+        memo: dict = {}
+        idle = {s.id: self.idle(view, s, memo) for s in paused}
         if view.used["accelerator"] > (1 - p.nalar_reserve) * cap:
             worth = [s for s in sorted(paused, key=lambda s: -idle[s.id])
                      if idle[s.id] > 2 * view.move_s(s.accelerator)]  # offload + restore
@@ -298,7 +311,8 @@ class Ours(Policy):
     gone_quantile = 0.99
 
     @classmethod
-    def next_use(cls, view: KVView, s: SessionView, open_pauses: Mapping[str, list[float]] | None = None) -> float:
+    def next_use(cls, view: KVView, s: SessionView, open_pauses: Mapping[str, list[float]] | None = None,
+                 memo: dict | None = None) -> float:
         """Expected seconds until the session reads its KV again, over the probability that it
         does (inf: finished, or paused past every pause seen to end there but 1%).
 
@@ -307,15 +321,31 @@ class Ours(Policy):
         pauses seen to end after ``elapsed`` against those open now past ``elapsed``
         (``open_pauses``: the elapsed times of the paused sessions per wait key, sorted). Without
         an end signal, sessions that never return pile up among the open ones, so the share
-        falls where they sit; with one, it only ranks long waits below short ones."""
+        falls where they sit; with one, it only ranks long waits below short ones.
+
+        ``memo``: a dict shared by the calls of one pass over one view (what depends only on a
+        node or a wait key is then estimated once per pass, not once per session)."""
         if s.state == FINISHED:
             return math.inf
-        reuse = max(view.graph.reuse_probability(s.node), 0.05)
+        if memo is None:
+            memo = {}
+        node = s.node
+        reuse = memo.get(("reuse", node))
+        if reuse is None:
+            reuse = memo[("reuse", node)] = max(view.graph.reuse_probability(node), 0.05)
         if s.state == RUNNING:
             # Its step is still running: at least the pause that follows it.
-            return view.graph.expected_pause(s.node) / reuse
-        lat, elapsed = view.graph.latency(s.wait_key), view.elapsed(s)
-        if lat.empirical and elapsed > lat.quantile(cls.gone_quantile):
+            out = memo.get(("running", node))
+            if out is None:
+                out = memo[("running", node)] = view.graph.expected_pause(node) / reuse
+            return out
+        got = memo.get(("wait", s.wait_key))
+        if got is None:
+            lat = view.graph.latency(s.wait_key)
+            got = memo[("wait", s.wait_key)] = (lat, lat.quantile(cls.gone_quantile) if lat.empirical else None)
+        lat, gone_after = got
+        elapsed = view.elapsed(s)
+        if gone_after is not None and elapsed > gone_after:
             return math.inf
         if open_pauses is not None:
             ended = lat.longer_than(elapsed)
@@ -340,8 +370,8 @@ class Ours(Policy):
         """Stale blocks, then the furthest expected next use first (finished sessions first of all)."""
         def ranked() -> list[str]:
             held = _holding(view, tier)
-            pauses = self.open_pauses(view)
-            nxt = {s.id: self.next_use(view, s, pauses) for s in held}
+            pauses, memo = self.open_pauses(view), {}
+            nxt = {s.id: self.next_use(view, s, pauses, memo) for s in held}
             return [s.id for s in sorted(held, key=lambda s: (-nxt[s.id], s.last_access))]
 
         return itertools.chain(view.stale_blocks(tier), _later(ranked))
@@ -353,8 +383,8 @@ class Ours(Policy):
         if paused is None:
             return tuple(out)
         cap = view.capacity["accelerator"]
-        pauses = self.open_pauses(view)
-        nxt = {s.id: self.next_use(view, s, pauses) for s in paused}
+        pauses, memo = self.open_pauses(view), {}
+        nxt = {s.id: self.next_use(view, s, pauses, memo) for s in paused}
         used = view.used["accelerator"]
         if used > p.theta_high * cap:
             worth = [s for s in sorted(paused, key=lambda s: -nxt[s.id])

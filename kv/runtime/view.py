@@ -103,6 +103,10 @@ class KVView:
     # tier is at or past, where the caller can say cheaply (the simulator); None otherwise. A
     # walk from the tail starts there instead of passing the evicted tail again at every call.
     tail: Callable[[str, str], int] | None = field(repr=False, default=None)
+    # ``movable(block)``: False for a block that may not leave its tier now (pinned by a running
+    # step, or read by the step being served), where the caller can say cheaply (the
+    # simulator); None otherwise. An order may leave such blocks out: they would be passed over.
+    movable: Callable[[int], bool] | None = field(repr=False, default=None)
 
     def usage(self, tier: str = ACCELERATOR) -> float:
         """Share of ``tier`` in use (1.0 for a tier of no capacity)."""
