@@ -203,10 +203,12 @@ class Enforcer:
             bounds = self.host.state.component_bounds.get(a.component)
             if bounds is not None:  # a bounded component: its route is its replicas
                 lo, hi = bounds
-                if not a.workers or len(a.workers) > hi:
-                    return f"{len(a.workers) or 'every'} workers, past max_replicas={hi}"
-                if len(a.workers) < min(lo, len(self.host.roster.ready)):
-                    return f"{len(a.workers)} workers, below min_replicas={lo}"
+                n = len(set(a.workers))
+                if not n or n > hi:
+                    return f"{n or 'every'} workers, past max_replicas={hi}"
+                available = sum(1 for w in self.host.roster.ready if w not in self.drainer.drains)
+                if n < min(lo, available):
+                    return f"{n} workers, below min_replicas={lo}"
             if a.workers:
                 self.routes[a.component] = tuple(a.workers)
             else:

@@ -225,6 +225,20 @@ class Placement:
         if bound is not None and dask_compat.free_threads(self.scheduler, bound) > 0:
             dask_compat.prefer_worker(ts, bound)
 
+    def place_routed(self, ts: Any, component: str, session: str | None, model: str | None) -> None:
+        """A call of a component the control plane routed: pinned within its route, beside its
+        session's engine of ``model`` (its ``model=`` hint, or the model its session calls)
+        when that worker is in the route with a free thread, else on the route's least loaded
+        worker."""
+        candidates = self.candidates(None, component)
+        if model is not None and session is not None:
+            bound = self.bindings.get((session, f"llm:{model}"))
+            if (bound is not None and bound in candidates
+                    and dask_compat.free_threads(self.scheduler, bound) > 0):
+                self._pin(ts, bound, component)
+                return
+        self.place(ts, None, component, candidates)
+
     def unplace(self, key: str) -> None:
         """The call is no longer pinned by us (it ended, or is being placed again)."""
         where = self.placed.pop(key, None)

@@ -415,7 +415,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                     model = ann.get("llm_model")
                     self.placement.place(ts, rec.session, f"llm:{model}", None, model, rec.component)
             elif self.control is not None and rec.component in self.control.enforcer.routes:
-                self.placement.place(ts, None, rec.component, self.placement.candidates(None, rec.component))
+                model = ann.get("model") or (self.placement.session_model(rec.session)
+                                             if rec.kind == "agent" and rec.session is not None else None)
+                self.placement.place_routed(ts, rec.component, rec.session, model)
             elif ann.get("model") and rec.session is not None:
                 self.placement.near_engine(ts, rec.session, ann["model"])
             elif rec.kind == "agent" and rec.session is not None:

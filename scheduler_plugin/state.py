@@ -172,8 +172,10 @@ class WorkflowState:
         self.open_per_client: Counter[str] = Counter()
         self.completed_per_component: Counter[str] = Counter()
         # bounded component -> (min_replicas, max_replicas) from its calls' hints (the first
-        # seen: one component class, one set of hints) for the reallocate policy
+        # seen: one component class, one set of hints) for the reallocate policy, and the model
+        # its ``model=`` hint names (its replicas then go beside that model's engines first)
         self.component_bounds: dict[str, tuple[int, int]] = {}
+        self.component_models: dict[str, str] = {}
         self.sessions_seen = 0
         self.durations: dict[str, _Running] = {}
         self.edges: Counter[tuple[str, str]] = Counter()
@@ -272,6 +274,8 @@ class WorkflowState:
         self.open_per_component[rec.component] += 1
         if ann.get("max_replicas") is not None and rec.component not in self.component_bounds:
             self.component_bounds[rec.component] = (ann.get("min_replicas") or 0, ann["max_replicas"])
+            if ann.get("model"):
+                self.component_models[rec.component] = ann["model"]
         self.open_by_state[(rec.component, rec.state)] += 1
         for d in deps:
             dep = self.calls[d]

@@ -70,7 +70,8 @@ class ComponentView:
     """Per-component statistics (flattened workflow graph). Counters are cumulative.
 
     A component whose hints bound its replicas (``max_replicas``) has the workers the control
-    plane routed it to as ``replicas`` (empty: not routed yet, it runs anywhere)."""
+    plane routed it to as ``replicas`` (empty: not routed yet, it runs anywhere) and its
+    ``model=`` hint as ``model``."""
 
     name: str
     mean_duration: float | None
@@ -81,6 +82,7 @@ class ComponentView:
     replicas: tuple[str, ...] = ()
     min_replicas: int = 1
     max_replicas: int | None = None  # None: unbounded (every worker is its replica)
+    model: str | None = None  # its ``model=`` hint (a bounded component's, else not recorded)
 
 
 @dataclass(frozen=True, slots=True)

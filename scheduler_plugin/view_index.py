@@ -265,7 +265,7 @@ def _common(src: ViewSources, draining: Iterable[str]) -> tuple[dict, dict]:
     for c, stats in src.state.component_stats().items():
         if c in bounded:  # its replicas: the live workers of its route
             replicas = tuple(w for w in routes.get(c, ()) if src.roster.alive(w))
-            components[c] = ComponentView(c, *stats, replicas, *bounded[c])
+            components[c] = ComponentView(c, *stats, replicas, *bounded[c], src.state.component_models.get(c))
         else:
             components[c] = ComponentView(c, *stats)
     draining = set(draining)

@@ -32,8 +32,8 @@ class Sim:
     """Views one second apart: calls of each component arrive at ``rates[c]`` a second; each
     thread of its routed workers serves ``1 / duration[c]`` calls a second."""
 
-    def __init__(self, bounds: dict[str, tuple[int, int]], duration: dict[str, float], engines=()):
-        self.bounds, self.duration = bounds, duration
+    def __init__(self, bounds: dict[str, tuple[int, int]], duration: dict[str, float], engines=(), models=None):
+        self.bounds, self.duration, self.models = bounds, duration, models or {}
         self.routes: dict[str, tuple[str, ...]] = {}
         self.counters = {c: [0.0, 0.0, 0.0] for c in bounds}  # created, completed, open
         self.t = 0.0
@@ -49,7 +49,7 @@ class Sim:
             self.counters[c] = [created + rate, done + served, open_ + rate - served]
             comps[c] = ComponentView(c, self.duration[c] if done + served else None, int(created + rate), 1.0,
                                      int(round(open_ + rate - served)), int(done + served),
-                                     self.routes.get(c, ()), lo, hi)
+                                     self.routes.get(c, ()), lo, hi, self.models.get(c))
         workers = {w: WorkerView(w, 1, 0, 0, (), ("m",) if w in self.engines else ()) for w in WORKERS}
         self.t += 1
         return ClusterView.freeze(self.t, workers, {}, {}, comps)
@@ -60,7 +60,7 @@ class Sim:
             for a in pol(self.view(rates)):
                 assert isinstance(a, Route)
                 lo, hi = self.bounds[a.component]
-                assert min(lo, 1) <= len(a.workers) <= hi and len(set(a.workers)) == len(a.workers)
+                assert min(max(lo, 1), len(WORKERS)) <= len(a.workers) <= hi and len(set(a.workers)) == len(a.workers)
                 self.routes[a.component] = a.workers
                 out.append(a)
         return out
@@ -96,11 +96,26 @@ def test_no_move_without_a_persistent_overloaded_bottleneck_or_past_the_bounds()
     assert len(sim.routes["slow"]) == 2
 
 
-def test_engine_workers_are_not_cpu_replicas_and_unbounded_components_are_not_routed():
+def test_one_at_its_max_does_not_keep_another_from_gaining():
+    sim = Sim({"fixed": (1, 1), "grows": (1, 3)}, {"fixed": 1.0, "grows": 1.0})
+    pol = Reallocate(persistence=2, window="3s")
+    sim.run(pol, {"fixed": 20.0, "grows": 5.0}, 8)  # both overloaded; "fixed" the more, at its max
+    assert len(sim.routes["fixed"]) == 1 and len(sim.routes["grows"]) == 3
+
+
+def test_engine_workers_come_last_unless_the_component_calls_their_model():
     sim = Sim({"index": (2, 4)}, {"index": 1.0}, engines=("A", "B"))
     pol = Reallocate(persistence=1, window="3s")
+    sim.run(pol, {"index": 0.1}, 2)
+    assert sorted(sim.routes["index"]) == ["C", "D"]  # its min_replicas, on the workers without an engine
     sim.run(pol, {"index": 20.0}, 6)
-    assert sorted(sim.routes["index"]) == ["C", "D"]  # grew to every worker without an engine
+    assert sorted(sim.routes["index"]) == ["A", "B", "C", "D"]  # overloaded: the engine workers too, last
+    beside = Sim({"Coder": (1, 3)}, {"Coder": 1.0}, engines=("C",), models={"Coder": "m"})
+    beside.run(Reallocate(persistence=1, window="3s"), {"Coder": 0.1}, 2)
+    assert beside.routes["Coder"] == ("C",)  # an agent with model="m": beside its engine first
+
+
+def test_unbounded_components_are_not_routed():
     free = ComponentView("Planner", 1.0, 10, 1.0, 5, 5)  # no max_replicas: runs anywhere, no route
     workers = {w: WorkerView(w, 1, 0, 0, ()) for w in WORKERS}
     assert list(Reallocate(persistence=1)(ClusterView.freeze(1.0, workers, {}, {}, {"Planner": free}))) == []
@@ -132,6 +147,11 @@ def slow_tool(i: int) -> str:
 @da.tool(min_replicas=1, max_replicas=3)
 def fast_tool(i: int) -> str:
     return _hold(0.1)
+
+
+@da.tool(min_replicas=2, max_replicas=2)
+def pair_tool(i: int) -> str:
+    return _hold(0.0)
 
 
 async def drive(tool, until, rate: float = 30.0, budget: float = 60.0) -> list:
@@ -188,12 +208,50 @@ async def test_the_enforcer_keeps_routes_within_the_bounds(c: Client, s: Schedul
     plugin = s.plugins[NAME]
     async with da.session(c):
         await da.stub(slow_tool)(0)  # its bounds reach the scheduler with its first call
+        await da.stub(pair_tool)(0)
     enforcer = plugin.control.enforcer
-    too_many = Route("slow_tool", (a.address, b.address, a.address, b.address))
-    anywhere = Route("slow_tool", ())
-    assert enforcer.apply([too_many, anywhere], "test") == 0
-    assert "slow_tool" not in enforcer.routes
-    assert enforcer.apply([Route("slow_tool", (b.address,))], "test") == 1
+    w3 = "tcp://127.0.0.1:1"  # not a worker of this cluster
+    refused = [Route("slow_tool", ()),  # "anywhere": past max_replicas=3 on any cluster
+               Route("pair_tool", (a.address,)),  # below min_replicas=2 with two workers up
+               Route("pair_tool", (a.address, a.address)),  # the same worker twice is one replica
+               Route("slow_tool", (a.address, w3))]  # unknown worker
+    assert enforcer.apply(refused, "test") == 0
+    assert "slow_tool" not in enforcer.routes and "pair_tool" not in enforcer.routes
+    assert enforcer.apply([Route("slow_tool", (b.address,)), Route("pair_tool", (a.address, b.address))], "test") == 2
     assert enforcer.routes["slow_tool"] == (b.address,)
     async with da.session(c):
         assert await da.stub(slow_tool)(1) == b.address
+
+
+EMU = {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte", "emulation": {"time_scale": 0.001}}
+
+
+@da.agent(model="emu", min_replicas=2, max_replicas=2)
+class BoundedWriter:
+    def write(self, topic: str) -> str:
+        out = da.llm("emu").generate(f"write about {topic}", max_tokens=4).value(60)
+        return f"{get_worker().address}|{out.worker}"
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2)] * 3, timeout=90,
+             config={"agents.llm.models": {"emu": EMU}, "agents.control.interval": "50ms"})
+async def test_a_bounded_agent_with_the_model_hint_is_routed_beside_its_engines(c: Client, s: Scheduler,
+                                                                               *workers: Worker):
+    await da.install(c, models={"0": ["emu"], "1": ["emu"]})  # the third worker hosts no engine
+    plugin = s.plugins[NAME]
+    await async_wait_for(lambda: len(plugin.model_workers.get("emu", ())) == 2)
+    engines = set(plugin.model_workers["emu"])
+    routes = plugin.control.enforcer.routes
+    writer = da.stub(BoundedWriter)
+    async with da.session(c):
+        await writer.write("first")  # its bounds reach the scheduler
+    await async_wait_for(lambda: "BoundedWriter" in routes)
+    assert set(routes["BoundedWriter"]) == engines  # its two replicas: its model's engine workers
+    pairs = []
+    for i in range(8):
+        async with da.session(c) as sess:
+            for j in range(2):
+                here, llm = (await writer.write(f"{i}-{j}")).split("|")
+                pairs.append((plugin.bindings[(sess.id, "llm:emu")], here, llm))
+    assert {engine for engine, _, _ in pairs} == engines  # sessions on both engines
+    assert all(here == engine == llm for engine, here, llm in pairs), pairs  # each call beside its engine

@@ -23,18 +23,21 @@ CPU components run on any worker's threads: every worker is already their replic
 is nothing to move, unless their hints bound them (``max_replicas``, e.g. a test runner that
 must not take every thread from the agents). A bounded component's replicas are the workers
 the control plane routes it to (a ``Route``: its new calls go only there, on the scheduler
-and on the workers' fast paths), among the workers without an engine (every worker when all
-have one). It starts on ``min_replicas`` workers (at least one), the least covered by other
-bounded components' routes, and the same rule moves workers toward the bottleneck:
-    x_c = (threads of its replicas / mean call duration) / max(lam_c + open_c / window, delta)
+and on the workers' fast paths; calls already placed finish where they are): workers hosting
+its ``model=`` hint's engine first (its calls go beside it), else workers without an engine
+first (a heavy tool beside an engine slows it). It starts on ``min_replicas``
+workers (at least one), the least covered by other bounded components' routes, and the same
+rule moves workers toward the bottleneck:
+    x_c = (threads of its replicas / mean call duration) / max(lam_c, delta)
 (a worker with T threads completes T / duration calls a second while busy: measured from
 every completed call, so a tool of minutes has a service rate before its window holds
-``min_completions`` of them; a backlog is demand as much as arrivals are). Only an
-overloaded bottleneck (x_c < 1) gains workers: a CPU component that keeps up with its demand
-has nothing to gain from more. It first takes workers no bounded route holds, as many as its
-demand needs, up to its ``max_replicas``; else one worker moves from the donor that stays
-above it (the rule above), which is how a component gives workers back when another becomes
-the bottleneck. The enforcer refuses a route outside the component's bounds.
+``min_completions`` of them). Only an overloaded component (x_c < 1, below its
+``max_replicas``) gains workers: one that keeps up with its arrivals has nothing to gain
+from more. The most overloaded first takes workers no bounded route holds, as many as its
+arrivals need; else one worker moves from the donor that stays above it (the rule above),
+which is how a component gives workers back when another becomes the bottleneck; if neither
+exists, the next overloaded one is tried. The enforcer refuses a route outside the
+component's bounds.
 """
 
 from __future__ import annotations
@@ -172,10 +175,10 @@ class Reallocate:
     # -- bounded CPU components ---------------------------------------------------------------
     def cpu_capacity(self, view: ClusterView, c: ComponentView, workers: tuple[str, ...] | list[str]) -> float | None:
         """Normalized capacity x of component ``c`` on ``workers``: their threads over its mean
-        call duration, over its demand: its arrival rate plus the rate that clears its open
-        calls within ``window`` (a backlog is demand too, when arrivals stopped). None before
-        any call of it completed; infinite while it has no demand."""
-        demand = self._components.lam.get(c.name, 0.0) + c.open / self.window
+        call duration, over its arrival rate (None before any call of it completed; infinite
+        while none arrives). Not its backlog: a route places new calls only, the calls already
+        placed finish where they are, so more workers would not clear it."""
+        demand = self._components.lam.get(c.name, 0.0)
         if not c.mean_duration:
             return None if demand > 0 else math.inf
         threads = sum(view.workers[w].nthreads for w in workers if w in view.workers)
@@ -187,52 +190,69 @@ class Reallocate:
         bounded = {n: c for n, c in view.components.items() if c.max_replicas is not None}
         if not bounded:
             return
-        ok = [w for w, v in sorted(view.workers.items()) if v.agents_ready and w not in view.draining]
-        pool = [w for w in ok if not view.workers[w].models] or ok
+        pool = sorted(w for w, v in view.workers.items() if v.agents_ready and w not in view.draining)
         if not pool:
             return
-        routes = {n: [w for w in c.replicas if w in ok] for n, c in bounded.items()}
-        cover = {w: 0 for w in pool}  # bounded routes holding each worker
+
+        def rank(c: ComponentView, w: str) -> int:
+            """0 for the workers a component should get first: those hosting its ``model=``
+            hint's engine (its calls go beside it), else those without an engine (a heavy tool
+            beside an engine slows it)."""
+            models = view.workers[w].models
+            return int(c.model not in models) if c.model is not None else int(bool(models))
+
+        routes = {n: [w for w in c.replicas if w in pool] for n, c in bounded.items()}
+        cover = dict.fromkeys(pool, 0)  # bounded routes holding each worker
         for r in routes.values():
             for w in r:
-                cover[w] = cover.get(w, 0) + 1
+                cover[w] += 1
         changed = False
         for n, c in sorted(bounded.items()):  # set up, or top up after workers left
-            want = min(max(c.min_replicas, 1), c.max_replicas, len(ok))
-            if len(routes[n]) < want:  # (engine workers only if the others are fewer than its minimum)
-                spare = sorted((w for w in pool if w not in routes[n]), key=lambda w: (cover.get(w, 0), w))
-                for w in spare + [w for w in ok if w not in pool and w not in routes[n]]:
-                    if len(routes[n]) >= want:
-                        break
+            want = min(max(c.min_replicas, 1), c.max_replicas, len(pool))
+            if len(routes[n]) < want:
+                spare = sorted((w for w in pool if w not in routes[n]), key=lambda w: (rank(c, w), cover[w], w))
+                for w in spare[:want - len(routes[n])]:
                     routes[n].append(w)
-                    cover[w] = cover.get(w, 0) + 1
+                    cover[w] += 1
                 changed = True
                 yield Route(n, tuple(routes[n]), reason=f"{n}: {len(routes[n])} of min {c.min_replicas}, "
                                                         f"max {c.max_replicas} replicas")
         if changed:
             return  # measure on the routes first
         x = {n: self.cpu_capacity(view, c, routes[n]) for n, c in bounded.items()}
-        busy = [n for n, c in bounded.items() if c.open > 0 and x[n] is not None]
-        if not busy:
+        # overloaded (its threads do not keep up with its arrivals: a component that keeps up
+        # gains nothing from more) and below its max_replicas: one at its max cannot gain, and
+        # must not keep another overloaded one from gaining
+        short = [n for n, c in bounded.items()
+                 if c.open > 0 and x[n] is not None and x[n] < 1 and len(routes[n]) < c.max_replicas]
+        if not short:
             self.cpu_streak = (None, 0)
             return
-        bottleneck = min(busy, key=lambda n: x[n])
+        bottleneck = min(short, key=lambda n: x[n])
         streak = self.cpu_streak
         self.cpu_streak = (bottleneck, streak[1] + 1 if streak[0] == bottleneck else 1)
-        b = bounded[bottleneck]
-        if self.cpu_streak[1] < self.persistence or len(routes[bottleneck]) >= b.max_replicas:
+        if self.cpu_streak[1] < self.persistence:
             return
-        xb = x[bottleneck]
-        if xb >= 1:
-            return  # its threads keep up with its demand: a move would only disturb
-        free = [w for w in sorted(pool, key=lambda w: view.workers[w].processing) if not cover[w]]
-        if free:  # idle capacity no bounded component holds first, as much as its demand needs
+        for n in sorted(short, key=lambda n: x[n]):  # the bottleneck first; the next if it can take nothing
+            free = sorted((w for w in pool if not cover[w]),
+                          key=lambda w: (rank(bounded[n], w), view.workers[w].processing))
+            moves = self._cpu_move(view, bounded, routes, x, n, free)
+            if moves:
+                self.cpu_streak = (None, 0)
+                yield from moves
+                return
+
+    def _cpu_move(self, view: ClusterView, bounded: dict[str, ComponentView], routes: dict[str, list[str]],
+                  x: dict[str, float | None], bottleneck: str, free: list[str]) -> list[Route]:
+        """The routes that give the overloaded ``bottleneck`` capacity: free workers (those no
+        bounded route holds) as its arrivals need, else one worker of the donor that stays
+        above it; none if neither exists."""
+        b, xb = bounded[bottleneck], x[bottleneck]
+        if free:
             need = max(1, math.ceil(len(routes[bottleneck]) * ((1 + self.epsilon) / max(xb, 1e-9) - 1)))
             take = free[:min(need, b.max_replicas - len(routes[bottleneck]))]
-            self.cpu_streak = (None, 0)
-            yield Route(bottleneck, tuple(routes[bottleneck] + take),
-                        reason=f"x[{bottleneck}]={xb:.2f} < 1: {len(take)} free worker(s)")
-            return
+            return [Route(bottleneck, tuple(routes[bottleneck] + take),
+                          reason=f"x[{bottleneck}]={xb:.2f} < 1: {len(take)} free worker(s)")]
         best = None
         for name, d in bounded.items():
             mine = [w for w in routes[name] if w not in routes[bottleneck]]
@@ -250,9 +270,8 @@ class Reallocate:
             if best is None or after > best[1]:
                 best = (name, after, w)
         if best is None:
-            return
+            return []
         donor, _, w = best
-        self.cpu_streak = (None, 0)
         reason = f"x[{bottleneck}]={xb:.2f} < x[{donor}]={x[donor]:.2f}: {w} moves"
-        yield Route(donor, tuple(v for v in routes[donor] if v != w), reason=reason)
-        yield Route(bottleneck, tuple(routes[bottleneck] + [w]), reason=reason)
+        return [Route(donor, tuple(v for v in routes[donor] if v != w), reason=reason),
+                Route(bottleneck, tuple(routes[bottleneck] + [w]), reason=reason)]
