@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 
+import dask
 import pytest
 
 from benchmarks.e2e import report, runner, stats
@@ -175,6 +176,17 @@ def test_the_kv_ablation_and_knob_variants_set_only_what_they_name():
         "dask-agents@scheduler.admission.near-slack=0", "stationary")()
     assert variant.name == "dask-agents@scheduler.admission.near-slack=0" and variant.overrides == {
         "agents.scheduler.admission.near-slack": 0}
+    # the parts that are one knob: that knob, set so it turns the part off, and nothing else
+    for part, (key, off) in {"park": ("agents.scheduler.admission.park", False),
+                             "fair-share": ("agents.control.policies.prioritize.options.fair-share-slowdown",
+                                            1e12)}.items():
+        ablation = factory_for(setup, {"static": {"threads": 64, "llm_slots": None, "routing": "session_sticky"}})(
+            f"dask-agents-no-{part}", "stationary")()
+        assert ablation.name == f"dask-agents-no-{part}" and ablation.settings() == {**base, key: off}
+        with dask.config.set({k: v for k, v in ablation.settings().items() if k != "agents.llm.models"}):
+            from dask_agents.config import validate
+
+            validate()  # the knob's value passes the schema
 
 
 def test_the_real_engine_check_matches_its_engine():

@@ -117,13 +117,22 @@ def deployment_settings(setup: Setup) -> dict:
             **{k: v * scale for k, v in SCALED_SECONDS.items()}}
 
 
+# Ablations that are one knob of a part, not a whole policy: the knobs that turn them off
+KNOB_ABLATIONS = {
+    "park": {"agents.scheduler.admission.park": False},  # pause and resume at tool boundaries
+    # Agent Fair Share: no session ever counts as starved (progress order alone)
+    "fair-share": {"agents.control.policies.prioritize.options.fair-share-slowdown": 1e12},
+}
+
+
 class DaskAgents:
     """``dask-agents`` (every policy on) or an ablation (``disabled``: ``admission``, ``kv`` (the
-    engines' KV left workflow-blind, as the baselines') or a control policy)."""
+    engines' KV left workflow-blind, as the baselines'), a control policy, or a part in
+    :data:`KNOB_ABLATIONS`)."""
 
     def __init__(self, setup: Setup, threads: int = 64, disabled: str | None = None,
                  overrides: dict | None = None, name: str | None = None):
-        if disabled not in (None, "admission", "kv") + POLICIES:
+        if disabled not in (None, "admission", "kv") + POLICIES + tuple(KNOB_ABLATIONS):
             raise ValueError(f"unknown ablation {disabled!r}")
         self.setup, self.threads, self.disabled = setup, threads, disabled
         self.overrides = dict(overrides or {})  # agents.* knobs of this variant (dask-agents@KEY=VALUE)
@@ -139,6 +148,8 @@ class DaskAgents:
                      **deployment_settings(self.setup)}
         if self.disabled == "admission":
             out["agents.scheduler.admission.enabled"] = False
+        elif self.disabled in KNOB_ABLATIONS:
+            out.update(KNOB_ABLATIONS[self.disabled])
         elif self.disabled and self.disabled != "kv":
             out[f"agents.control.policies.{self.disabled}.enabled"] = False
         out.update(self.overrides)
