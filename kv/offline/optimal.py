@@ -61,7 +61,7 @@ from typing import Iterator, Sequence
 from dask_agents.kv.runtime.blocks import CostModel, Tiers
 from dask_agents.kv.runtime.policies import Params, Policy, swap_in
 from dask_agents.kv.offline.traces import Trace
-from dask_agents.kv.runtime.view import FINISHED, PAUSED, Action, KVView
+from dask_agents.kv.runtime.view import FINISHED, PAUSED, Action, KVView, SessionView
 
 _NEVER = math.inf
 
@@ -267,20 +267,20 @@ class Offline(Policy):
         before its head at equal times). Lazy: a k-way merge of the sessions' chains taken from
         the tail (with prefix-chained ids a block is never read before its parent, so each chain
         reversed is already in order) and of the blocks no live session holds."""
-        heap: list[tuple[float, int, int, int, tuple[int, ...]]] = []  # (-next read, -depth, seq, cursor, chain)
+        # (-next read, -depth, seq, cursor, chain, its session: None for a stale block)
+        heap: list[tuple[float, int, int, int, tuple[int, ...], SessionView | None]] = []
         seq = 0
-        where, tail, movable = view.where, view.tail, view.movable
+        where, down = view.where, view.down
 
-        def skip(chain: tuple[int, ...], j: int) -> int:
+        def skip(s: SessionView, chain: tuple[int, ...], j: int) -> int:
             """The cursor (a position in ``chain``, moving to the head) past blocks not in
-            ``tier`` or that may not leave it (cheap; ranking them is not); -1 past the head."""
+            ``tier`` (cheap; ranking them is not) and, where the view says so cheaply, those
+            that may not leave it; -1 past the head."""
+            if down is not None:
+                return down(s.id, j, tier)
             if where is not None:
-                if movable is not None:
-                    while j >= 0 and (where(chain[j]) != tier or not movable(chain[j])):
-                        j -= 1
-                else:
-                    while j >= 0 and where(chain[j]) != tier:
-                        j -= 1
+                while j >= 0 and where(chain[j]) != tier:
+                    j -= 1
             return j
 
         for b in view.stale_blocks(tier):
@@ -288,22 +288,22 @@ class Offline(Policy):
             if nu == _NEVER:
                 yield b
             else:  # (its depth in the read that needs it: a stale block is no chain's head)
-                heap.append((-nu, -self.next_depth(view, b), seq, 0, (b,)))
+                heap.append((-nu, -self.next_depth(view, b), seq, 0, (b,), None))
                 seq += 1
         for s in view.sessions.values():
             if s.state != FINISHED and s.blocks and getattr(s, tier) > 0:
                 chain = s.blocks
-                j = skip(chain, (len(chain) if tail is None else min(tail(s.id, tier), len(chain))) - 1)
+                j = skip(s, chain, len(chain) - 1)
                 if j >= 0:
-                    heap.append((-self.next_use(view, chain[j]), -j, seq, j, chain))
+                    heap.append((-self.next_use(view, chain[j]), -j, seq, j, chain, s))
                     seq += 1
         heapq.heapify(heap)
         while heap:
-            _, _, n, j, chain = heapq.heappop(heap)
+            _, _, n, j, chain, s = heapq.heappop(heap)
             yield chain[j]
-            j = skip(chain, j - 1)
+            j = skip(s, chain, j - 1) if s is not None else -1
             if j >= 0:
-                heapq.heappush(heap, (-self.next_use(view, chain[j]), -j, n, j, chain))
+                heapq.heappush(heap, (-self.next_use(view, chain[j]), -j, n, j, chain, s))
 
     def tick(self, view: KVView) -> tuple[Action, ...]:
         """Prefetch just in time, making room from sessions needed later. (No drops: a block a

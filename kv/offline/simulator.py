@@ -230,14 +230,27 @@ class Simulator:
         t = self.loc.get(b)
         return None if t is None else TIER_NAMES[t]
 
-    def _tail(self, sid: str, tier: str) -> int:
-        """No block of the session's chain at or past this position is in ``tier``."""
+    def _down(self, sid: str, j: int, tier: str) -> int:
+        """``KVView.down``: from position ``j`` of the session's chain to its head, the first
+        block in ``tier`` that may leave it now (not pinned, not read by the arriving step); -1
+        if none. Exact only for an order that keeps its merge when blocks are left out: on
+        prefix-closed traces (the view offers it only then)."""
         s = self.sessions.get(sid)
-        return s.hi[_TIER[tier]] if s is not None else 0
-
-    def _movable(self, b: int) -> bool:
-        """Whether block ``b`` may leave its tier now (not pinned, not read by the arriving step)."""
-        return b not in self.pins and b not in self._keep
+        if s is None:
+            return -1
+        t = _TIER[tier]
+        if t == ACC and s.state == RUNNING:
+            v = self.views.get(sid)
+            if v is not None and len(s.pinned) >= v.accelerator:
+                return -1  # its step pins all of it that is on the accelerator
+        chain, loc, pins, keep = s.chain, self.loc, self.pins, self._keep
+        j = min(j, s.hi[t] - 1)  # (nothing past hi is in the tier)
+        while j >= 0:
+            b = chain[j]
+            if loc.get(b) == t and b not in pins and b not in keep:
+                return j
+            j -= 1
+        return -1
 
     def _stale(self, tier: int) -> Iterator[int]:
         """Blocks of ``tier`` no live session holds, least recently used first."""
@@ -379,9 +392,9 @@ class Simulator:
                       {name: len(self.lru[i]) for i, name in enumerate(TIER_NAMES)},
                       MappingProxyType(self.views), self.graph.view(), self.arrivals,
                       lambda tier: iter(self.lru[TIER_NAMES.index(tier)]),
-                      lambda tier: self._stale(TIER_NAMES.index(tier)), self._where, self._tail,
+                      lambda tier: self._stale(TIER_NAMES.index(tier)), self._where,
                       # (an order that leaves blocks out keeps its merge only on prefix-closed chains)
-                      self._movable if self.prefix_closed else None)
+                      self._down if self.prefix_closed else None)
 
     # -- events ------------------------------------------------------------------------------
 

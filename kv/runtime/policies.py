@@ -199,18 +199,17 @@ class WALRU(Policy):
         held = _holding(view, tier)
         idle = [s for s in held if s.state != RUNNING]
         ttl: dict[str, float] = {}  # per wait key: one quantile per pass, not one per session
-
-        def is_expired(s: SessionView) -> bool:
+        gone: set[str] = set()  # finished, or paused past its TTL (:meth:`expired`, inlined)
+        now = view.now
+        for s in idle:
             if s.state == FINISHED:
-                return True
-            if s.state != PAUSED:
-                return False
-            t = ttl.get(s.wait_key)
-            if t is None:
-                t = ttl[s.wait_key] = self.ttl(view, s)
-            return view.elapsed(s) > t
-
-        gone = {s.id for s in idle if is_expired(s)}
+                gone.add(s.id)
+            elif s.state == PAUSED:
+                t = ttl.get(s.wait_key)
+                if t is None:
+                    t = ttl[s.wait_key] = self.ttl(view, s)
+                if (now - s.paused_since if s.paused_since is not None else 0.0) > t:
+                    gone.add(s.id)
         if expired_only:
             expired = [s for s in idle if s.id in gone]
             score = self.scores(view, expired, idle)

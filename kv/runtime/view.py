@@ -99,14 +99,13 @@ class KVView:
     # simulator); None otherwise. Lets a policy skip a chain's blocks that are not in a tier
     # instead of ranking them (the offline order walked every chain block per eviction).
     where: Callable[[int], str | None] | None = field(repr=False, default=None)
-    # ``tail(session, tier)``: a position in the session's chain (``blocks``) no block of the
-    # tier is at or past, where the caller can say cheaply (the simulator); None otherwise. A
-    # walk from the tail starts there instead of passing the evicted tail again at every call.
-    tail: Callable[[str, str], int] | None = field(repr=False, default=None)
-    # ``movable(block)``: False for a block that may not leave its tier now (pinned by a running
-    # step, or read by the step being served), where the caller can say cheaply (the
-    # simulator); None otherwise. An order may leave such blocks out: they would be passed over.
-    movable: Callable[[int], bool] | None = field(repr=False, default=None)
+    # ``down(session, j, tier)``: walking the session's chain (``blocks``) from position ``j``
+    # to its head, the position of the first block in ``tier`` that may leave it now (not
+    # pinned by a running step nor read by the step being served), -1 if none: where the
+    # caller can say cheaply (the simulator, which keeps each chain's top block per tier and
+    # knows the pins); None otherwise. Walks from the tail then skip an evicted tail and a
+    # running step's pinned prompt without ranking their blocks.
+    down: Callable[[str, int, str], int] | None = field(repr=False, default=None)
 
     def usage(self, tier: str = ACCELERATOR) -> float:
         """Share of ``tier`` in use (1.0 for a tier of no capacity)."""
