@@ -15,7 +15,6 @@ what finished (``complete: false``): the old code ran past 25 CPU-minutes withou
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -23,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dask_agents.kv.offline.replay import ONLINE, replay, resolve_tiers  # noqa: E402
+from dask_agents.kv.offline.replay import ONLINE, replay, resolve_tiers, write_json  # noqa: E402
 from dask_agents.kv.offline.traces import GenParams, generate  # noqa: E402
 from dask_agents.kv.runtime.blocks import CostModel  # noqa: E402
 
@@ -74,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(a.sessions, [s.strip() for s in a.sizes.split(",") if s.strip()], a.budget_s)
     result["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count()}
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print("wrote", a.json)
+        print("wrote", write_json(a.json, result))
     return 0
 
 
