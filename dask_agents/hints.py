@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
+from dask_agents.annotation import MAX_REPLICAS
 from dask_agents.errors import HintError, short_repr
 
 MAX_WAIT_S = 60.0
@@ -40,8 +41,8 @@ class ComponentHints(BaseModel):
     stateful: StrictBool = False
     model: str | None = Field(None, min_length=1)
     resources: dict[str, float] = Field(default_factory=dict)
-    min_replicas: StrictInt = Field(1, ge=0)
-    max_replicas: StrictInt | None = Field(None, ge=1)
+    min_replicas: StrictInt = Field(1, ge=0, le=MAX_REPLICAS)
+    max_replicas: StrictInt | None = Field(None, ge=1, le=MAX_REPLICAS)
     batching: BatchingHint | None = None
     # seconds a call may take once the scheduler sent it to a worker; past it the call fails
     # with CallTimeoutError (None: agents.scheduler.call-timeout)

@@ -132,6 +132,8 @@ def test_replica_bounds_travel_in_the_annotation_and_are_checked():
     assert "max_replicas" not in sanitize_annotation({"component": "Planner"})
     with pytest.raises(HintError, match="max_replicas"):
         da.tool(name="bad", max_replicas=1, min_replicas=2)(lambda: None)
+    with pytest.raises(HintError, match="max_replicas"):  # past what the annotation carries: refused, not dropped
+        da.tool(name="huge", max_replicas=2**16 + 1)(lambda: None)
 
 
 def _hold(seconds: float) -> str:
