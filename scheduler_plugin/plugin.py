@@ -202,7 +202,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
 
     def _routes(self, component: str) -> Any:
         """The workers the control plane routed ``component`` to (None: not routed)."""
-        return self.control.enforcer.routes.get(component) if self.control is not None else None
+        return self._all_routes().get(component)
 
     def _all_routes(self) -> dict[str, tuple[str, ...]]:
         """component -> the workers the control plane routed it to (every routed component)."""
@@ -414,7 +414,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 if not self.admission.on_call(ts, rec, ann):  # session-less, or admission off
                     model = ann.get("llm_model")
                     self.placement.place(ts, rec.session, f"llm:{model}", None, model, rec.component)
-            elif self.control is not None and rec.component in self.control.enforcer.routes:
+            elif rec.component in self._all_routes():
                 model = ann.get("model") or (self.placement.session_model(rec.session)
                                              if rec.kind == "agent" and rec.session is not None else None)
                 self.placement.place_routed(ts, rec.component, rec.session, model)
@@ -849,7 +849,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if new:  # its first hello: what it hosts from the start (a later one announces lazy engines)
             self.admission.on_hello(models)
         self.set_worker_models(worker, models)
-        if new and self.control is not None and self.control.enforcer.routes:
+        if new and self._all_routes():
             self.push_routes([worker])
         if new and self.provision_for:  # a worker we asked for: give it its model
             self.scheduler.loop.add_callback(self._assign_model, worker, self.provision_for.popleft())
@@ -857,7 +857,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
     def push_routes(self, workers: list[str] | None = None) -> None:
         """Send the control plane's routes to ``workers`` (default: every ready one): calls
         made on a worker's fast path go only where their component is routed."""
-        routes = self.control.enforcer.routes if self.control is not None else {}
+        routes = self._all_routes()
         msg = {"op": ROUTES_OP, "routes": {c: list(w) for c, w in routes.items()}}
         for w in workers if workers is not None else list(self.ready_workers):
             if dask_compat.has_worker(self.scheduler, w):
