@@ -415,18 +415,24 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                     model = ann.get("llm_model")
                     self.placement.place(ts, rec.session, f"llm:{model}", None, model, rec.component)
             elif rec.component in self._all_routes():
-                model = ann.get("model") or (self.placement.session_model(rec.session)
-                                             if rec.kind == "agent" and rec.session is not None else None)
-                self.placement.place_routed(ts, rec.component, rec.session, model)
-            elif ann.get("model") and rec.session is not None:
-                self.placement.near_engine(ts, rec.session, ann["model"])
-            elif rec.kind == "agent" and rec.session is not None:
-                model = self.placement.session_model(rec.session)
-                if model is not None:  # its LLM calls then run beside their engine (under its lease)
-                    self.placement.near_engine(ts, rec.session, model)
+                self.placement.place_routed(ts, rec.component, rec.session, self._agent_model(rec, ann))
+            elif rec.session is not None and (model := self._agent_model(rec, ann)) is not None:
+                # beside its session's engine of that model: its LLM calls then take the
+                # worker's fast path (under the lease) instead of a hop through here
+                self.placement.near_engine(ts, rec.session, model)
             if orphaned:  # and must not start before its cancel lands (measured: it did)
                 self._orphaned[key] = dask_compat.restrictions(ts)
                 dask_compat.restrict_to_worker(ts, ORPHANED)
+
+    def _agent_model(self, rec: Any, ann: dict) -> str | None:
+        """The model whose engine a call should run beside: its ``model=`` hint; for an agent
+        without one, the model its component's LLM calls mostly used (learnt from the call
+        graph), else the one model its session is bound to; None for anything else."""
+        if ann.get("model"):
+            return ann["model"]
+        if rec.kind != "agent" or rec.session is None:
+            return None
+        return self.state.called_model(rec.component) or self.placement.session_model(rec.session)
 
     def _past_limits(self, ts: Any, key: str, ann: dict, client: str) -> bool:
         """A call its session may not make any more (``agents.scheduler.max-calls-per-session``)

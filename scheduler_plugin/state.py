@@ -176,6 +176,10 @@ class WorkflowState:
         # its ``model=`` hint names (its replicas then go beside that model's engines first)
         self.component_bounds: dict[str, tuple[int, int]] = {}
         self.component_models: dict[str, str] = {}
+        # component -> the models its own LLM calls used, learnt from the call graph: an agent
+        # without a ``model=`` hint is placed beside the engine of the model it calls
+        # (``called_model``), so its LLM calls take the worker's fast path, not a hop
+        self.llm_calls_of: dict[str, Counter[str]] = {}
         self.sessions_seen = 0
         self.durations: dict[str, _Running] = {}
         self.edges: Counter[tuple[str, str]] = Counter()
@@ -284,6 +288,7 @@ class WorkflowState:
         parent = self.calls.get(rec.creator)
         if parent is not None:
             self.edges[(parent.component, rec.component)] += 1
+            self._learn_model(parent, rec)
         if sid is None:
             self.loose[key] = None
             while len(self.loose) > self.max_loose_calls:
@@ -317,7 +322,21 @@ class WorkflowState:
         record came after a call it made on the scheduler path)."""
         parent.children.append(child.key)
         self.edges[(parent.component, child.component)] += 1
+        self._learn_model(parent, child)
         self._touch(child)
+
+    def _learn_model(self, parent: CallRecord, child: CallRecord) -> None:
+        if child.model is not None and child.kind == "llm":
+            self.llm_calls_of.setdefault(parent.component, Counter())[child.model] += 1
+
+    def called_model(self, component: str) -> str | None:
+        """The model more than half of ``component``'s own LLM calls used so far (None: none
+        seen, or no majority). O(models)."""
+        seen = self.llm_calls_of.get(component)
+        if not seen:
+            return None
+        model, n = seen.most_common(1)[0]
+        return model if 2 * n > seen.total() else None
 
     def on_transition(self, key: str, finish: str, now: float, worker: str | None = None,
                       error: str | None = None) -> bool:
