@@ -167,6 +167,10 @@ def submit_call(
             return _defer(local, client, runner, header, target, args, kwargs, ann, meta, here)
         for d in deps_here:  # the scheduler must know them before this call depends on them
             local.escape(d)
+    if creator == DRIVER:
+        fut = _direct(client, spec, header, runner, target, args, kwargs, ann, meta, deps, sid)
+        if fut is not None:
+            return fut
     fut = AgentFuture.adopt(_submit(client, runner, header, target, args, kwargs, ann, resources), meta)
     if creator == DRIVER:  # which scheduler it went to: a restart loses it (AgentFuture._reattach)
         fut.__dict__["_agents_scheduler"] = _scheduler_id(client)
@@ -275,6 +279,39 @@ def _defer(local: Any, client: Client, runner: Any, header: tuple, target: Any, 
     fut._agents_local = call
     local.defer(call)
     return fut
+
+
+def _direct(client: Client, spec: ComponentSpec, header: tuple, runner: Any, target: Any, args: tuple,
+            kwargs: dict, ann: dict, meta: CallMeta, deps: list, sid: str | None) -> AgentFuture | None:
+    """A driver's call sent straight to the worker its session is routed to
+    (``dask_agents/direct.py``), or None: the scheduler path."""
+    from dask_agents import direct
+
+    routes = direct.routes_of(client)
+    if routes is None or not direct.eligible(client, spec, ann, deps, sid) or _on_a_worker():
+        return None
+    where = routes.target(sid, spec.name, spec.hints.model)
+    if where is None:
+        return None
+
+    def resubmit(lost: bool) -> None:  # refused, or its worker lost: the scheduler path, same key
+        _submit(client, runner, header, target, args, kwargs, ann, None, deferred=True)
+
+    fut = AgentFuture.adopt(Future(header[3], client), meta)  # before the answer can come
+    fut.__dict__["_agents_direct"] = direct.send(client, routes, where, header, runner, target, args, kwargs, ann,
+                                                 resubmit)
+    fut.__dict__["_agents_scheduler"] = _scheduler_id(client)
+    return fut
+
+
+def _on_a_worker() -> bool:
+    from distributed import get_worker
+
+    try:
+        get_worker()
+    except ValueError:
+        return False
+    return True
 
 
 def _unserializable(args: tuple, kwargs: dict) -> str | None:

@@ -76,17 +76,24 @@ def _stream(client: Client, msg: dict) -> Any:
 def open_session(client: Client, session: str, tenant: str | None = None) -> Any:
     """Tell the scheduler that ``client`` opened ``session`` (its ``da.session`` block): this
     client owns it, whoever else joins it. A coroutine with an asynchronous client."""
-    return _stream(client, {"op": SESSION_OPEN_OP, "session": session, "tenant": tenant})
+    from dask_agents import direct
+
+    # ``direct``: this client takes routes for its sessions' calls (dask_agents/direct.py)
+    wants = direct.routes_of(client) is not None and not client.asynchronous
+    return _stream(client, {"op": SESSION_OPEN_OP, "session": session, "tenant": tenant, "direct": wants})
 
 
-def end_session(client: Client, session: str, cancel: bool = False) -> Any:
+def end_session(client: Client, session: str, cancel: bool = False, direct: list | None = None) -> Any:
     """Tell the scheduler the driver is done with ``session`` (no-op when not installed).
 
     ``cancel``: the driver gave up on it (left its block with an exception): the session's
     open calls are failed or cancelled. The message goes on the client's own stream, after
     the calls it submitted before, so the scheduler cannot see the end before them. With an
     asynchronous client this returns a coroutine."""
-    return _stream(client, {"op": SESSION_END_OP, "session": session, "cancel": bool(cancel)})
+    msg = {"op": SESSION_END_OP, "session": session, "cancel": bool(cancel)}
+    if direct:  # calls it made straight on workers: the session completes after their records
+        msg["direct"] = list(direct)
+    return _stream(client, msg)
 
 
 async def reattach(client: Client, keys: list) -> bool:

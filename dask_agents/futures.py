@@ -120,13 +120,26 @@ class AgentFuture(Future):
         call = self.__dict__.get("_agents_local")
         if call is not None:  # a fast-path call leaving its caller: its key must exist first
             call.controller.escape(call)
+        sent = self.__dict__.get("_agents_direct")
+        if sent is not None:  # a driver's direct call: likewise (dask_agents/direct.py)
+            from dask_agents import direct
+
+            direct.escape(sent)
         return Future, (self.key,)
+
+    def _direct(self) -> Any:
+        """The driver's direct call of this future while it has not gone to the scheduler."""
+        sent = self.__dict__.get("_agents_direct")
+        return sent if sent is not None and sent.state != "scheduler" else None
 
     # -- a call on the worker-local fast path (worker_plugin/local.py) ----------------------
     def done(self) -> bool:
         call = self.__dict__.get("_agents_local")
         if call is not None and call.state != "submitted":
             return call.state in ("finished", "erred", "cancelled")
+        sent = self._direct()
+        if sent is not None:
+            return sent.state != "sent"
         return super().done()
 
     @property
@@ -134,17 +147,26 @@ class AgentFuture(Future):
         call = self.__dict__.get("_agents_local")
         if call is not None and call.state != "submitted":
             return _LOCAL_STATUS[call.state]
+        sent = self._direct()
+        if sent is not None:
+            return sent.status
         return super().status
 
     def cancel(self, reason: Any = None, msg: Any = None, **kwargs: Any) -> Any:
         """Cancel the call (Dask's ``Future.cancel``); one still waiting for its caller here
-        never runs."""
+        never runs; a driver's direct call still running is dropped when it ends."""
         call = self.__dict__.get("_agents_local")
         if call is not None and call.controller.cancel(call):
             from dask_agents.worker_plugin import dask_compat
 
             self.client.loop.add_callback(dask_compat.cancel_future, self.client, self.key, msg or "cancelled")
             return None
+        sent = self._direct()
+        if sent is not None:
+            from dask_agents import direct
+
+            if direct.cancel(sent) or sent.state != "finished":
+                return None
         return super().cancel(reason=reason, msg=msg, **kwargs)
 
     def __repr__(self) -> str:
@@ -185,6 +207,10 @@ class AgentFuture(Future):
             value = call.controller.result(call, timeout)
             if value is not _SCHEDULER:
                 return value
+        if self._direct() is not None:  # sent straight to its worker: its answer, unless it left
+            value = self._direct_result(timeout)
+            if value is not _SCHEDULER:
+                return value
         try:
             return self._scheduler_result(timeout)
         except Exception as e:
@@ -194,6 +220,28 @@ class AgentFuture(Future):
             return self._scheduler_result(timeout)
         except Exception as e:
             raise _not_kept(e) from None
+
+    def _direct_result(self, timeout: float | None) -> Any:
+        """The answer of a driver's direct call (``dask_agents/direct.py``): its value, its
+        error raised, or :data:`_SCHEDULER` if it went down the scheduler path after all."""
+        from dask_agents import direct
+
+        sent = self.__dict__["_agents_direct"]
+        with _unprofiled():
+            answered = direct.wait(sent, timeout)
+        if not answered:
+            m = self.meta
+            raise CallTimeoutError(f"{where(m.component, m.method, m.session)} did not finish within {timeout}s "
+                                   f"(status: running, key: {self.key})")
+        if sent.state == "finished":
+            return sent.value
+        if sent.state == "erred":
+            raise sent.error  # type: ignore[misc]
+        if sent.state == "cancelled":
+            from distributed.client import FutureCancelledError
+
+            raise FutureCancelledError(self.key, "cancelled", "cancelled while it ran")
+        return _SCHEDULER
 
     def _scheduler_result(self, timeout: float | None) -> Any:
         if not self.done():

@@ -61,6 +61,9 @@ def install(client: Client, *, models: list[str] | dict[str, list[str]] | None =
         client.register_plugin(AgentsSchedulerPlugin())
     client.register_plugin(AgentsWorkerPlugin(models=models, client_interval=interval))
     sched_compat.set_client_stream_interval(client, interval)
+    from dask_agents import direct
+
+    direct.install_routes(client)  # its sessions' calls may go straight to their workers
     if not wait:
         return {}
     return _loaded(client.run(_wait_engines, limit), client.scheduler_info())

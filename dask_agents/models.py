@@ -36,6 +36,7 @@ class CallReport(TypedDict):
     finished: float | None
     error: NotRequired[str | None]  # erred: the error's text
     metrics: NotRequired[dict[str, Any] | None]  # tokens, cache hits, timings of the body
+    client: NotRequired[str | None]  # a driver's direct call: its driver's client (worker_plugin/direct.py)
 
 
 class CallMeta(BaseModel):

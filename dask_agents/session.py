@@ -112,9 +112,12 @@ class Session:
         the session, so its open calls can no longer matter; the ones not started fail with
         :class:`~dask_agents.errors.SessionClosedError`, the running ones are cancelled.
         Returns a coroutine with an asynchronous client."""
-        from dask_agents import client_api
+        from dask_agents import client_api, direct
 
-        return client_api.end_session(self.client, self.id, cancel=cancel)
+        if cancel:  # its calls still running straight on their workers: dropped here too
+            direct.cancel_session(self.client, self.id)
+        made = direct.session_ended(self.client, self.id)
+        return client_api.end_session(self.client, self.id, cancel=cancel, direct=made)
 
     def graph(self):
         """This session's call graph as the scheduler sees it (:class:`SessionGraph`)."""

@@ -411,6 +411,13 @@ class Admission:
         worker = self._roomiest(h, candidates, rooms, loose=False)
         if worker is None:
             return None
+        self._bind_session(sid, model, worker, "bound_early", "bound at its first agent call")
+        return worker
+
+    def _bind_session(self, sid: str, model: str, worker: str, count: str, note: str) -> None:
+        """Admit a session with no engine yet to ``worker``'s engine of ``model`` before its
+        first LLM call (which then counts its working set, ``early``)."""
+        sk = (sid, model)
         self.early.add(sk)
         self.models_of[sid].add(model)
         self.admitted_on[sk] = worker
@@ -418,9 +425,8 @@ class Admission:
         self._lease_changed(worker, model)
         self.placement.bind(sid, f"llm:{model}", worker)
         self.counts["admitted"] += 1
-        self.counts["bound_early"] += 1
-        self.recent.append(Admitted(time.time(), sid, model, worker, 0.0, "bound at its first agent call"))
-        return worker
+        self.counts[count] += 1
+        self.recent.append(Admitted(time.time(), sid, model, worker, 0.0, note))
 
     def on_transition(self, key: str, finish: str) -> None:
         """A recorded LLM call changed state."""
@@ -450,6 +456,10 @@ class Admission:
         rec = self.state.calls.get(key)
         if rec is not None and rec.session is not None:
             self._opened(key, (rec.session, model))
+            if (rec.session, model) not in self.admitted_on and self._live(rec.session):
+                # admitted by the worker itself, under the open lease, for a driver's direct
+                # call (worker_plugin/direct.py): the session is bound to that engine now
+                self._bind_session(rec.session, model, worker, "admitted_locally", "admitted by its worker")
         self.counts["leased_calls"] += 1
 
     def on_llm_report(self, rec: Any) -> None:

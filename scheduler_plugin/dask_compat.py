@@ -260,6 +260,11 @@ def requeue_with_priority(scheduler: Scheduler, ts: Any, priority: tuple) -> Non
     queued.add(ts)
 
 
+def send_to_client(scheduler: Scheduler, client: str, msg: dict) -> None:
+    """Stream a message to a client (ops it registered; an unknown one is logged there)."""
+    scheduler.client_send(client, msg)
+
+
 def send_to_worker(scheduler: Scheduler, address: str, msg: dict) -> None:
     """Stream a message to a worker. Only ops the worker registered: an unknown op closes the
     comm and the scheduler loses the worker."""

@@ -57,6 +57,7 @@ def _unbind(placement: "Placement", worker: str, models: set[str]) -> None:
     for key in [k for k in placement.bindings.keys_on(worker) if k[1] in whats]:
         sid, what = key
         del placement.bindings[key]
+        placement.told(sid, what, None)
         keys = placement.session_bindings.get(sid)
         if keys is not None and key in keys:
             keys.remove(key)

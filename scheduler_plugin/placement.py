@@ -61,6 +61,9 @@ class Placement:
         # (session, model) -> the engine worker a session's first agent call binds it to (admission's
         # bind_early; the plugin sets it): None, or it returns None, leaves the agent to Dask
         self.bind_early: Callable[[str, str], str | None] | None = None
+        # told (session, "llm:<model>", worker or None) whenever a session's engine binding
+        # changes: the plugin passes it on to the session's driver (scheduler_plugin/direct.py)
+        self.on_bound: Callable[[str, str, str | None], None] | None = None
         # (session, component or llm:model) -> worker; a dict that also indexes the LLM part
         # (the control view's KV affinity) so a tick does not scan every binding
         self.bindings: BindingMap = BindingMap()
@@ -161,10 +164,16 @@ class Placement:
                 # the prefix there (what balance prices), until that call reports
                 self.state.forget_kv(session, what[4:])
         self.bindings[(session, what)] = worker
+        self.told(session, what, worker)
         self.bound[worker] += 1
         self.assigned[worker] += 1
         if not what.startswith("llm:"):
             self.session_workers[session].add(worker)
+
+    def told(self, session: str, what: str, worker: str | None) -> None:
+        """A session's binding ``what`` changed to ``worker`` (None: gone): tell ``on_bound``."""
+        if self.on_bound is not None and what.startswith("llm:"):
+            self.on_bound(session, what, worker)
 
     def _pin(self, ts: Any, worker: str, what: str) -> None:
         dask_compat.restrict_to_worker(ts, worker)
@@ -270,6 +279,7 @@ class Placement:
         what = where[1]
         if session is not None and what.startswith("llm:") and self.bindings.get((session, what)) == source:
             self.bindings[(session, what)] = target
+            self.told(session, what, target)
             self.state.forget_kv(session, what[4:])  # rebuilt on the target by this call
             # Dask's steal may still be refused (the call started): the report decides
             self.migrating[key] = (what, source, target)
@@ -293,6 +303,7 @@ class Placement:
             what, source, target = moved
             if worker == source and self.bindings.get((session, what)) == target:
                 self.bindings[(session, what)] = source
+                self.told(session, what, source)
                 if self.bound.get(target, 0) > 0:
                     self.bound[target] -= 1
                 self.bound[source] += 1
@@ -307,6 +318,7 @@ class Placement:
         dropped_llm: list[tuple[str, str]] = []
         for k in self.bindings.keys_on(worker):
             del self.bindings[k]
+            self.told(k[0], k[1], None)
             if k[1].startswith("llm:"):
                 self.state.forget_kv(k[0], k[1][4:])  # its KV died with the engine
                 dropped_llm.append((k[0], k[1][4:]))

@@ -44,6 +44,7 @@ from dask_agents.scheduler_plugin.recovery import Recovery
 from dask_agents.scheduler_plugin.roster import Roster, model_bounds
 from dask_agents.scheduler_plugin.sessions import Sessions
 from dask_agents.scheduler_plugin.deadlines import Deadlines
+from dask_agents.scheduler_plugin.direct import DirectRoutes
 from dask_agents.scheduler_plugin.state import TERMINAL, WorkflowState
 from dask_agents.scheduler_plugin.timeseries import TimeSeries
 from dask_agents.scheduler_plugin.view_index import BindingMap, PlacedMap, Tally, ViewIndex, ViewSources
@@ -124,6 +125,10 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         self.view_index = ViewIndex(self.view_sources)
         # sessions from open to end: owners, grace, closing, releasing (scheduler_plugin/sessions.py)
         self.sessions = Sessions(self.roster, self.state, self.placement, self._session_completed)
+        # where drivers' direct calls go, told to the drivers (scheduler_plugin/direct.py)
+        self.direct = DirectRoutes(lambda: self.roster.scheduler, lambda: self.roster.secret,
+                                   self._routable_models, self._called_models)
+        self.placement.on_bound = self.direct.bound
 
     # -- what the collaborators own, as the plugin's readers (view, dashboard, metrics) see it --
     @property
@@ -220,7 +225,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         dask_compat.add_worker_stream_handler(scheduler, REPORT_OP, self._on_reports,
                                               on_refused=self.aggregates.rejected.stream_refused)
         # a session's owner is the client stream the message came on, never a field of it
-        for op, handler in ((SESSION_END_OP, self.sessions.on_end_msg), (SESSION_OPEN_OP, self.sessions.on_open_msg),
+        for op, handler in ((SESSION_END_OP, self.sessions.on_end_msg), (SESSION_OPEN_OP, self._on_session_open),
                             (REATTACH_OP, self.sessions.on_reattach_msg)):
             dask_compat.add_client_stream_handler(scheduler, op, handler,
                                                   on_refused=self.aggregates.rejected.client_stream_refused)
@@ -361,6 +366,9 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             rec = self.state.calls.get(key)
             if rec is None or rec.state in TERMINAL:
                 continue
+            if rec.creator == DRIVER:  # a driver's direct call: its driver sends it again (same key)
+                self._drop_direct(rec, worker)
+                continue
             error = (f"{where(rec.component, rec.method, rec.session)}: {cause} while it ran there in its caller's "
                      f"thread; the caller runs again elsewhere (call {key})")
             self._call_event(rec, "erred", worker, None, error)
@@ -390,6 +398,11 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 continue
             if self._past_limits(ts, key, ann, client):
                 continue
+            old = self.state.calls.get(key)
+            if old is not None and old.local and old.creator == DRIVER and old.state not in TERMINAL:
+                # a driver's direct call whose worker was lost, sent again by its driver: the
+                # record of the lost run goes (its worker's removal may not be seen yet)
+                self._drop_direct(old, old.worker)
             rec = self.state.add_call(key, ann, dask_compat.dependency_keys(ts), now, client)
             if rec is None:
                 continue
@@ -433,6 +446,14 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if rec.kind != "agent" or rec.session is None:
             return None
         return self.state.called_model(rec.component) or self.placement.session_model(rec.session)
+
+    def _drop_direct(self, rec: Any, worker: str | None) -> None:
+        """A driver's direct call lost with its worker: the observers hear it released, and its
+        record goes (its driver sends it again under its key, down the scheduler path)."""
+        for running in self.local_running.values():
+            running.discard(rec.key)
+        self._call_event(rec, "released", worker, None, None, rerun=True)
+        self.state.drop_open(rec.key)
 
     def _past_limits(self, ts: Any, key: str, ann: dict, client: str) -> bool:
         """A call its session may not make any more (``agents.scheduler.max-calls-per-session``)
@@ -589,7 +610,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         rec = self.state.calls.get(key)
         if rec is None:
             ann = r["ann"]
-            rec = self.state.add_call(key, ann, (), ann.get("created") or now)
+            client = r.get("client")  # a driver's direct call (worker_plugin/direct.py): its driver's
+            rec = self.state.add_call(key, ann, (), ann.get("created") or now, client)
             if rec is None:
                 return
             rec.local = True
@@ -599,7 +621,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                 if child is not None:
                     self.state.link(rec, child)
             if rec.session is not None:
-                self.sessions.on_call(rec, None)
+                self.sessions.on_call(rec, client)
             if r["started"] is not None:
                 self._call_event(rec, "processing", worker, None, None, now=r["started"])
                 if rec.kind == "llm":
@@ -735,6 +757,25 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             self.timeseries.on_session_completed(s)
         self.kv_hints.on_session_end(sid)
         self.admission.on_session_ended(sid)
+        self.direct.ended(sid)
+
+    def _on_session_open(self, client: Any = None, direct: Any = False, **msg: Any) -> None:
+        """A driver entered its ``da.session`` block; one that takes routes for its direct calls
+        (``direct``) is told them, if it owns the session."""
+        self.sessions.on_open_msg(client=client, **msg)
+        sid = msg.get("session")
+        s = self.state.sessions.get(sid) if direct is True and isinstance(sid, str) else None
+        if s is not None and s.owner == client:
+            self.direct.opened(sid, client)
+
+    def _routable_models(self) -> dict[str, list[str]]:
+        """model -> the workers of its engines a direct call may go to (not retiring ones)."""
+        retiring = self.roster.retiring
+        return {m: [w for w in ws if w not in retiring] for m, ws in self.model_workers.items()}
+
+    def _called_models(self) -> dict[str, str]:
+        """component -> the model its LLM calls use (learnt: ``WorkflowState.called_model``)."""
+        return {c: m for c in self.state.llm_calls_of if (m := self.state.called_model(c)) is not None}
 
     def _send_kv_hint(self, worker: str, msg: dict) -> None:
         # Only to workers that said hello: they registered the op (an unknown op drops the comm).

@@ -37,6 +37,7 @@ KEEPER = "dask-agents-keeper"
 ``fire-and-forget``): they run on and their results stay until the driver is back."""
 LOST_REASON = "dask-agents: lost with the driver's connection"
 MAX_REATTACH = 10_000  # keys in one reattach message
+MAX_AWAITED = 100_000  # direct calls a session's end may name (dask_agents/direct.py)
 
 
 class Sessions:
@@ -190,7 +191,7 @@ class Sessions:
             dask_compat.release_keys(self.roster.scheduler, keys, KEEPER, f"dask-agents-grace-over-{now}")
 
     # -- ending ------------------------------------------------------------------------------
-    def end(self, session: Any, cancel: Any = False, client: str | None = None) -> dict:
+    def end(self, session: Any, cancel: Any = False, client: str | None = None, direct: Any = None) -> dict:
         """The driver ``client`` left its ``da.session`` block (``cancel``: with an exception,
         so its open calls can no longer matter). Only the owner's end counts, and ``client``
         is the stream the message came on (:meth:`on_end_msg`), never a field of it: another
@@ -208,16 +209,19 @@ class Sessions:
                                client, session)
             return {"state": rec.state}
         reason = "its driver left the da.session block with an exception" if cancel is True else None
+        if cancel is not True and isinstance(direct, (list, tuple)):  # its records may still be on their way
+            rec.awaiting = {k for k in direct[:MAX_AWAITED] if isinstance(k, str) and k not in rec.calls}
         self.close(session, time.time(), reason, abort=cancel is True)
         return {"state": self.state.sessions[session].state}
 
-    def on_end_msg(self, session: Any = None, cancel: Any = False, client: Any = None, **kw: Any) -> None:
+    def on_end_msg(self, session: Any = None, cancel: Any = False, client: Any = None, direct: Any = None,
+                   **kw: Any) -> None:
         """The driver's end of ``session``, on its client stream (``client``: the stream's own
         identity, ``dask_compat.add_client_stream_handler``). It arrives after the client's
         earlier submits (same stream), so a session cannot complete before its last calls are
         seen."""
         try:
-            self.end(session, cancel, client if isinstance(client, str) else None)
+            self.end(session, cancel, client if isinstance(client, str) else None, direct)
         except Exception as e:  # raising here would close the client's stream
             logger.warning("dask-agents: session end ignored: %s", e)
 
@@ -229,6 +233,8 @@ class Sessions:
         known = self.state.sessions.get(sid)
         if known is not None and known.state == "completed":
             return  # already over: nothing to close
+        if known is not None and (reason is not None or abort):
+            known.awaiting.clear()  # the scheduler closes it (or its driver gave up): nothing to wait for
         s = self.state.close_session(sid, now)
         if reason is not None:
             s.closed_reason = reason

@@ -99,6 +99,9 @@ class SessionRecord:
     calls: dict[str, CallRecord] = field(default_factory=dict)
     state: str = "active"  # active -> closing (driver done) -> completed (no open calls)
     open_calls: int = 0
+    # calls its driver made straight on their workers (dask_agents/direct.py) and named at
+    # its end whose records have not come yet: it completes only after them
+    awaiting: set[str] = field(default_factory=set)
     progress: int = 0
     completed_at: float | None = None
     # Bumped on every change of the session or one of its calls: views (the dashboard) redo
@@ -304,6 +307,8 @@ class WorkflowState:
                 s.workflow = rec.component
             s.calls[key] = rec
             s.open_calls += 1
+            if s.awaiting:
+                s.awaiting.discard(key)
             s.version += 1
             self.touched.add(sid)
             if rec.component in s.consumed:
@@ -316,6 +321,24 @@ class WorkflowState:
                 self.completed.pop(sid, None)
             self.active(s, now)
         return rec
+
+    def drop_open(self, key: str) -> None:
+        """Forget an open call as if it had never been recorded (a driver's direct call lost
+        with its worker, about to be recorded again under its key from the scheduler path)."""
+        rec = self.calls.get(key)
+        if rec is None or rec.state in TERMINAL:
+            return
+        del self.calls[key]
+        self.open_by_state[(rec.component, rec.state)] -= 1
+        self.open_per_component[rec.component] -= 1
+        self.calls_per_component[rec.component] -= 1
+        self._client_done(rec)
+        self.loose.pop(key, None)
+        s = self.sessions.get(rec.session) if rec.session is not None else None
+        if s is not None and s.calls.pop(key, None) is not None:
+            s.open_calls -= 1
+            s.version += 1
+            self.touched.add(rec.session)
 
     def link(self, parent: CallRecord, child: CallRecord) -> None:
         """``parent`` created ``child``, learnt after both were recorded (a fast-path call's
@@ -464,7 +487,7 @@ class WorkflowState:
         return s
 
     def _maybe_complete(self, s: SessionRecord, now: float) -> None:
-        if s.state == "closing" and s.open_calls <= 0:
+        if s.state == "closing" and s.open_calls <= 0 and not s.awaiting:
             s.state = "completed"
             s.completed_at = now
             s.version += 1

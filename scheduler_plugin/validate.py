@@ -24,7 +24,7 @@ import time
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from dask_agents.models import CallReport
+from dask_agents.models import DRIVER, CallReport
 from dask_agents.scheduler_plugin import dask_compat
 
 if TYPE_CHECKING:
@@ -394,6 +394,17 @@ def local_call(plugin: "AgentsSchedulerPlugin", worker: str, value: Any) -> Call
     if key in calls:
         if not ran_on(plugin, key, worker):
             raise Invalid(f"local call {_text(key)}: recorded on another worker", "call not on this worker")
+    elif ann.get("creator") == DRIVER:  # a driver's direct call (its worker checked its token)
+        client, sid = value.get("client"), ann.get("session")
+        # its session may not be known yet: the driver's open travels on its own stream, batched,
+        # the call went by RPC. A completed one: a record this late has nothing to join.
+        s = plugin.state.sessions.get(sid) if isinstance(sid, str) else None
+        if kind == "llm" or not isinstance(client, str) or not isinstance(sid, str) or (
+                s is not None and s.state == "completed"):
+            raise Invalid(f"direct call {_text(key)}: not in an open session of client {_text(client)}",
+                          "direct call not in an open session")
+        if s is not None:
+            ann["tenant"] = s.tenant
     else:
         creator = calls.get(ann.get("creator"))
         if creator is None or not ran_on(plugin, creator.key, worker):
@@ -414,8 +425,11 @@ def local_call(plugin: "AgentsSchedulerPlugin", worker: str, value: Any) -> Call
                       "bad report times")
     error = value.get("error")
     error = error[:2000] if isinstance(error, str) else None
-    return CallReport(key=key, ann=ann, state=state, started=started, finished=finished, error=error,
-                      metrics=metrics(value.get("metrics")) if value.get("metrics") is not None else None)
+    out = CallReport(key=key, ann=ann, state=state, started=started, finished=finished, error=error,
+                     metrics=metrics(value.get("metrics")) if value.get("metrics") is not None else None)
+    if ann.get("creator") == DRIVER and isinstance(value.get("client"), str):
+        out["client"] = value["client"]
+    return out
 
 
 def local_calls(plugin: "AgentsSchedulerPlugin", worker: str, value: Any,

@@ -822,3 +822,64 @@ async def test_before_retire_workers_sees_the_workers_dask_will_retire(c: Client
     finally:
         undo()
     assert "retire_workers" not in s.__dict__ and s.handlers["retire_workers"] == s.retire_workers
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_hold_value_then_register_key_make_an_ordinary_key(c: Client, s: Scheduler, a: Worker):
+    """A driver's direct call (dask_agents/direct.py): the worker holds the value, the client
+    names it on its own stream; a later graph depends on it, releasing the futures frees it.
+    A held value nobody named is dropped."""
+    from distributed import Future
+
+    fut = Future("direct-k1", c)
+    wc.hold_value(a, "direct-k1", 41)
+    assert a.data["direct-k1"] == 41 and wc.nbytes(41) > 0
+    wc.register_key(c, "direct-k1", a.address, wc.nbytes(41))
+    wc.finish_future(c, "direct-k1", int)
+    await async_wait_for(lambda: "direct-k1" in s.tasks and s.tasks["direct-k1"].state == "memory")
+    assert await c.submit(_inc, fut) == 42
+    del fut
+    await async_wait_for(lambda: "direct-k1" not in a.data and "direct-k1" not in s.tasks)
+    wc.hold_value(a, "direct-k2", 7)
+    wc.drop_value(a, "direct-k2")
+    await async_wait_for(lambda: "direct-k2" not in a.data)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_on_graph_dependencies_sees_the_futures_a_graph_depends_on(c: Client, s: Scheduler, a: Worker):
+    seen: list[set] = []
+    wanted = [True]
+    wc.on_graph_dependencies(c, lambda: wanted[0], seen.append)
+    x = c.submit(_inc, 1, key="dep-x")
+    assert await c.submit(_inc, x) == 3
+    assert await c.compute(dask.delayed(_inc)(x)) == 3
+    wanted[0] = False
+    assert await c.submit(_inc, x) == 3  # not read when not wanted
+    assert seen[0] == set() and seen[1] == {"dep-x"} and seen[2] == {"dep-x"} and len(seen) == 3
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_client_stream_handler_and_send_to_client(c: Client, s: Scheduler, a: Worker):
+    got: list[dict] = []
+    wc.add_client_stream_handler(c, "agents-test-op", lambda **msg: got.append(msg))
+    sc.send_to_client(s, c.id, {"op": "agents-test-op", "x": 1})
+    await async_wait_for(lambda: got == [{"x": 1}])
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_as_worker_makes_get_worker_answer_in_a_thread_of_our_own(c: Client, s: Scheduler, a: Worker):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distributed import get_worker
+
+    def where() -> str:
+        with wc.as_worker(a):
+            inside = get_worker().address
+        try:
+            get_worker()
+        except ValueError:
+            return inside
+        return "leaked"
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(where).result() == a.address

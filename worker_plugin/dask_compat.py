@@ -294,6 +294,84 @@ def before_graph_submission(client: Any, before: Any, before_desired: Any = None
         client._send_to_scheduler = _send_to_scheduler
 
 
+def hold_value(worker: Worker, key: Any, value: Any) -> None:
+    """On the worker's loop: ``value`` into this worker's memory as ``key`` (the worker half of
+    ``scatter``); whoever called for it names it to the scheduler."""
+    from time import time
+
+    worker.update_data({key: value}, stimulus_id=f"agents-direct-{time()}")
+
+
+def drop_value(worker: Worker, key: Any) -> None:
+    """On the worker's loop: forget ``key`` held by :func:`hold_value` that nobody named to
+    the scheduler (its caller dropped it)."""
+    from time import time
+
+    from distributed.worker_state_machine import FreeKeysEvent
+
+    if key in worker.state.tasks:
+        worker.handle_stimulus(FreeKeysEvent(keys=[key], stimulus_id=f"agents-direct-forget-{time()}"))
+
+
+def nbytes(value: Any) -> int:
+    """Dask's size estimate of ``value``."""
+    from dask.sizeof import sizeof
+
+    return int(sizeof(value))
+
+
+@contextmanager
+def as_worker(worker: Worker) -> Iterator[None]:
+    """In a thread of our own: ``get_worker()`` (and so ``get_client()``) answer ``worker``, as
+    in one of its task threads (``distributed.worker._worker_cvar``)."""
+    from distributed.worker import _worker_cvar
+
+    token = _worker_cvar.set(worker)
+    try:
+        yield
+    finally:
+        _worker_cvar.reset(token)
+
+
+def add_client_stream_handler(client: Any, op: str, handler: Any) -> None:
+    """Handle ``op`` on ``client``'s stream from the scheduler (``Client._stream_handlers``,
+    which the client's report loop reads for every message)."""
+    client._stream_handlers[op] = handler
+
+
+def register_key(client: Any, key: Any, worker: str, nbytes: int) -> None:
+    """On the client's loop: tell the scheduler that ``worker`` holds ``key`` for ``client``
+    (``update-data`` on the client's own stream, as ``scatter`` does), so that it is an
+    ordinary key: an argument of later work, released when the client's futures are."""
+    client._send_to_scheduler({"op": "update-data", "who_has": {key: [worker]}, "nbytes": {key: int(nbytes)},
+                               "client": client.id})
+
+
+def graph_dependencies(expr: Any) -> set:
+    """The keys a graph about to be sent depends on from outside itself (its futures)."""
+    graph = dict(expr.__dask_graph__())
+    deps: set = set()
+    for node in graph.values():
+        deps.update(getattr(node, "dependencies", ()) or ())
+    return deps - set(graph)
+
+
+def on_graph_dependencies(client: Any, wanted: Any, hook: Any) -> None:
+    """Call ``hook(keys)`` with the outside dependencies of every graph ``client`` sends, ahead
+    of it, while ``wanted()`` (a cheap check: the graph is read only then). Once per client."""
+    if getattr(client._graph_to_futures, "_agents_deps", None) is not None:
+        return
+    original = client._graph_to_futures
+
+    def _graph_to_futures(*args: Any, **kwargs: Any) -> Any:
+        if wanted():
+            hook(graph_dependencies(args[0] if args else kwargs["expr"]))
+        return original(*args, **kwargs)
+
+    _graph_to_futures._agents_deps = hook  # type: ignore[attr-defined]
+    client._graph_to_futures = _graph_to_futures
+
+
 def submit_key(client: Any, func: Any, *args: Any, key: str, resources: dict | None = None,
                workers: list[str] | None = None) -> Any:
     """``client.submit(func, *args, key=key, pure=False, resources=resources)`` for a key the

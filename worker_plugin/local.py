@@ -76,6 +76,7 @@ class LocalCall:
     submit_error: Callable[[], Any]  # a task of this key raising ``error`` (an erred call escaping)
     client: Any
     controller: "LocalCalls"
+    owner: str | None = None  # a driver's direct call: the driver's client (worker_plugin/direct.py)
     state: str = DEFERRED
     value: Any = None
     error: BaseException | None = None
@@ -108,6 +109,9 @@ class LocalCalls:
         self._records: dict[str, CallReport] = {}  # key -> its newest record, not sent yet
         self._running: dict[str, LocalCall] = {}  # key -> a call running on this fast path now
         self.counts: Counter[str] = Counter()  # ran, submitted:<why>, cancelled
+        # driver's calls running here straight from their driver (worker_plugin/direct.py): the
+        # roots of chains of local calls, as a running task is for the calls it makes
+        self.direct: set[str] = set()
 
     def routed_away(self, component: str) -> bool:
         """True if the control plane routed ``component`` to workers other than this one."""
@@ -117,6 +121,19 @@ class LocalCalls:
     def set_leases(self, leases: dict[str, frozenset[str]]) -> None:
         """The scheduler's newest admission lease (replaces the last one whole)."""
         self.leases = leases
+
+    def admit_here(self, model: str, session: str) -> bool:
+        """Admit ``session`` to this worker's engine of ``model`` on its own, while the
+        scheduler's lease of the model is out (nothing of it is short): Nalar's local controller
+        deciding within the global one's grant. The scheduler binds the session when the
+        record of its first LLM call here arrives; its next lease replaces this one whole.
+        False: the lease is not out (the scheduler admits the session, as before)."""
+        lease = self.leases.get(model)
+        if lease is None:
+            return False
+        if session not in lease:
+            self.leases = {**self.leases, model: lease | {session}}
+        return True
 
     def leased(self, model: str, session: str | None) -> bool:
         """Whether an LLM call of ``session`` on ``model`` may run on this worker's engine
@@ -129,6 +146,8 @@ class LocalCalls:
         machine's view): the calls it makes may take the fast path too. False once that task
         was cancelled or released (its thread runs on, and so do the calls it runs here)."""
         for _ in range(10_000):  # a chain of local calls, each made by the one before
+            if key in self.direct:
+                return True
             call = self._running.get(key)
             if call is None:
                 return False
@@ -216,7 +235,17 @@ class LocalCalls:
         for c in calls:
             self._submit(c, "sibling")
 
-    def _run(self, call: LocalCall) -> None:
+    def run_direct(self, call: LocalCall) -> None:
+        """Run a driver's call sent straight here (``worker_plugin/direct.py``), in this
+        thread: recorded as a local call; the caller (its driver) gets the outcome from
+        ``call`` itself, not from a future of this worker's client."""
+        self.direct.add(call.key)
+        try:
+            self._run(call, resolve=False)
+        finally:
+            self.direct.discard(call.key)
+
+    def _run(self, call: LocalCall, resolve: bool = True) -> None:
         call.started = time.time()
         self._record(call)
         self._running[call.key] = call
@@ -235,7 +264,8 @@ class LocalCalls:
         call.state = state
         self.counts["ran"] += 1
         self._record(call)
-        self.worker.loop.add_callback(self._resolve, call)
+        if resolve:
+            self.worker.loop.add_callback(self._resolve, call)
         call.done.set()
 
     def _resolve(self, call: LocalCall) -> None:
@@ -345,6 +375,8 @@ class LocalCalls:
             r["error"] = _error_text(call.error)
         if call.metrics:
             r["metrics"] = call.metrics
+        if call.owner is not None:
+            r["client"] = call.owner
         with self._lock:
             self._records[call.key] = r
 

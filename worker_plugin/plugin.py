@@ -83,6 +83,7 @@ class AgentsWorkerPlugin(WorkerPlugin):
         self.batcher = Batcher()
         self.engines: Engines | None = None
         self.local: LocalCalls | None = None  # the fast path, once the scheduler plugin answered
+        self.direct: Any = None  # drivers' direct calls (worker_plugin/direct.py), with the fast path
         self.scheduler_ok = False
         self._lock = threading.Lock()
         self._started: dict[Any, float] = {}
@@ -129,6 +130,8 @@ class AgentsWorkerPlugin(WorkerPlugin):
         dask_compat.add_rpc_handler(worker, "agents_worker_info", self._info_handler)
         dask_compat.add_rpc_handler(worker, "agents_swap_model", self._swap_handler)
         dask_compat.add_rpc_handler(worker, "agents_kv", self._kv_handler)
+        dask_compat.add_rpc_handler(worker, "agents_direct", self._direct_handler)
+        dask_compat.add_rpc_handler(worker, "agents_direct_forget", self._direct_forget_handler)
         # Registered before the hello: the scheduler only streams this op to workers that said hello.
         dask_compat.add_stream_handler(worker, REPRIORITIZE_OP, self._reprioritize)
         dask_compat.add_stream_handler(worker, KV_HINT_OP, self._kv_hint)
@@ -177,6 +180,9 @@ class AgentsWorkerPlugin(WorkerPlugin):
                 # only with a scheduler plugin to record what runs here (used once scheduler_ok)
                 self.local = LocalCalls(self.worker, agents_config.seconds("worker.fast-path.max-wait"))
                 self.local.take_metrics = self.take_metrics
+                from dask_agents.worker_plugin.direct import DirectCalls
+
+                self.direct = DirectCalls(self)
             await self.worker.scheduler.agents_worker_hello(worker=self.worker.address, models=models, pid=os.getpid())
             self.scheduler_ok = True
         except Exception as e:
@@ -204,6 +210,8 @@ class AgentsWorkerPlugin(WorkerPlugin):
         unfilter_call_failures(getattr(self, "_log_filter", None))
         dask_compat.remove_periodic(worker, "dask-agents-report")
         self.flush()
+        if self.direct is not None:
+            self.direct.close()
         if self.engines is not None:
             self.engines.close()
 
@@ -309,6 +317,16 @@ class AgentsWorkerPlugin(WorkerPlugin):
         return out
 
     # -- handlers ---------------------------------------------------------------------
+    async def _direct_handler(self, comm: Any = None, **msg: Any) -> dict:
+        """A driver's call straight to this worker (``worker_plugin/direct.py``)."""
+        if self.direct is None:
+            return {"status": "busy", "why": "not ready"}
+        return await self.direct.handle(**msg)
+
+    def _direct_forget_handler(self, comm: Any = None, key: Any = None) -> None:
+        if self.direct is not None:
+            self.direct.forget(key=key)
+
     def _secret_msg(self, secret: Any = None, **kw: Any) -> None:
         """The scheduler's secret, on this worker's stream (after each hello)."""
         if isinstance(secret, str) and secret:

@@ -1,0 +1,287 @@
+"""Calls from the driver straight to a worker: the driver's half of two-level control.
+
+A driver's call of a stateless agent or tool inside a ``da.session`` block crosses the
+scheduler twice on Dask's path (update-graph, compute-task; task-finished, key-in-memory, then
+``who_has``/``get_data`` for the value): 6 ms a call on an idle 2-core machine, 10-12 ms under
+load, where one RPC to a worker and its answer take under 1 ms (measured: issue 26's notes).
+So when the scheduler has told this client where the call belongs, the call goes there in
+one RPC (``agents_direct``, ``worker_plugin/direct.py``) and its value comes back in the
+answer. The scheduler tells a session's owner, on its own stream (``agents-direct``):
+
+- when a session opens, this client's **token** (a keyed hash of the client's id under the
+  scheduler's secret, which the workers know: a worker runs direct calls only of a client the
+  scheduler gave one), where each model's engines are and which model each component's LLM
+  calls use (``called_model``); a session's calls may go direct from its first one (the
+  token came with an earlier session) on;
+- when a session is bound to an engine of a model (admission), that **binding**.
+
+A call goes to the worker of its session's engine of the model its component uses, or to the
+only engine of that model; anything else (no route yet: a session's first call where a model
+has several engines; stateful, batched, resource-bound or timed calls; calls with futures as
+arguments; LLM calls; asynchronous clients) takes the scheduler path, as does a call the worker
+refuses (no free thread, not ready, draining). Nothing about the future changes: it is an
+``AgentFuture`` of the same key; when the answer comes its key is made known to the scheduler
+(``update-data`` on this client's stream, as ``scatter`` does: the value stays in the worker's
+memory and later work may depend on it), and the worker's records of the call reach the
+scheduler plugin with its reports, so session graphs and telemetry see it. A call whose worker
+is lost before it answers is sent again down the scheduler path under the same key (Dask would
+run a task again after the same loss); one cancelled before its answer is dropped there.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+DIRECT_OP = "agents-direct"
+"""scheduler -> client: routes for the client's sessions (``scheduler_plugin/direct.py``)."""
+
+MAX_ERRED = 10_000
+"""Erred direct calls a client remembers (to turn into a task raising the error if their
+future is later an argument of other work); older ones are forgotten."""
+
+SENT, FINISHED, ERRED, CANCELLED, SCHEDULER = "sent", "finished", "erred", "cancelled", "scheduler"
+_STATUS = {SENT: "pending", FINISHED: "finished", ERRED: "error", CANCELLED: "cancelled"}
+
+
+@dataclass(eq=False)
+class DirectCall:
+    """One call sent straight to ``worker``; ``resubmit`` sends it down the scheduler path."""
+
+    key: str
+    worker: str
+    session: str
+    client: Any
+    resubmit: Any
+    state: str = SENT
+    value: Any = None
+    error: BaseException | None = None
+    error_sent: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def status(self) -> str:
+        return _STATUS[self.state]
+
+
+class Routes:
+    """What the scheduler told this client about where its sessions' calls belong."""
+
+    def __init__(self) -> None:
+        self.token: str | None = None  # this client's token (from the scheduler)
+        self.sessions: set[str] = set()  # sessions the scheduler routes for (their bindings are kept)
+        self.bound: dict[tuple[str, str], str] = {}  # (session, model) -> worker of its engine
+        self.models: dict[str, tuple[str, ...]] = {}  # model -> workers of its engines
+        self.components: dict[str, str] = {}  # component -> the model its LLM calls use
+        self.made: dict[str, list[str]] = {}  # session -> keys of the calls sent straight, to name at its end
+        self.pending: dict[str, DirectCall] = {}  # key -> a call sent and not answered yet
+        # key -> a call that erred and whose key the scheduler never saw (bounded: oldest go)
+        self.erred: dict[str, DirectCall] = {}
+        self.lock = threading.Lock()
+
+    def update(self, token: Any = None, session: Any = None, bound: Any = None, models: Any = None,
+               components: Any = None, **kw: Any) -> None:
+        """The client-stream handler of :data:`DIRECT_OP` (on the client's loop)."""
+        if isinstance(models, dict):
+            self.models = {m: tuple(w) for m, w in models.items() if isinstance(w, (list, tuple))}
+        if isinstance(components, dict):
+            self.components.update({c: m for c, m in components.items() if isinstance(m, str)})
+        if isinstance(token, str):
+            self.token = token
+        if isinstance(session, str):
+            self.sessions.add(session)
+        for row in bound or ():
+            if isinstance(row, (list, tuple)) and len(row) == 3:
+                sid, model, worker = row
+                if sid in self.sessions:
+                    if worker is None:
+                        self.bound.pop((sid, model), None)
+                    else:
+                        self.bound[(sid, model)] = worker
+
+    def forget(self, sid: str) -> None:
+        """``sid`` ended: its routes go (they would only grow)."""
+        self.sessions.discard(sid)
+        for sk in [sk for sk in self.bound if sk[0] == sid]:
+            del self.bound[sk]
+
+    def target(self, sid: str, component: str, model: str | None) -> tuple[str, str, str] | None:
+        """(worker, token, model) for a call of ``component`` in ``sid`` (``model``: its
+        ``model=`` hint), or None: the scheduler path."""
+        token = self.token
+        if token is None:
+            return None
+        model = model or self.components.get(component)
+        if model is None:
+            return None
+        worker = self.bound.get((sid, model))
+        if worker is None:
+            workers = self.models.get(model, ())
+            worker = workers[0] if len(workers) == 1 else None
+        return None if worker is None else (worker, token, model)
+
+
+def routes_of(client: Any) -> Routes | None:
+    """The client's routes, once ``da.install`` set them up on it (None before)."""
+    return getattr(client, "_agents_routes", None)
+
+
+def install_routes(client: Any) -> Routes:
+    """Give ``client`` its routes and the stream handler that fills them (idempotent)."""
+    from dask_agents.worker_plugin import dask_compat
+
+    routes = routes_of(client)
+    if routes is None:
+        routes = client._agents_routes = Routes()
+        dask_compat.add_client_stream_handler(client, DIRECT_OP, routes.update)
+        dask_compat.on_graph_dependencies(client, lambda: bool(routes.pending or routes.erred),
+                                          lambda keys: escape_keys(client, keys))
+    return routes
+
+
+def eligible(client: Any, spec: Any, ann: dict, deps: list, sid: str | None) -> bool:
+    """Whether a driver's call may go straight to a worker (see the module docstring)."""
+    from dask_agents import config as agents_config
+
+    hints = spec.hints
+    return (sid is not None and not deps and spec.kind in ("agent", "tool") and not client.asynchronous
+            and not hints.stateful and hints.batching is None and not hints.resources and hints.timeout is None
+            and hints.max_replicas is None and not ann.get("stream") and bool(agents_config.get("client.direct-calls")))
+
+
+def send(client: Any, routes: Routes, where: tuple[str, str, str], header: tuple, runner: Any, target: Any,
+         args: tuple, kwargs: dict, ann: dict, resubmit: Any) -> DirectCall:
+    """Send the call to ``where`` = (worker, token, model) on the client's loop; returns at once."""
+    from distributed.protocol import to_serialize
+
+    worker, token, model = where
+    call = DirectCall(key=header[3], worker=worker, session=header[2], client=client, resubmit=resubmit)
+    with routes.lock:
+        routes.pending[call.key] = call
+        routes.made.setdefault(call.session, []).append(call.key)
+    msg = {"key": call.key, "ann": ann, "client": client.id, "token": token, "model": model,
+           "payload": to_serialize((runner, header, target, args, kwargs))}
+    client.loop.add_callback(_go, client, routes, call, msg)
+    return call
+
+
+async def _go(client: Any, routes: Routes, call: DirectCall, msg: dict) -> None:
+    try:
+        answer = await client.rpc(call.worker).agents_direct(**msg)
+    except Exception as e:  # the worker went away (or closes): Dask would run the call again elsewhere
+        answer = {"status": "lost", "why": f"{type(e).__name__}: {e}"}
+    _settle(client, routes, call, answer if isinstance(answer, dict) else {"status": "lost", "why": repr(answer)})
+
+
+def _settle(client: Any, routes: Routes, call: DirectCall, answer: dict) -> None:
+    """On the client's loop: the worker answered (or is lost)."""
+    from dask_agents.worker_plugin import dask_compat
+
+    with routes.lock:
+        routes.pending.pop(call.key, None)
+    status = answer.get("status")
+    if call.state == SENT and client.refcount.get(call.key, 0) <= 0:
+        call.state = CANCELLED  # its future was dropped unwaited: Dask would have released the task
+    if call.state == CANCELLED:  # dropped while it ran: nobody registers it, so the worker forgets it
+        if status == "OK":
+            client.loop.add_callback(_forget, client, call)
+        return
+    if status == "OK":
+        call.value = answer.get("value")
+        # the key made known first, on this client's stream: anything this client sends later
+        # (a call depending on it, its release) comes after
+        dask_compat.register_key(client, call.key, call.worker, answer.get("nbytes") or 0)
+        call.state = FINISHED
+        dask_compat.finish_future(client, call.key, type(call.value))
+    elif status == "error":
+        call.error = answer.get("exception") or RuntimeError(f"call {call.key} failed on {call.worker}")
+        call.state = ERRED
+        with routes.lock:
+            routes.erred[call.key] = call
+            while len(routes.erred) > MAX_ERRED:
+                routes.erred.pop(next(iter(routes.erred)))
+        dask_compat.fail_future(client, call.key, call.error)
+    else:  # refused (no free thread, not ready) or lost: the scheduler path, same key
+        call.state = SCHEDULER
+        try:
+            call.resubmit(status == "lost")
+        except BaseException as e:  # its future must not wait forever for a call never sent
+            call.error, call.state = e, ERRED
+            dask_compat.fail_future(client, call.key, e)
+    call.done.set()
+
+
+async def _forget(client: Any, call: DirectCall) -> None:
+    try:
+        await client.rpc(call.worker).agents_direct_forget(key=call.key)
+    except Exception:  # the worker is gone, and its memory with it
+        pass
+
+
+def cancel(call: DirectCall) -> bool:
+    """The caller cancelled a call still running on its worker: its future is cancelled now and
+    its answer dropped when it comes (True); False if it had answered."""
+    from dask_agents.worker_plugin import dask_compat
+
+    if call.state != SENT:
+        return False
+    call.state = CANCELLED
+    client = call.client
+    client.loop.add_callback(dask_compat.cancel_future, client, call.key, "cancelled")
+    call.done.set()
+    return True
+
+
+def cancel_session(client: Any, sid: str) -> None:
+    """The driver gave up on ``sid``: its calls still running on their workers are cancelled
+    here (the scheduler cancels those it has records of); its routes go."""
+    routes = routes_of(client)
+    if routes is None:
+        return
+    with routes.lock:
+        calls = [c for c in routes.pending.values() if c.session == sid]
+    for c in calls:
+        cancel(c)
+
+
+def session_ended(client: Any, sid: str) -> list[str]:
+    """The driver left ``sid``: the keys of the calls it sent straight to workers (its end
+    names them: the session completes after their records) and its routes go."""
+    routes = routes_of(client)
+    if routes is None:
+        return []
+    with routes.lock:
+        made = routes.made.pop(sid, [])
+    client.loop.add_callback(routes.forget, sid)
+    return made
+
+
+def wait(call: DirectCall, timeout: float | None) -> bool:
+    """Wait for the worker's answer; False if ``timeout`` passed first."""
+    return call.done.wait(timeout)
+
+
+def escape(call: DirectCall) -> None:
+    """``call``'s future is about to be sent to the cluster (an argument of other work, or
+    pickled): its key must exist there first. Waits for the answer (the call is running: what
+    depends on it could not start before anyway); an erred call becomes a task raising its
+    error, so what depends on it fails with that error, as on the scheduler path."""
+    call.done.wait()
+    if call.state == ERRED and not call.error_sent:
+        from dask_agents.runtime import reraise
+        from dask_agents.worker_plugin import dask_compat
+
+        call.error_sent = True
+        dask_compat.submit_key(call.client, reraise, call.error, key=call.key)
+
+
+def escape_keys(client: Any, keys: Any) -> None:
+    """Before a graph goes out: the direct calls among its dependencies ``keys`` escape."""
+    routes = routes_of(client)
+    if routes is None:
+        return
+    for k in keys:
+        call = routes.pending.get(k) or routes.erred.get(k)
+        if call is not None:
+            escape(call)

@@ -1,0 +1,255 @@
+"""A driver's calls straight to their worker (dask_agents/direct.py, worker_plugin/direct.py,
+scheduler_plugin/direct.py), on real worker processes: they behave as on the scheduler path
+and are recorded the same way; anything without a route, a forged token, or a worker lost
+mid-call ends on the scheduler path with the right answer."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from typing import Any
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+from distributed.client import FutureCancelledError
+
+import dask_agents as da
+from dask_agents.errors import CallFailedError, CallTimeoutError
+from tests import direct_components as dc
+from tests.conftest import wait_for
+
+EMU = {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte",
+       "emulation": {"time_scale": 0.001, "kv_blocks": 256, "block_size": 16, "max_batch": 4}}
+CONFIG = {"agents.llm.models": {"emu": EMU}, "agents.control.enabled": False}
+
+
+def _cluster(n: int) -> LocalCluster:
+    with dask.config.set(CONFIG):
+        return LocalCluster(n_workers=n, threads_per_worker=4, processes=True, dashboard_address=":0",
+                            worker_dashboard_address=":0")
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster = _cluster(1)
+    try:
+        with Client(cluster) as c:
+            with dask.config.set(CONFIG):
+                da.install(c, models=["emu"])
+            c.run_on_scheduler(_count_graph_keys)
+            with da.session(c):  # the scheduler gives the client its token with its first session
+                wait_for(lambda: c._agents_routes.token)
+            wait_for(lambda: _lease_out(c))  # once the engine reports, nothing of the model is short
+            yield c
+    finally:
+        cluster.close(timeout=30)
+
+
+def _lease_out(client: Client) -> bool:
+    """Whether every worker holds the scheduler's lease of model ``emu``."""
+    return all("emu" in v for v in client.run(lambda dask_worker: dask_worker.plugins["dask-agents"]
+                                               .local.leases).values())
+
+
+def _count_graph_keys(dask_scheduler: Any) -> None:
+    """Record every key the scheduler receives in an update-graph (the scheduler path)."""
+    dask_scheduler.agents_test_graph_keys = set()
+    handler = dask_scheduler.stream_handlers["update-graph"]
+
+    async def counted(*args: Any, _h: Any = handler, **kwargs: Any) -> Any:
+        dask_scheduler.agents_test_graph_keys.update(kwargs.get("keys") or ())
+        out = _h(*args, **kwargs)
+        return await out if inspect.isawaitable(out) else out
+
+    dask_scheduler.stream_handlers["update-graph"] = counted
+
+
+def _graph_keys(client: Client) -> set:
+    return client.run_on_scheduler(lambda dask_scheduler: set(dask_scheduler.agents_test_graph_keys))
+
+
+def _direct(fut: Any) -> Any:
+    return fut.__dict__.get("_agents_direct")
+
+
+def _calls(client: Client, session: Any, n: int) -> Any:
+    """The session's telemetry rows once ``n`` calls are recorded, terminal and reported."""
+    def ready():
+        t = da.telemetry(client, session=session)
+        ended = t["state"].isin(["finished", "erred", "cancelled"])
+        reported = t["started"].notna() | (t["state"] != "finished")  # the workers' exact times are in
+        return t if len(t) >= n and ended.all() and reported.all() else None
+
+    return wait_for(lambda: (t := ready()) is not None and [t])[0]
+
+
+def test_a_drivers_call_goes_straight_to_its_worker_and_is_recorded(client):
+    """The engine's only worker is the route of an agent with ``model=``: the call and its LLM
+    call run there without an update-graph, the session admitted by the worker itself (its LLM
+    call on the fast path), and both are in the session's graph and telemetry as scheduler-path
+    calls are."""
+    with da.session(client) as s:
+        fut = da.stub(dc.Writer).write([5] * 20)
+        out = fut.value()
+    call = _direct(fut)
+    assert call is not None and call.state == "finished"
+    assert out["worker"] == out["llm_worker"] == call.worker and out["output"] == 4
+    assert out["thread"].startswith("agents-direct")
+    t = _calls(client, s, 2)
+    agent, llm = t[t.kind == "agent"].iloc[0], t[t.kind == "llm"].iloc[0]
+    assert agent.key == fut.key and agent.creator == "driver" and agent.state == "finished"
+    assert agent.worker == call.worker and agent.fast_path
+    assert llm.creator == agent.key and llm.fast_path and llm.prompt_tokens == 20 and llm.output_tokens == 4
+    assert not {agent.key, llm.key} & _graph_keys(client)  # neither crossed the scheduler
+    g = wait_for(lambda: (g := da.session_graph(client, s)).state == "completed" and g)
+    assert {n.call_id for n in g.nodes} == {agent.key, llm.key}
+    counts = client.run_on_scheduler(lambda dask_scheduler: dict(dask_scheduler.plugins["dask-agents"]
+                                                                  .admission.counts))
+    assert counts["admitted_locally"] >= 1
+
+
+def test_a_direct_future_as_an_argument_of_other_calls_and_plain_dask_work(client):
+    with da.session(client):
+        doubled = da.stub(dc.Writer).double(21)
+        assert da.stub(dc.Plain).add(doubled, 1).value() == 43  # a scheduler-path call depending on it
+        assert client.submit(lambda x: x + 100, doubled).result() == 142  # plain Dask work
+        pending = da.stub(dc.Writer).double(5)  # not waited for before it is an argument
+        assert client.submit(lambda x: -x, pending).result() == -10
+        assert _direct(doubled) is not None and _direct(pending) is not None
+        assert client.gather(doubled) == 42
+
+
+def test_errors_are_the_same_on_both_paths(client):
+    with da.session(client) as s:
+        direct, routed = da.stub(dc.Writer).fail(3), da.stub(dc.Plain).fail(3)
+        errors = []
+        for fut in (direct, routed):
+            with pytest.raises(CallFailedError) as e:
+                fut.value()
+            errors.append(e.value)
+        assert _direct(direct) is not None and _direct(routed) is None
+        for fut, e in zip((direct, routed), errors):
+            assert f"(session {s.id}) raised ValueError: bad input 3 (call {fut.key})" in str(e)
+            assert isinstance(e.original, ValueError) and fut.status == "error" and fut.done()
+        # an erred direct call as an argument: what depends on it fails with its error
+        with pytest.raises(CallFailedError, match="bad input 3"):
+            da.stub(dc.Plain).add(direct, 1).value()
+    t = _calls(client, s, 3)
+    assert set(t[t.component == "Writer"].state) == {"erred"}
+
+
+def test_a_timeout_then_the_value(client, tmp_path):
+    log, release = tmp_path / "log", tmp_path / "release"
+    with da.session(client):
+        fut = da.stub(dc.Writer).logged_wait(str(log), str(release))
+        with pytest.raises(CallTimeoutError, match="Writer.logged_wait"):
+            fut.value(timeout=0.05)
+        assert fut.status == "pending" and not fut.available()
+        release.write_text("go")
+        assert fut.value() == _direct(fut).worker
+        assert fut.status == "finished" and fut.available()
+
+
+def test_a_cancelled_direct_call_is_dropped_and_its_value_forgotten(client, tmp_path):
+    log, release = tmp_path / "log", tmp_path / "release"
+    with da.session(client):
+        fut = da.stub(dc.Writer).logged_wait(str(log), str(release))
+        wait_for(log.exists)
+        fut.cancel()
+        with pytest.raises(FutureCancelledError):
+            fut.value()
+        assert fut.status == "cancelled"
+        release.write_text("go")
+        key = fut.key
+
+        def held(dask_worker=None):
+            return key in dask_worker.data
+
+        wait_for(lambda: client.run(lambda dask_worker: dask_worker.plugins["dask-agents"].direct.counts["forgotten"])
+                 and not any(client.run(held).values()))
+
+
+def test_no_route_no_session_or_another_clients_token_take_the_scheduler_path(client):
+    assert _direct(da.stub(dc.Writer).double(1)) is None  # no session
+    with da.session(client):
+        fut = da.stub(dc.Plain).add(1, 2)  # no model: no route
+        assert fut.value() == 3 and _direct(fut) is None
+
+    # a forged call straight to the worker: refused without the scheduler's token for it
+    worker = next(iter(client.scheduler_info()["workers"]))
+
+    async def forge():
+        from distributed.protocol import to_serialize
+
+        from dask_agents.runtime import run_method
+        header = ("Writer", "double", "someone-else", "Writer-forged", False, None, 1)
+        ann = {"call": "Writer-forged", "component": "Writer", "kind": "agent", "session": "someone-else"}
+        return await client.rpc(worker).agents_direct(key="Writer-forged", ann=ann, client=client.id,
+                                                      token="0" * 32, model="emu",
+                                                      payload=to_serialize((run_method, header, dc.Writer, (1,), {})))
+
+    assert client.sync(forge) == {"status": "busy", "why": "no token"}
+
+
+def test_disabled_direct_calls_take_the_scheduler_path(client):
+    with dask.config.set({"agents.client.direct-calls": False}):
+        with da.session(client):
+            fut = da.stub(dc.Writer).double(4)
+            assert fut.value() == 8 and _direct(fut) is None
+
+
+def test_a_worker_killed_mid_direct_call_runs_it_again_through_the_scheduler(tmp_path):
+    """Two engines: the session's first call binds it (scheduler path), the next goes straight
+    to that worker, which dies while it runs: the driver sends it again down the scheduler path
+    under the same key, it runs on the other worker, and the graph has it once, finished."""
+    log, release = tmp_path / "log", tmp_path / "release"
+    cluster = _cluster(2)
+    try:
+        with Client(cluster) as c:
+            with dask.config.set(CONFIG):
+                da.install(c, models=["emu"])
+            with da.session(c) as s:
+                wait_for(lambda: c._agents_routes.token)
+                first = da.stub(dc.Writer).write([3] * 16)
+                bound = first.value()["worker"]
+                assert _direct(first) is None  # two engines, no binding yet: the scheduler path binds it
+                wait_for(lambda: c._agents_routes.bound.get((s.id, "emu")) == bound)
+                fut = da.stub(dc.Writer).logged_wait(str(log), str(release))
+                assert _direct(fut) is not None and _direct(fut).worker == bound
+                wait_for(lambda: log.exists() and log.read_text().strip())
+                with contextlib.suppress(Exception):  # it dies before it answers
+                    c.run(os._exit, 1, workers=[bound])
+                release.write_text("go")
+                where = fut.value()
+            assert where != bound
+            lines = [ln.split() for ln in log.read_text().splitlines()]
+            assert [k for k, _ in lines] == [fut.key, fut.key] and lines[1][1] == where  # again, same key
+            g = wait_for(lambda: (g := da.session_graph(c, s)).state == "completed" and g)
+            states = [n.state for n in g.nodes if n.call_id == fut.key]
+            assert states == ["finished"]
+    finally:
+        cluster.close(timeout=30)
+
+
+def test_a_session_completes_only_after_the_records_of_its_direct_calls(client):
+    """A driver ends its session as soon as its direct call answers: the worker's records of the
+    call travel on the worker's stream, the end on the driver's, so the end can come first. The
+    end names the session's direct calls and the session completes only after their records:
+    none is refused for arriving after it, every graph has its call."""
+    def rejected(dask_scheduler=None):
+        return dict(dask_scheduler.plugins["dask-agents"].aggregates.rejected.counts)
+
+    before = client.run_on_scheduler(rejected)
+    sessions, keys = [], []
+    for i in range(30):
+        with da.session(client) as s:
+            fut = da.stub(dc.Writer).double(i)
+            assert fut.value() == 2 * i and _direct(fut) is not None
+        sessions.append(s)
+        keys.append(fut.key)
+    for s, key in zip(sessions, keys):
+        g = wait_for(lambda s=s: (g := da.session_graph(client, s)).state == "completed" and g)
+        assert [(n.call_id, n.state) for n in g.nodes] == [(key, "finished")]
+    assert client.run_on_scheduler(rejected) == before
