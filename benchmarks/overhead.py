@@ -36,6 +36,13 @@ Eleven variants on three in-process clusters of the same shape
     ``da.stub(NoopAgent).run(i).result()`` on the installed cluster, in a session, where
     ``NoopAgent`` is an ``@da.agent`` class (one shared instance hosted by the worker).
 
+``direct_class``
+    ``da.stub(DirectNoop).run(i).result()`` on the installed cluster, in a session, where
+    ``DirectNoop`` is an ``@da.agent(model=...)`` class whose model's only engine is on the
+    worker: a driver's **direct call** (``dask_agents/direct.py``), one RPC straight to the
+    worker instead of the scheduler path (the variant fails if a timed call took the
+    scheduler path).
+
 ``nested_plain_dask``
     Nested calls as an agent makes them, from *inside* a task: a plain Dask task on the second
     cluster (dask-agents' windows, no plugins; the task's client gets the window ``da.install``
@@ -198,6 +205,15 @@ class LLMBench:
                 "leased": local is not None and local.leased(BENCH_MODEL, da.current_session())}
 
 
+@da.agent(model=BENCH_MODEL)
+class DirectNoop:
+    """The no-op agent beside the engine of the model it calls: the driver's calls of it go
+    straight to that worker (direct calls)."""
+
+    def run(self, i: int) -> int:
+        return i
+
+
 def nested_plain(start: int, n: int) -> dict:
     """The same from inside a plain Dask task, as a careful Dask user writes it."""
     from distributed import worker_client
@@ -222,7 +238,7 @@ def _fast_path(dask_worker: Any = None, on: bool = True) -> bool:
     return plugin.local is not None
 
 
-VARIANTS = ("native", "plain_dask", "plain_dask_tuned", "plain_submit", "stub_tool", "stub_class",
+VARIANTS = ("native", "plain_dask", "plain_dask_tuned", "plain_submit", "stub_tool", "stub_class", "direct_class",
             "nested_plain_dask", "nested_stub_tool", "nested_stub_tool_scheduler", "nested_llm",
             "nested_llm_scheduler")
 NESTED = ("nested_plain_dask", "nested_stub_tool", "nested_stub_tool_scheduler")
@@ -236,6 +252,8 @@ DESCRIPTIONS = {
                     "(plain Dask work: not a recorded call)",
     "stub_tool": "da.stub(noop_tool)(i).result(), dask-agents installed, in da.session",
     "stub_class": "da.stub(NoopAgent).run(i).result(), dask-agents installed, in da.session",
+    "direct_class": "da.stub(DirectNoop).run(i).result(), dask-agents installed, in da.session: an agent with "
+                    "model= whose engine is on the worker, so a direct call (one RPC, no scheduler)",
     "nested_plain_dask": "inside a plain Dask task: `with worker_client() as c: c.submit(noop, i, pure=False)"
                          ".result()`, cluster WITHOUT dask-agents, batching windows as da.install sets them "
                          "(the task's client too)",
@@ -358,6 +376,7 @@ class Bench:
         self.tool = da.stub(noop_tool)
         self.agent = da.stub(NoopAgent)
         self.rounds: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        self.direct_required = False  # after the warm-up: the client holds its token by then
 
     def _start(self, n: int) -> int:
         s = self.counter
@@ -396,6 +415,23 @@ class Bench:
             elif variant == "stub_class":
                 run = self.agent.run
                 out = timed_calls(lambda i: run(i).result(), n, start)
+            elif variant == "direct_class":
+                # the worker runs direct calls on its fast path: on, whatever the block before left
+                if self.agents.run(_fast_path, on=True) != {w: True for w in self.agents.scheduler_info()["workers"]}:
+                    raise RuntimeError("could not switch the fast path on")
+                run = da.stub(DirectNoop).run
+                sent = []
+
+                def direct_call(i: int) -> int:
+                    fut = run(i)
+                    out = fut.result()
+                    call = fut.__dict__.get("_agents_direct")
+                    sent.append(call is not None and call.state == "finished")  # not refused, not rerouted
+                    return out
+
+                out = timed_calls(direct_call, n, start)
+                if not all(sent) and self.direct_required:
+                    raise RuntimeError(f"direct_class: {sent.count(False)} of {n} calls took the scheduler path")
             else:
                 raise ValueError(variant)
         return out
@@ -403,6 +439,7 @@ class Bench:
     def warmup(self, n: int) -> None:
         for v in VARIANTS:
             self.block(v, n if v != "native" else 1000)
+        self.direct_required = True
 
     def run_round(self, r: int) -> None:
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
@@ -446,7 +483,7 @@ def summarize(rounds: dict[str, list[dict]], idle: float) -> dict[str, dict]:
         }
     # Paired (same-round) CPU ratios: less sensitive to slow drifts in machine load.
     pairs = [(base, v) for base in ("plain_submit", "plain_dask", "plain_dask_tuned")
-             for v in ("plain_dask_tuned", "plain_submit", "stub_tool", "stub_class")]
+             for v in ("plain_dask_tuned", "plain_submit", "stub_tool", "stub_class", "direct_class")]
     pairs += [("nested_plain_dask", v) for v in ("nested_stub_tool", "nested_stub_tool_scheduler")]
     pairs += [("nested_llm_scheduler", "nested_llm")]
     for base, v in pairs:
@@ -542,6 +579,11 @@ def make_summary(results: dict) -> dict:
         out[f"{name}_cpu_ratio_vs_plain_dask_tuned_paired"] = r[v]["cpu_ratio_vs_plain_dask_tuned_paired_median"]
         out[f"{name}_latency_p50_ratio_vs_plain_dask_tuned"] = p50[v] / p50["plain_dask_tuned"]
     out["stub_cpu_ratio_vs_submit"] = cpu["stub_tool"] / cpu["plain_submit"]
+    # a driver's direct call (issue 26): one RPC to the worker, against the scheduler path
+    out["direct_latency_p50_s"] = p50["direct_class"]
+    out["direct_cpu_ratio_vs_plain_dask_tuned"] = cpu["direct_class"] / cpu["plain_dask_tuned"]
+    out["direct_cpu_ratio_vs_plain_dask_tuned_paired"] = r["direct_class"]["cpu_ratio_vs_plain_dask_tuned_paired_median"]
+    out["direct_latency_p50_ratio_vs_stub_class"] = p50["direct_class"] / p50["stub_class"]
     # against plain Dask at Dask's default windows (10 ms client window): mostly the windows
     for v, name in (("stub_tool", "stub"), ("stub_class", "stub_class"), ("plain_submit", "plain_submit"),
                     ("plain_dask_tuned", "plain_dask_tuned")):

@@ -31,11 +31,16 @@ run a task again after the same loss); one cancelled before its answer is droppe
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 DIRECT_OP = "agents-direct"
 """scheduler -> client: routes for the client's sessions (``scheduler_plugin/direct.py``)."""
+
+LASTING, REST_S = ("not ready", "no token"), 10.0
+"""A worker that answers it cannot take direct calls for one of these reasons is not sent any
+for this many seconds (a full thread pool, by contrast, passes)."""
 
 MAX_ERRED = 10_000
 """Erred direct calls a client remembers (to turn into a task raising the error if their
@@ -74,6 +79,9 @@ class Routes:
         self.bound: dict[tuple[str, str], str] = {}  # (session, model) -> worker of its engine
         self.models: dict[str, tuple[str, ...]] = {}  # model -> workers of its engines
         self.components: dict[str, str] = {}  # component -> the model its LLM calls use
+        # worker -> until when it is not sent direct calls (it answered it cannot take them:
+        # its fast path is off, or it has no secret yet), so each call does not pay a refusal
+        self.resting: dict[str, float] = {}
         self.made: dict[str, list[str]] = {}  # session -> keys of the calls sent straight, to name at its end
         self.pending: dict[str, DirectCall] = {}  # key -> a call sent and not answered yet
         # key -> a call that erred and whose key the scheduler never saw (bounded: oldest go)
@@ -119,7 +127,9 @@ class Routes:
         if worker is None:
             workers = self.models.get(model, ())
             worker = workers[0] if len(workers) == 1 else None
-        return None if worker is None else (worker, token, model)
+        if worker is None or (worker in self.resting and self.resting[worker] > time.monotonic()):
+            return None
+        return worker, token, model
 
 
 def routes_of(client: Any) -> Routes | None:
@@ -203,6 +213,8 @@ def _settle(client: Any, routes: Routes, call: DirectCall, answer: dict) -> None
                 routes.erred.pop(next(iter(routes.erred)))
         dask_compat.fail_future(client, call.key, call.error)
     else:  # refused (no free thread, not ready) or lost: the scheduler path, same key
+        if answer.get("why") in LASTING:
+            routes.resting[call.worker] = time.monotonic() + REST_S
         call.state = SCHEDULER
         try:
             call.resubmit(status == "lost")

@@ -253,3 +253,27 @@ def test_a_session_completes_only_after_the_records_of_its_direct_calls(client):
         g = wait_for(lambda s=s: (g := da.session_graph(client, s)).state == "completed" and g)
         assert [(n.call_id, n.state) for n in g.nodes] == [(key, "finished")]
     assert client.run_on_scheduler(rejected) == before
+
+
+def _fast_path(on: bool, dask_worker: Any = None) -> bool:
+    plugin = dask_worker.plugins["dask-agents"]
+    if not on and plugin.local is not None:
+        plugin._test_local, plugin.local = plugin.local, None
+    elif on and plugin.local is None:
+        plugin.local = plugin._test_local
+    return plugin.local is not None
+
+
+def test_a_worker_that_cannot_take_direct_calls_is_left_alone_for_a_while(client):
+    """A worker whose fast path is off refuses a direct call (``not ready``): the call takes the
+    scheduler path with its key, and the next ones go there at once, not through a refusal."""
+    client.run(_fast_path, False)
+    try:
+        with da.session(client):
+            first = da.stub(dc.Writer).double(1)
+            assert first.value() == 2 and _direct(first) is not None and _direct(first).state == "scheduler"
+            second = da.stub(dc.Writer).double(2)
+            assert second.value() == 4 and _direct(second) is None
+    finally:
+        client.run(_fast_path, True)
+        client._agents_routes.resting.clear()
