@@ -6,7 +6,6 @@ mid-call ends on the scheduler path with the right answer."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 from typing import Any
 
@@ -18,6 +17,7 @@ from distributed.client import FutureCancelledError
 import dask_agents as da
 from dask_agents.errors import CallFailedError, CallTimeoutError
 from tests import direct_components as dc
+from tests.test_fast_path import _count_graph_keys, _graph_keys
 from tests.conftest import wait_for
 
 EMU = {"model": "emulated-llama", "engine": "emulated", "tokenizer": "byte",
@@ -51,23 +51,6 @@ def _lease_out(client: Client) -> bool:
     """Whether every worker holds the scheduler's lease of model ``emu``."""
     return all("emu" in v for v in client.run(lambda dask_worker: dask_worker.plugins["dask-agents"]
                                                .local.leases).values())
-
-
-def _count_graph_keys(dask_scheduler: Any) -> None:
-    """Record every key the scheduler receives in an update-graph (the scheduler path)."""
-    dask_scheduler.agents_test_graph_keys = set()
-    handler = dask_scheduler.stream_handlers["update-graph"]
-
-    async def counted(*args: Any, _h: Any = handler, **kwargs: Any) -> Any:
-        dask_scheduler.agents_test_graph_keys.update(kwargs.get("keys") or ())
-        out = _h(*args, **kwargs)
-        return await out if inspect.isawaitable(out) else out
-
-    dask_scheduler.stream_handlers["update-graph"] = counted
-
-
-def _graph_keys(client: Client) -> set:
-    return client.run_on_scheduler(lambda dask_scheduler: set(dask_scheduler.agents_test_graph_keys))
 
 
 def _direct(fut: Any) -> Any:
@@ -277,3 +260,51 @@ def test_a_worker_that_cannot_take_direct_calls_is_left_alone_for_a_while(client
     finally:
         client.run(_fast_path, True)
         client._agents_routes.resting.clear()
+
+
+def test_routes_send_a_call_to_its_sessions_engine_or_the_models_only_one():
+    """The client's routes (dask_agents/direct.py): a session's binding for its component's
+    model wins; else the model's only engine; several engines and no binding, no model, no
+    token, or a worker resting after a lasting refusal: the scheduler path (None)."""
+    from dask_agents.direct import Routes
+
+    r = Routes()
+    assert r.target("s1", "Coder", None) is None  # no token yet
+    r.update(token="t", session="s1", models={"coder": ["w1", "w2"], "chat": ["w3"]},
+             components={"Coder": "coder", "Chatter": "chat"})
+    assert r.target("s1", "Chatter", None) == ("w3", "t", "chat")  # the model's only engine
+    assert r.target("s1", "Coder", None) is None  # two engines, no binding
+    assert r.target("s1", "Planner", None) is None  # a component with no model
+    r.update(bound=[["s1", "coder", "w2"], ["s-unknown", "coder", "w1"]])
+    assert r.target("s1", "Coder", None) == ("w2", "t", "coder")
+    assert ("s-unknown", "coder") not in r.bound  # bindings only of sessions routed for
+    assert r.target("s1", "Anything", "chat") == ("w3", "t", "chat")  # a model= hint
+    r.update(bound=[["s1", "coder", None]])
+    assert r.target("s1", "Coder", None) is None  # the binding went
+    r.resting["w3"] = float("inf")
+    assert r.target("s1", "Chatter", None) is None
+    r.forget("s1")
+    assert "s1" not in r.sessions
+
+
+def test_the_scheduler_tells_a_sessions_owner_its_token_engines_and_bindings():
+    from dask_agents.scheduler_plugin import direct as sd
+    from dask_agents.tokens import direct_token
+
+    sent: list[tuple[str, dict]] = []
+
+    class Scheduler:
+        def client_send(self, client: str, msg: dict) -> None:
+            sent.append((client, msg))
+
+    routes = sd.DirectRoutes(lambda: Scheduler(), lambda: "secret", lambda: {"coder": {"w2", "w1"}, "gone": set()},
+                             lambda: {"Coder": "coder"})
+    routes.opened("s1", "client-a")
+    routes.bound("s1", "llm:coder", "w1")
+    routes.bound("s1", "Stateful", "w1")  # not an engine binding: not told
+    routes.bound("s2", "llm:coder", "w2")  # not a session of a client that takes routes
+    routes.ended("s1")
+    routes.bound("s1", "llm:coder", "w2")
+    assert sent == [("client-a", {"op": "agents-direct", "token": direct_token("secret", "client-a"), "session": "s1",
+                                  "models": {"coder": ["w1", "w2"]}, "components": {"Coder": "coder"}}),
+                    ("client-a", {"op": "agents-direct", "bound": [["s1", "coder", "w1"]]})]
