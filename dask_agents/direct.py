@@ -195,7 +195,7 @@ def _settle(client: Any, routes: Routes, call: DirectCall, answer: dict) -> None
         call.state = CANCELLED  # its future was dropped unwaited: Dask would have released the task
     if call.state == CANCELLED:  # dropped while it ran: nobody registers it, so the worker forgets it
         if status == "OK":
-            client.loop.add_callback(_forget, client, call)
+            client.loop.add_callback(_forget, client, call, routes.token)
         return
     if status == "OK":
         call.value = answer.get("value")
@@ -224,9 +224,9 @@ def _settle(client: Any, routes: Routes, call: DirectCall, answer: dict) -> None
     call.done.set()
 
 
-async def _forget(client: Any, call: DirectCall) -> None:
+async def _forget(client: Any, call: DirectCall, token: str | None) -> None:
     try:
-        await client.rpc(call.worker).agents_direct_forget(key=call.key)
+        await client.rpc(call.worker).agents_direct_forget(key=call.key, client=client.id, token=token)
     except Exception:  # the worker is gone, and its memory with it
         pass
 

@@ -308,3 +308,28 @@ def test_the_scheduler_tells_a_sessions_owner_its_token_engines_and_bindings():
     assert sent == [("client-a", {"op": "agents-direct", "token": direct_token("secret", "client-a"), "session": "s1",
                                   "models": {"coder": ["w1", "w2"]}, "components": {"Coder": "coder"}}),
                     ("client-a", {"op": "agents-direct", "bound": [["s1", "coder", "w1"]]})]
+
+
+def test_only_the_driver_a_value_was_held_for_can_have_it_forgotten(client, tmp_path):
+    """``agents_direct_forget`` from anyone else (no token, or a key not held for that client:
+    another client's direct value, an ordinary task's result) leaves the data alone."""
+    worker = next(iter(client.scheduler_info()["workers"]))
+    plain = client.submit(lambda: 41, pure=False, key="ordinary-result")
+    assert plain.result() == 41
+    with da.session(client):
+        held = da.stub(dc.Writer).double(3)
+        assert held.value() == 6
+
+    async def forget(key: str, token: str):
+        await client.rpc(worker).agents_direct_forget(key=key, client=client.id, token=token)
+
+    real = client._agents_routes.token
+    for key, token in (("ordinary-result", real), (held.key, "0" * 32), ("ordinary-result", "0" * 32)):
+        client.sync(forget, key, token)
+    def present(dask_worker=None, keys=(plain.key, held.key)):
+        return [k in dask_worker.data for k in keys]
+
+    assert next(iter(client.run(present).values())) == [True, True]
+    assert plain.result() == 41 and held.value() == 6
+    refused = client.run(lambda dask_worker: dask_worker.plugins["dask-agents"].direct.counts["refused:forget"])
+    assert next(iter(refused.values())) >= 3

@@ -20,13 +20,17 @@ import asyncio
 import contextvars
 import hmac
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dask_agents.models import DRIVER
 
 logger = logging.getLogger(__name__)
+
+
+MAX_HELD = 100_000
+"""Values held for direct calls whose driver may still ask to forget them (key -> client)."""
 
 
 def _never() -> Any:
@@ -42,6 +46,9 @@ class DirectCalls:
         self.pool = ThreadPoolExecutor(max_workers=max(1, self.worker.state.nthreads),
                                        thread_name_prefix="agents-direct")
         self.running: dict[str, Any] = {}
+        # key -> the client whose answered call's value this worker holds, newest last
+        # (bounded): only that client may have it forgotten (``agents_direct_forget``)
+        self.held: OrderedDict[str, str] = OrderedDict()
         self.counts: Counter[str] = Counter()
 
     def close(self) -> None:
@@ -108,19 +115,29 @@ class DirectCalls:
         if call.state == FINISHED:
             value = call.value
             dask_compat.hold_value(worker, key, value)
+            self.held[key] = client
+            while len(self.held) > MAX_HELD:
+                self.held.popitem(last=False)
             return {"status": "OK", "value": to_serialize(value), "nbytes": dask_compat.nbytes(value)}
         if call.state == ERRED:
             return {"status": "error", "exception": to_serialize(call.error)}
         return {"status": "lost", "why": f"ended {call.state}"}
 
-    def forget(self, comm: Any = None, key: Any = None) -> None:
+    def forget(self, comm: Any = None, key: Any = None, client: Any = None, token: Any = None) -> None:
         """The ``agents_direct_forget`` RPC: the driver dropped the call before its answer;
-        its value, held here for it, goes."""
+        its value, held here for it, goes. Only the driver the value was held for (its token)
+        may: any other key, or another client's, is left alone."""
+        from dask_agents.tokens import direct_token
         from dask_agents.worker_plugin import dask_compat
 
-        if isinstance(key, str) and key not in self.running:
-            dask_compat.drop_value(self.worker, key)
-            self.counts["forgotten"] += 1
+        secret = getattr(self.plugin, "_secret", None)
+        if (not isinstance(key, str) or not isinstance(client, str) or not isinstance(token, str) or not secret
+                or self.held.get(key) != client or not hmac.compare_digest(token, direct_token(secret, client))):
+            self.counts["refused:forget"] += 1
+            return
+        del self.held[key]
+        dask_compat.drop_value(self.worker, key)
+        self.counts["forgotten"] += 1
 
     def snapshot(self) -> dict:
         return {"running": len(self.running), **self.counts}

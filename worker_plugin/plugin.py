@@ -323,9 +323,9 @@ class AgentsWorkerPlugin(WorkerPlugin):
             return {"status": "busy", "why": "not ready"}
         return await self.direct.handle(**msg)
 
-    def _direct_forget_handler(self, comm: Any = None, key: Any = None) -> None:
+    def _direct_forget_handler(self, comm: Any = None, key: Any = None, client: Any = None, token: Any = None) -> None:
         if self.direct is not None:
-            self.direct.forget(key=key)
+            self.direct.forget(key=key, client=client, token=token)
 
     def _secret_msg(self, secret: Any = None, **kw: Any) -> None:
         """The scheduler's secret, on this worker's stream (after each hello)."""
