@@ -42,10 +42,6 @@ LASTING, REST_S = ("not ready", "no token"), 10.0
 """A worker that answers it cannot take direct calls for one of these reasons is not sent any
 for this many seconds (a full thread pool, by contrast, passes)."""
 
-MAX_ERRED = 10_000
-"""Erred direct calls a client remembers (to turn into a task raising the error if their
-future is later an argument of other work); older ones are forgotten."""
-
 SENT, FINISHED, ERRED, CANCELLED, SCHEDULER = "sent", "finished", "erred", "cancelled", "scheduler"
 _STATUS = {SENT: "pending", FINISHED: "finished", ERRED: "error", CANCELLED: "cancelled"}
 
@@ -59,10 +55,10 @@ class DirectCall:
     session: str
     client: Any
     resubmit: Any
+    ann: dict = field(default_factory=dict)  # its annotation (an erred one's task carries it)
     state: str = SENT
     value: Any = None
     error: BaseException | None = None
-    error_sent: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -84,8 +80,6 @@ class Routes:
         self.resting: dict[str, float] = {}
         self.made: dict[str, list[str]] = {}  # session -> keys of the calls sent straight, to name at its end
         self.pending: dict[str, DirectCall] = {}  # key -> a call sent and not answered yet
-        # key -> a call that erred and whose key the scheduler never saw (bounded: oldest go)
-        self.erred: dict[str, DirectCall] = {}
         self.lock = threading.Lock()
 
     def update(self, token: Any = None, session: Any = None, bound: Any = None, models: Any = None,
@@ -145,7 +139,7 @@ def install_routes(client: Any) -> Routes:
     if routes is None:
         routes = client._agents_routes = Routes()
         dask_compat.add_client_stream_handler(client, DIRECT_OP, routes.update)
-        dask_compat.on_graph_dependencies(client, lambda: bool(routes.pending or routes.erred),
+        dask_compat.on_graph_dependencies(client, lambda: bool(routes.pending),
                                           lambda keys: escape_keys(client, keys))
     return routes
 
@@ -166,7 +160,7 @@ def send(client: Any, routes: Routes, where: tuple[str, str, str], header: tuple
     from distributed.protocol import to_serialize
 
     worker, token, model = where
-    call = DirectCall(key=header[3], worker=worker, session=header[2], client=client, resubmit=resubmit)
+    call = DirectCall(key=header[3], worker=worker, session=header[2], client=client, resubmit=resubmit, ann=ann)
     with routes.lock:
         routes.pending[call.key] = call
         routes.made.setdefault(call.session, []).append(call.key)
@@ -207,11 +201,8 @@ def _settle(client: Any, routes: Routes, call: DirectCall, answer: dict) -> None
     elif status == "error":
         call.error = answer.get("exception") or RuntimeError(f"call {call.key} failed on {call.worker}")
         call.state = ERRED
-        with routes.lock:
-            routes.erred[call.key] = call
-            while len(routes.erred) > MAX_ERRED:
-                routes.erred.pop(next(iter(routes.erred)))
         dask_compat.fail_future(client, call.key, call.error)
+        _erred_task(call)  # so that later work may depend on it and fail with its error
     else:  # refused (no free thread, not ready) or lost: the scheduler path, same key
         if answer.get("why") in LASTING:
             routes.resting[call.worker] = time.monotonic() + REST_S
@@ -277,23 +268,38 @@ def wait(call: DirectCall, timeout: float | None) -> bool:
 def escape(call: DirectCall) -> None:
     """``call``'s future is about to be sent to the cluster (an argument of other work, or
     pickled): its key must exist there first. Waits for the answer (the call is running: what
-    depends on it could not start before anyway); an erred call becomes a task raising its
-    error, so what depends on it fails with that error, as on the scheduler path."""
+    depends on it could not start before anyway): a finished call's key was named to the
+    scheduler, an erred one's is a task raising its error (:func:`_erred_task`), ahead of
+    anything sent after."""
     call.done.wait()
-    if call.state == ERRED and not call.error_sent:
-        from dask_agents.runtime import reraise
-        from dask_agents.worker_plugin import dask_compat
 
-        call.error_sent = True
-        dask_compat.submit_key(call.client, reraise, call.error, key=call.key)
+
+def _erred_task(call: DirectCall) -> None:
+    """On the client's loop: an erred direct call's key becomes a task raising its error, so
+    what depends on it fails with that error, as on the scheduler path (one task per erred
+    call: the error path only)."""
+    import dask
+
+    from dask_agents.annotation import ANNOTATION
+    from dask_agents.runtime import reraise
+    from dask_agents.worker_plugin import dask_compat
+
+    try:
+        # annotated (its worker logs no traceback for it) but not as a call: the call's record is
+        # its worker's, which may still be on its way
+        with dask.annotate(**{ANNOTATION: {**call.ann, "call": None}}):
+            dask_compat.submit_key(call.client, reraise, call.error, key=call.key)
+    except Exception:  # a closing client: nothing can depend on it any more
+        pass
 
 
 def escape_keys(client: Any, keys: Any) -> None:
-    """Before a graph goes out: the direct calls among its dependencies ``keys`` escape."""
+    """Before a graph goes out: the direct calls still running among its dependencies
+    ``keys`` are waited for (their keys exist once they answered)."""
     routes = routes_of(client)
     if routes is None:
         return
     for k in keys:
-        call = routes.pending.get(k) or routes.erred.get(k)
+        call = routes.pending.get(k)
         if call is not None:
             escape(call)
