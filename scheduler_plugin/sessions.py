@@ -209,7 +209,7 @@ class Sessions:
                                client, session)
             return {"state": rec.state}
         reason = "its driver left the da.session block with an exception" if cancel is True else None
-        if cancel is not True and isinstance(direct, (list, tuple)):  # its records may still be on their way
+        if isinstance(direct, (list, tuple)):  # its direct calls' records may still be on their way
             rec.awaiting = {k for k in direct[:MAX_AWAITED] if isinstance(k, str) and k not in rec.calls}
         self.close(session, time.time(), reason, abort=cancel is True)
         return {"state": self.state.sessions[session].state}
@@ -225,7 +225,8 @@ class Sessions:
         except Exception as e:  # raising here would close the client's stream
             logger.warning("dask-agents: session end ignored: %s", e)
 
-    def close(self, sid: str, now: float, reason: str | None = None, abort: bool = False) -> None:
+    def close(self, sid: str, now: float, reason: str | None = None, abort: bool = False,
+              unawaited: bool = False) -> None:
         """Close ``sid`` (the driver is done, or ``reason``: the scheduler closes it). With
         ``abort``, its open calls fail with SessionClosedError (``reason``) or, running, are
         cancelled: nobody is left to use their results."""
@@ -233,8 +234,8 @@ class Sessions:
         known = self.state.sessions.get(sid)
         if known is not None and known.state == "completed":
             return  # already over: nothing to close
-        if known is not None and (reason is not None or abort):
-            known.awaiting.clear()  # the scheduler closes it (or its driver gave up): nothing to wait for
+        if known is not None and unawaited:
+            known.awaiting.clear()  # the scheduler closes it (its driver is gone): nothing to wait for
         s = self.state.close_session(sid, now)
         if reason is not None:
             s.closed_reason = reason
@@ -339,7 +340,7 @@ class Sessions:
             if owner in self.client_sessions and not self.client_sessions[owner]:
                 del self.client_sessions[owner]
             self.close(sid, now, f"its driver (client {owner}) disconnected and did not reconnect within "
-                                 f"{agents_config.get('scheduler.session-grace')}", abort=True)
+                                 f"{agents_config.get('scheduler.session-grace')}", abort=True, unawaited=True)
         idle = agents_config.seconds("scheduler.session-idle-timeout")
         for sid in self.state.idle(now, idle):
             s = self.state.sessions.get(sid)
@@ -349,7 +350,7 @@ class Sessions:
                 self.state.active(s, now)
             else:
                 self.close(sid, now, f"no activity for {agents_config.get('scheduler.session-idle-timeout')} "
-                                     "(agents.scheduler.session-idle-timeout)")
+                                     "(agents.scheduler.session-idle-timeout)", unawaited=True)
 
     def forget(self, dropped: list[str]) -> None:
         """The workflow state dropped these completed sessions (retention): so do the indexes

@@ -333,3 +333,24 @@ def test_only_the_driver_a_value_was_held_for_can_have_it_forgotten(client, tmp_
     assert plain.result() == 41 and held.value() == 6
     refused = client.run(lambda dask_worker: dask_worker.plugins["dask-agents"].direct.counts["refused:forget"])
     assert next(iter(refused.values())) >= 3
+
+
+def test_leaving_a_session_with_an_exception_drops_its_running_direct_calls(client, tmp_path):
+    """The driver gives up on its session while a direct call runs: the call's future is
+    cancelled at once, its worker's answer is dropped (the value forgotten), and the session
+    still completes once the worker's records of the call arrive."""
+    log, release = tmp_path / "log", tmp_path / "release"
+    with pytest.raises(RuntimeError, match="driver gave up"):
+        with da.session(client) as s:
+            fut = da.stub(dc.Writer).logged_wait(str(log), str(release))
+            assert _direct(fut) is not None
+            wait_for(log.exists)
+            raise RuntimeError("driver gave up")
+    assert fut.status == "cancelled"
+    with pytest.raises(FutureCancelledError):
+        fut.value()
+    release.write_text("go")
+    g = wait_for(lambda: (g := da.session_graph(client, s)).state == "completed" and g)
+    assert [n.call_id for n in g.nodes] == [fut.key]
+    key = fut.key
+    wait_for(lambda: not any(client.run(lambda dask_worker: key in dask_worker.data).values()))
