@@ -223,6 +223,7 @@ def test_no_endpoint_of_ours_accepts_unauthenticated_commands(secured, pki):
         assert _refused(a["addr"], hello, **a["args"]), f"{what}: the scheduler answered"
         assert _refused(a["waddr"], {"op": "agents_worker_info"}, **a["args"]), f"{what}: the worker answered"
         assert _refused(a["waddr"], end, **a["args"]), f"{what}: the worker answered"
+        assert _refused(a["waddr"], {"op": "agents_direct", "key": "x"}, **a["args"]), f"{what}: the worker answered"
     assert plugin.control.running, "an unauthenticated peer stopped the control loop"
     assert plugin.ready_workers.keys() == hello_before.keys(), "an unauthenticated peer registered a worker"
     # a Client without the credentials cannot even connect
@@ -273,7 +274,8 @@ def test_our_handlers_live_only_on_the_schedulers_and_workers_tls_comms(secured)
     ours_s = {op for op in s.handlers if op.startswith("agents_")}
     ours_w = {op for op in w.handlers if op.startswith("agents_")}
     assert {"agents_control", "agents_worker_hello", "agents_telemetry", "agents_ping"} <= ours_s
-    assert {"agents_kv", "agents_swap_model", "agents_end_session", "agents_worker_info"} <= ours_w
+    assert {"agents_kv", "agents_swap_model", "agents_end_session", "agents_worker_info", "agents_direct",
+            "agents_direct_forget"} <= ours_w
     assert {op for op in s.stream_handlers if op.startswith("agents")} == {"agents-report", "agents-session-end",
                                                                           "agents-session-open", "agents-reattach"}
     for server in (s, w):
