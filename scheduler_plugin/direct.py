@@ -24,6 +24,10 @@ MAX_SESSIONS = 1_000_000
 past it the oldest are forgotten (their calls then take the scheduler path)."""
 
 
+MAX_CLIENTS = 10_000
+"""Clients whose last routes the scheduler remembers (past it the oldest are told all again)."""
+
+
 class DirectRoutes:
     """Tells drivers that take routes where their sessions' calls belong."""
 
@@ -31,6 +35,9 @@ class DirectRoutes:
                  components: Callable[[], dict]):
         self._scheduler, self._secret, self._models, self._components = scheduler, secret, models, components
         self.owners: dict[str, str] = {}  # session -> its owner, which takes routes
+        # client -> what it was last told (token, engines, components): a session's open, once
+        # per request on the scheduler's loop, sends only what changed since
+        self._told: dict[str, tuple[str, dict, dict]] = {}
         self.sent = 0
 
     def opened(self, sid: str, client: str) -> None:
@@ -38,9 +45,20 @@ class DirectRoutes:
         self.owners[sid] = client
         while len(self.owners) > MAX_SESSIONS:
             self.owners.pop(next(iter(self.owners)))
-        self._send(client, {"token": direct_token(self._secret(), client), "session": sid,
-                            "models": {m: sorted(ws) for m, ws in self._models().items() if ws},
-                            "components": self._components()})
+        models = {m: sorted(ws) for m, ws in self._models().items() if ws}
+        components = self._components()
+        told = self._told.get(client)
+        msg: dict = {"session": sid}
+        if told is None:
+            msg["token"] = direct_token(self._secret(), client)
+        if told is None or told[1] != models:
+            msg["models"] = models
+        if told is None or told[2] != components:
+            msg["components"] = components
+        self._told[client] = (msg.get("token") or (told[0] if told else ""), models, components)
+        while len(self._told) > MAX_CLIENTS:
+            self._told.pop(next(iter(self._told)))
+        self._send(client, msg)
 
     def bound(self, sid: str, what: str, worker: str | None) -> None:
         """``sid``'s binding ``what`` (``llm:<model>``) is now ``worker`` (None: none)."""
@@ -60,3 +78,4 @@ class DirectRoutes:
             self.sent += 1
         except Exception:  # the client went away: its sessions' calls take the scheduler path
             self.owners = {k: c for k, c in self.owners.items() if c != client}
+            self._told.pop(client, None)

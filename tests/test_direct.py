@@ -300,6 +300,7 @@ def test_the_scheduler_tells_a_sessions_owner_its_token_engines_and_bindings():
     routes = sd.DirectRoutes(lambda: Scheduler(), lambda: "secret", lambda: {"coder": {"w2", "w1"}, "gone": set()},
                              lambda: {"Coder": "coder"})
     routes.opened("s1", "client-a")
+    routes.opened("s3", "client-a")  # nothing changed since: only the session
     routes.bound("s1", "llm:coder", "w1")
     routes.bound("s1", "Stateful", "w1")  # not an engine binding: not told
     routes.bound("s2", "llm:coder", "w2")  # not a session of a client that takes routes
@@ -307,6 +308,7 @@ def test_the_scheduler_tells_a_sessions_owner_its_token_engines_and_bindings():
     routes.bound("s1", "llm:coder", "w2")
     assert sent == [("client-a", {"op": "agents-direct", "token": direct_token("secret", "client-a"), "session": "s1",
                                   "models": {"coder": ["w1", "w2"]}, "components": {"Coder": "coder"}}),
+                    ("client-a", {"op": "agents-direct", "session": "s3"}),
                     ("client-a", {"op": "agents-direct", "bound": [["s1", "coder", "w1"]]})]
 
 
