@@ -127,6 +127,9 @@ class EngineRoom:
     park_off_until: float = 0.0  # parking paused here until then (returns kept missing)
     inflight: set[str] = field(default_factory=set)  # calls bound here that have not ended
     sessions: set[str] = field(default_factory=set)  # sessions admitted here
+    # sessions bound here by an agent call whose first LLM call has not come yet: calls on their
+    # way, so that a burst of new sessions does not all pick the engine with fewest calls now
+    early: set[str] = field(default_factory=set)
     # The estimates' correction, learned from what the engine shows (see KVFeedback): the
     # working sets may fill factor x kv-target of the blocks.
     factor: float = 1.0
@@ -202,7 +205,7 @@ class Admission:
         self.near_slack = int(agents_config.get("scheduler.admission.near-slack", 1))
         # what "least loaded" counts while stepping aside: "calls" in flight on an engine now, or
         # its live "sessions" (a session paused on a long tool holds KV and no batch slot)
-        self.balance_by = str(agents_config.get("scheduler.admission.balance-by", "sessions"))
+        self.balance_by = str(agents_config.get("scheduler.admission.balance-by", "calls"))
         self.park = bool(agents_config.get("scheduler.admission.park", True))
         self.park_margin = float(agents_config.get("scheduler.admission.park-margin", 2.0))
         self.host_bandwidth = agents_config.parse_bandwidth(agents_config.get("kv.tiers.host.bandwidth", "25 GB/s"))
@@ -361,7 +364,11 @@ class Admission:
         budget = int(ann.get("llm_prompt_len") or 0) + int(ann.get("llm_max_tokens") or 0)
         sk = (rec.session, model)
         self.models_of[rec.session].add(model)
-        self.early.discard(sk)  # (bound early: from now on it counts what its calls need)
+        if sk in self.early:  # (bound early: from now on it counts what its calls need)
+            self.early.discard(sk)
+            r = self.engines.get((self.admitted_on.get(sk), model))
+            if r is not None:
+                r.early.discard(rec.session)
         if budget > self.tokens.get(sk, 0):
             self.tokens[sk] = budget
         h = HeldCall(rec.key, rec.session, model, rec.component, time.time(), budget)
@@ -408,7 +415,8 @@ class Admission:
         # it must fit with the typical peak of the model's sessions (loose=False), and it counts
         # that peak until its own first LLM call says what it needs (``early``): a burst of
         # sessions opened by agent calls must not all bind at one block each, then outgrow the KV
-        worker = self._roomiest(h, candidates, rooms, loose=False)
+        # nothing is short (checked above): ranked as a first LLM call would be, by load
+        worker = self._roomiest(h, candidates, rooms, loose=False, by_load=True)
         if worker is None:
             return None
         self._bind_session(sid, model, worker, "bound_early", "bound at its first agent call")
@@ -422,6 +430,7 @@ class Admission:
         self.models_of[sid].add(model)
         self.admitted_on[sk] = worker
         self.room(worker, model).sessions.add(sid)
+        self.room(worker, model).early.add(sid)
         self._lease_changed(worker, model)
         self.placement.bind(sid, f"llm:{model}", worker)
         self.counts["admitted"] += 1
@@ -452,9 +461,11 @@ class Admission:
         """A leased LLM call started on ``worker``'s fast path: it holds a slot of the engine
         there until it ends (:meth:`on_transition`), so :meth:`short` counts it."""
         self.bound_to[key] = (worker, model)
-        self.room(worker, model).inflight.add(key)
+        r = self.room(worker, model)
+        r.inflight.add(key)
         rec = self.state.calls.get(key)
         if rec is not None and rec.session is not None:
+            r.early.discard(rec.session)  # its call is in flight now (its KV: at its report)
             self._opened(key, (rec.session, model))
             if (rec.session, model) not in self.admitted_on and self._live(rec.session):
                 # admitted by the worker itself, under the open lease, for a driver's direct
@@ -469,6 +480,9 @@ class Admission:
             return  # (a report trailing its session's end would leave an entry nobody drops)
         ctx = int(m["prompt_tokens"]) + int(m.get("output_tokens") or 0)
         sk = (rec.session, rec.model)
+        # bound early and served under the lease (no update_graph, so on_call never said what
+        # it needs): from its first report on it counts what it holds, not the typical peak
+        self.early.discard(sk)
         before = self.peak.get(sk)
         if before is not None and m.get("cached_tokens") is not None and self.admitted_on.get(sk) == rec.worker:
             r = self.engines.get((rec.worker, rec.model))
@@ -542,6 +556,7 @@ class Admission:
             r = self.engines.get((worker, model))
             if r is not None:
                 r.sessions.discard(sid)
+                r.early.discard(sid)
                 r.lent.discard(sid)
                 self._lease_changed(worker, model)
         peak = self.peak.pop((sid, model), 0)
@@ -656,10 +671,10 @@ class Admission:
 
     def _near_ok(self, h: HeldCall, candidates: list[str], rooms: dict) -> bool:
         """Whether a new session may go to the engine beside its creator (``h.near``) rather
-        than the roomiest: it has a slot, the session fits, and it has at most ``near-slack``
-        live sessions (``balance-by: calls``: calls in flight) more than the least loaded
-        engine (locality, not a pile-up: its LLM calls then run there under the lease, with no
-        hop)."""
+        than the least loaded: it has a slot, the session fits, and its load (``balance-by``:
+        calls in flight and on their way, or live sessions) is at most ``near-slack`` more than
+        the least loaded engine's (locality, not a pile-up: its LLM calls then run there under
+        the lease, with no hop)."""
         r = self.room(h.near, h.model)
         if not r.has_slot() or not self._fits(r, h.session, rooms, True):
             return False
@@ -667,8 +682,9 @@ class Admission:
         return self._load(r) <= fewest + self.near_slack
 
     def _load(self, r: EngineRoom) -> int:
-        """An engine's load as ``balance-by`` counts it."""
-        return len(r.inflight) if self.balance_by == "calls" else len(r.sessions)
+        """An engine's load as ``balance-by`` counts it (calls: those in flight and the first
+        calls of sessions bound there early, on their way)."""
+        return len(r.inflight) + len(r.early) if self.balance_by == "calls" else len(r.sessions)
 
     def _spare(self, model: str, candidates: list[str]) -> list[str]:
         """Ready workers without an engine of lazily loaded ``model`` where a new session may
@@ -686,12 +702,17 @@ class Admission:
                 and (w, model) not in self.starting and not getattr(self.engines.get((w, model)), "sessions", None)
                 and self.roster.alive(w)]
 
-    def _roomiest(self, h: HeldCall, workers: list[str], rooms: dict, loose: bool = False) -> str | None:
+    def _roomiest(self, h: HeldCall, workers: list[str], rooms: dict, loose: bool = False,
+                  by_load: bool | None = None) -> str | None:
         """Of ``workers``, the engine with a free slot where the session fits with the most KV
         room left (the fraction of its limit); ties: the fewest live sessions, then calls in
-        flight, then sessions ever sent there (round robin among idle engines). An engine that
+        flight, then sessions ever sent there (round robin among idle engines). With
+        ``balance-by: calls`` and nothing short (``by_load``, by default ``loose``), the engine
+        with the fewest calls in flight first. An engine that
         has not reported its capacity yet counts as large as the model's largest one that has
         (engines of one model are alike), not as infinite: it must not take every session."""
+        if by_load is None:
+            by_load = loose
         known = [r.capacity for (_w, m), r in self.engines.items() if m == h.model and r.capacity]
         default = max(known) if known else None
         best, best_key = None, None
@@ -702,8 +723,8 @@ class Admission:
             cap = r.capacity or default
             free = 1.0 - self._resident(r, rooms) / (self.kv_target * r.factor * cap) if cap else 1.0
             key = (round(free, 6), -len(r.sessions), -len(r.inflight), -self.placement.assigned.get(w, 0))
-            if loose and self.balance_by == "calls":  # nothing short: the engine with the fewest calls now
-                key = (-len(r.inflight), round(free, 6), -len(r.sessions), -self.placement.assigned.get(w, 0))
+            if by_load and self.balance_by == "calls":  # nothing short: the engine with the fewest calls now
+                key = (-self._load(r), round(free, 6), -len(r.sessions), -self.placement.assigned.get(w, 0))
             if best_key is None or key > best_key:
                 best, best_key = w, key
         return best
@@ -719,6 +740,7 @@ class Admission:
         if old != worker:
             if old is not None and (old, h.model) in self.engines:
                 self.engines[(old, h.model)].sessions.discard(h.session)
+                self.engines[(old, h.model)].early.discard(h.session)
                 self.engines[(old, h.model)].lent.discard(h.session)
                 self._lease_changed(old, h.model)
             self.admitted_on[sk] = worker

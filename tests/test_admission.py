@@ -344,14 +344,16 @@ def test_the_working_set_limit_follows_what_the_engine_shows():
 @pytest.mark.parametrize("slack, near_ok", [(1, [True, True, False]), (0, [True, False, False])])
 def test_a_new_session_goes_beside_its_caller_only_within_the_near_slack(slack: int, near_ok: list) -> None:
     """Locality (the engine beside the calling component, where its LLM calls then run leased)
-    is worth at most ``near-slack`` live sessions more than the least loaded engine."""
+    is worth at most ``near-slack`` live sessions more than the least loaded engine
+    (``balance-by: sessions``; calls: the next test)."""
     from dask_agents.scheduler_plugin.admission import Admission, HeldCall
     from dask_agents.scheduler_plugin.placement import Placement
     from dask_agents.scheduler_plugin.recovery import Recovery
     from dask_agents.scheduler_plugin.roster import Roster
     from dask_agents.scheduler_plugin.state import WorkflowState
 
-    with dask.config.set({"agents.scheduler.admission.near-slack": slack}):
+    with dask.config.set({"agents.scheduler.admission.near-slack": slack,
+                          "agents.scheduler.admission.balance-by": "sessions"}):
         roster, state = Roster(), WorkflowState()
         adm = Admission(roster, state, Placement(roster, state, Recovery(roster, state), lambda component: None))
     assert adm.near_slack == slack
@@ -369,7 +371,7 @@ def test_a_new_session_goes_beside_its_caller_only_within_the_near_slack(slack: 
 
 
 def test_balance_by_calls_counts_calls_in_flight_not_sessions() -> None:
-    """``balance-by: calls`` (what Ray's and LangGraph's routers in the yardstick count): the
+    """``balance-by: calls`` (the default; what Ray's and LangGraph's routers in the yardstick count): the
     engine beside the caller is near enough while its calls in flight, not its live sessions,
     are within the slack; the roomiest engine, while nothing is short, is the one with the
     fewest calls in flight."""
@@ -394,6 +396,24 @@ def test_balance_by_calls_counts_calls_in_flight_not_sessions() -> None:
     adm.room("near", "m").inflight.update({"a", "b", "c", "d"})
     assert not adm._near_ok(h, ["near", "far"], {})  # 4 against 2: past the slack of 1
     assert adm._roomiest(h, ["near", "far"], {}, loose=True) == "far"
+    # a session bound by its first agent call (nothing short) goes where a first LLM call would:
+    # the engine with fewer calls in flight, though the other has more KV room (the finance
+    # workflow's paused sessions hold KV and no compute: ranked by KV, new sessions piled onto
+    # the busier engine)
+    for w in ("near", "far"):
+        roster.hosts["m"].add(w)
+    adm.placement.candidates = lambda model, component: ["near", "far"]
+    adm._spare = lambda model, candidates: []
+    for sid in ("s0", "s1", "s2", "s3", "s4", "busy", "early"):
+        state.session(sid, None, 0.0)
+    adm.tokens[("busy", "m")] = 3000  # far's one session holds more KV than near's five
+    assert adm._roomiest(h, ["near", "far"], {}) == "near"  # by KV room alone
+    assert adm.bind_early("early", "m") == "far"  # 2 calls in flight there against 4
+    # a session bound early counts as a call on its way until its first LLM call: the next new
+    # session does not pile onto the same engine before that call shows
+    state.session("early2", None, 0.0)
+    adm.room("far", "m").inflight.add("c3")  # 3 in flight + 1 on its way there, 4 here: a tie, then KV room
+    assert adm.bind_early("early2", "m") == "near"
 
 
 def test_sessions_bound_by_their_first_agent_call_count_the_typical_peak() -> None:
@@ -425,6 +445,20 @@ def test_sessions_bound_by_their_first_agent_call_count_the_typical_peak() -> No
     assert adm.working_set("s0", "m") == 30 and adm.counts["bound_early"] == 5
     adm.early.discard(("s0", "m"))  # (what its first LLM call does): it counts what it needs
     assert adm.working_set("s0", "m") == 1
+    # one served under its worker's lease (no update_graph: on_call never runs): its first call
+    # is in flight at once (load), and from its report on it counts what it holds, not the
+    # typical peak for the rest of its life
+    assert "s1" in adm.room("w2", "m").early and adm.working_set("s1", "m") == 30
+    state.add_call("llm-s1", {"session": "s1", "component": "llm.m", "kind": "llm"}, (), 0.0)
+    adm.on_local_llm("llm-s1", "w2", "m")
+    assert "s1" not in adm.room("w2", "m").early and "llm-s1" in adm.room("w2", "m").inflight
+
+    class Report:
+        model, session, worker, metrics = "m", "s1", "w2", {"prompt_tokens": 150, "cached_tokens": 0,
+                                                            "output_tokens": 10}
+
+    adm.on_llm_report(Report)
+    assert adm.working_set("s1", "m") == 10  # 160 tokens
     adm._spare = lambda model, candidates: ["w3"]  # a third engine may start: not bound here
     state.session("s10", None, 0.0)
     adm.room("w1", "m").sessions.clear()

@@ -59,6 +59,45 @@ def run_alone(prompt: list[int], max_tokens: int, **kw) -> list[int]:
     return s.output
 
 
+# -- order within a step (vLLM's running list) ------------------------------------------------
+
+def test_a_higher_priority_prompt_does_not_cut_in_front_of_running_decodes():
+    """vLLM's running list is in admission order: a step gives its token budget to the decodes
+    already running before a newly admitted prompt's chunks, whatever that prompt's priority
+    (priority decides whom to admit and to preempt). The emulator had sorted running
+    sequences by priority, so a high-priority long prompt took whole steps' budgets and the
+    decodes behind it made no progress (the finance workflow: calls of advanced sessions
+    stalled every other session's decode)."""
+    sched = EmulatedScheduler(params(max_num_batched_tokens=8), capacity_blocks=64)
+    low = Sequence("low", list(range(10, 14)), 20, priority=(0, 0, 0, 0, 1))
+    sched.add(low)
+    sched.step()  # its prompt, and its first token
+    sched.add(Sequence("high", list(range(30, 62)), 4, priority=(0, 0, -5, 0, 2)))
+    for expect in range(2, 6):  # the 32-token prompt takes 4 steps of 7 tokens and more: low decodes in each
+        sched.step()
+        assert len(low.output) == expect
+    assert [s.request_id for s in sched.running] == ["low", "high"]
+
+
+def test_preemption_takes_the_lowest_priority_even_if_it_ran_earlier_in_the_step():
+    """vLLM's priority policy preempts the lowest-priority running request, wherever it is in
+    the running list; a victim already scheduled in this step gives its tokens back."""
+    sched = EmulatedScheduler(params(), capacity_blocks=4)
+    low = Sequence("low", list(range(10, 17)), 8, priority=(0, 0, 0, 0, 1))  # 7 tokens: 2 blocks
+    sched.add(low)
+    sched.step()
+    high = Sequence("high", list(range(30, 37)), 8, priority=(0, 0, -5, 0, 2))
+    sched.add(high)
+    sched.step()  # both run: 4 blocks taken
+    assert [s.request_id for s in sched.running] == ["low", "high"] and sched.stats()["free_blocks"] == 0
+    while not (low.preemptions or high.preemptions):
+        sched.step()  # the first to need a third block
+    assert low.preemptions == 1 and high.preemptions == 0 and low.status == "waiting"
+    finish(sched)
+    assert len(low.output) == len(high.output) == 8
+    assert low.output == run_alone(low.prompt, 8) and high.output == run_alone(high.prompt, 8)
+
+
 # -- preemption and recompute -----------------------------------------------------------------
 
 def test_decode_outgrowing_the_cache_preempts_the_later_sequence_which_recomputes():

@@ -78,7 +78,6 @@ derived from first principles, not measured:
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import math
@@ -296,7 +295,10 @@ class EmulatedScheduler:
         # before new work, as the control plane's priorities say; FIFO among equals.
         self.waiting: list[tuple[tuple, int, Sequence]] = []
         self._arrivals = itertools.count()
-        self.running: list[Sequence] = []  # in (priority, arrival) order: the last one is preempted first
+        # in the order they were admitted, as vLLM's running list: a step gives its token budget
+        # to them in this order (a request admitted with a higher priority does not cut in
+        # front of the decodes already running); priority picks whom to admit and to preempt
+        self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}  # added and not finished
         # session -> its block hashes (first use first) -> tokens up to that block's end
         self.sessions: dict[str, OrderedDict[int, int]] = {}
@@ -745,11 +747,16 @@ class EmulatedScheduler:
             n = min(seq.length - seq.num_computed, budget)
             if seq.num_computed + n > len(seq.blocks) * bs:  # (most steps: inside its last block)
                 while not self._grow(seq, seq.num_computed + n):
-                    victim = self.running[-1]  # lowest priority, latest arrival
+                    victim = max(self.running, key=_rank)  # lowest priority, latest arrival (vLLM)
                     self._preempt(victim)
                     preempted = True
                     if victim is seq:
                         break
+                    for i, (s, k) in enumerate(scheduled):  # scheduled earlier in this step: undone
+                        if s is victim:
+                            del scheduled[i]
+                            budget += k
+                            break
             if seq.status == "running":
                 scheduled.append((seq, n))
                 budget -= n
@@ -761,7 +768,7 @@ class EmulatedScheduler:
                     break
                 heapq.heappop(self.waiting)
                 seq.status = "running"
-                bisect.insort(self.running, seq, key=_rank)
+                self.running.append(seq)
                 admitted.append(seq)
                 n = min(seq.length - seq.num_computed, budget)
                 scheduled.append((seq, n))
