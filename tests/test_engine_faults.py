@@ -253,14 +253,15 @@ def test_a_request_that_crashes_its_first_step_fails_alone_and_the_others_are_re
     tiny = da.llm("tiny")
     long_prompt = PROMPT + " Explain every step."
     with da.session(client) as s:
-        ref = tiny.generate(long_prompt, max_tokens=400).value(300)
+        # long enough that it is still decoding when the poison's step fails, whichever CPU kernel runs
+        ref = tiny.generate(long_prompt, max_tokens=800).value(300)
         restarts, steps = _state(client)
-        innocent = tiny.generate(long_prompt, max_tokens=400)
+        innocent = tiny.generate(long_prompt, max_tokens=800)
         wait_for(lambda: _state(client)[1] >= steps + 3, timeout=120)  # it is decoding: scheduled before
         poison = tiny.generate([5, 6, 10**6, 7], max_tokens=2)
         with pytest.raises(EngineStepError) as info:
             poison.value(120)
-        assert not innocent.done()  # it was in flight when the step failed (400 tokens to go again)
+        assert not innocent.done()  # it was in flight when the step failed (800 tokens to go again)
         assert innocent.value(300).token_ids == ref.token_ids
     msg = str(info.value)
     assert f"llm.tiny.generate (session {s.id})" in msg and poison.key in msg, msg
