@@ -22,6 +22,7 @@ from dask_agents.context import session_id as current_session
 from dask_agents.components import ComponentSpec, agent, spec_of, tool
 from dask_agents.errors import (
     AgentsError,
+    CallEscapeError,
     CallFailedError,
     CallLostError,
     CallDepthError,
@@ -58,7 +59,7 @@ from dask_agents.stubs import FunctionStub, Stub, stub
 __version__ = "0.1.0"
 
 __all__ = [
-    "AgentFuture", "AgentsError", "ClusterLink", "attach_cluster", "BatchingHint", "CallFailedError", "ClientClosedError", "CallMeta", "CallTimeoutError",
+    "AgentFuture", "AgentsError", "ClusterLink", "attach_cluster", "BatchingHint", "CallEscapeError", "CallFailedError", "ClientClosedError", "CallMeta", "CallTimeoutError",
     "ChatMessage", "Completion", "ToolCall",
     "ComponentHints", "ConfigError", "ComponentSpec", "Control", "control", "EngineLoadError", "EngineStepError", "EngineStoppedError", "FunctionStub", "HintError", "InstanceLostError", "InvalidRequestError", "NoSessionError", "NotAllowedError", "CallLostError", "CallDepthError", "LimitError", "SessionClosedError", "LLM", "LLMResult",
     "NoClientError", "NotAComponentError", "NotInstalledError", "PromptTooLongError", "ResultNotSerializableError", "Session",

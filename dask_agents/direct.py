@@ -270,8 +270,22 @@ def escape(call: DirectCall) -> None:
     pickled): its key must exist there first. Waits for the answer (the call is running: what
     depends on it could not start before anyway): a finished call's key was named to the
     scheduler, an erred one's is a task raising its error (:func:`_erred_task`), ahead of
-    anything sent after."""
-    call.done.wait()
+    anything sent after. The client's lock is let go meanwhile (a graph may be serialized under
+    it, and the answer's handling takes it); on the client's own loop, where the answer is
+    handled, waiting could never end: a clear error instead."""
+    if call.done.is_set():
+        return
+    from dask_agents.errors import CallEscapeError, where
+    from dask_agents.worker_plugin import dask_compat
+
+    if dask_compat.on_event_loop(call.client):
+        a = call.ann
+        raise CallEscapeError(
+            f"the future of {where(a.get('component', '?'), a.get('method'), call.session)} (key {call.key}) was "
+            "sent from its client's event loop while the call runs on a worker, where waiting for it would never "
+            "end: wait for it first, or pass the future itself as an argument (not inside an object)")
+    with dask_compat.lock_released(getattr(call.client, "_refcount_lock", None)):
+        call.done.wait()
 
 
 def _erred_task(call: DirectCall) -> None:

@@ -67,6 +67,13 @@ class CallTimeoutError(AgentsError, TimeoutError):
     worker, and was failed. The message names the call, its session and the timeout."""
 
 
+class CallEscapeError(AgentsError, RuntimeError):
+    """The future of a call still running (on a worker's fast path, or sent straight to a
+    worker by its driver) was sent (pickled inside an object, or in a result) from where waiting
+    for the call to end could never end: the thread that runs it, or an event loop the call's
+    end must pass through. The message names the call and says how to pass it instead."""
+
+
 class CallFailedError(AgentsError, RuntimeError):
     """A component raised. The message names the call; ``original`` holds the exception when it pickles."""
 

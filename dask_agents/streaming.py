@@ -39,7 +39,9 @@ class _Streams:
 
     def __init__(self) -> None:
         self.queues: dict[str, queue.SimpleQueue] = {}
-        self.lock = threading.Lock()
+        # reentrant: ``drop`` runs from a future's finalizer, which the garbage collector may
+        # call at any allocation, also one made while this thread holds the lock (queue_for)
+        self.lock = threading.RLock()
 
     def queue_for(self, key: str) -> queue.SimpleQueue:
         with self.lock:

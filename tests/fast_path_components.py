@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from distributed import get_client, get_worker
 
@@ -43,6 +45,21 @@ def mark(path: str) -> str:
 def slow(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
+
+
+@dataclass
+class Box:
+    """A future inside an object Dask does not look into: pickled with it, not a dependency."""
+
+    fut: Any
+
+
+@da.tool
+def unbox(box: Box) -> int:
+    """Reads the future it was handed inside an object: a plain Dask future by then, unbound
+    (Dask binds only the futures it sees as dependencies), so bound here as a Dask user would."""
+    box.fut.bind_client(get_client())
+    return box.fut.result() + 100
 
 
 @da.agent(stateful=True)
@@ -129,6 +146,13 @@ class Caller:
         values = [f.value() for f in futs]
         return {"values": [v[0] for v in values],
                 "same_thread": [v[1] == threading.get_ident() for v in values]}
+
+    def hidden(self, x: int) -> int:
+        """A call's future hidden in an argument of a sibling made before either was waited for:
+        waiting for the first sends the sibling, whose pickling carries the first's future."""
+        a = da.stub(add)(x, 1)
+        b = da.stub(unbox)(Box(a))
+        return a.value() + b.value()
 
     def plain_submit(self, x: int, deferred: bool) -> int:
         f = da.stub(add)(x, 1)

@@ -409,6 +409,29 @@ def test_streaming_errors_are_the_calls_own(client):
         da.llm("coder").generate("hi", stream="yes")
 
 
+def test_a_streamed_futures_finalizer_run_while_the_streams_lock_is_held_does_not_wedge(monkeypatch):
+    """The garbage collector runs finalizers at any allocation, in whatever thread makes it: a
+    dropped streaming future's (``drop``) may run inside ``queue_for``, which allocates while it
+    holds the streams' lock (a plain lock wedged that thread for good, a client's loop included)."""
+    import threading
+
+    from dask_agents import streaming
+
+    streams = streaming._Streams()
+    streams.queue_for("dropped")
+    real = streaming.queue.SimpleQueue
+
+    def allocating() -> object:  # the allocation at which a collection pass ran the finalizer
+        streams.drop("dropped")
+        return real()
+
+    monkeypatch.setattr(streaming.queue, "SimpleQueue", allocating)
+    t = threading.Thread(target=streams.queue_for, args=("new",), daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and set(streams.queues) == {"new"}
+
+
 # -- the OpenAI-compatible endpoint, with the openai package as the client ---------------------------
 
 @pytest.fixture(scope="module")

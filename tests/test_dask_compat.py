@@ -372,6 +372,42 @@ async def test_stranded_task_is_rescheduled_or_failed(c: Client, s: Scheduler, a
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_on_event_loop_tells_the_workers_loop_from_its_threads(c: Client, s: Scheduler, a: Worker):
+    import asyncio
+
+    assert wc.on_event_loop(a)  # (gen_cluster runs the test on the workers' loop)
+    assert not await asyncio.to_thread(wc.on_event_loop, a)
+    assert not wc.on_event_loop(object())  # not a worker: never its loop
+
+
+def test_lock_released_lets_another_thread_take_a_held_client_lock():
+    """What ``LocalCalls`` does while a graph being serialized under ``Client._refcount_lock``
+    waits for a running call: the lock (held twice here, as nested submissions do) is free for
+    the running call's thread meanwhile, and held as deeply after."""
+    client = Client.__new__(Client)  # (the lock alone: no connection)
+    client._refcount_lock = lock = type(threading.RLock())()
+    took = threading.Event()
+
+    def other() -> None:
+        with lock:  # a future made in the running call (Future.__init__ -> Client._inc_ref)
+            took.set()
+
+    with lock, lock:
+        t = threading.Thread(target=other)
+        with wc.lock_released(client._refcount_lock):
+            t.start()
+            assert took.wait(60)
+        assert lock._is_owned()
+        lock.release()
+        assert lock._is_owned()  # still held once: the depth came back
+        lock.acquire()
+    t.join(60)
+    assert not lock._is_owned()
+    with wc.lock_released(None), wc.lock_released(lock):  # nothing held: the block just runs
+        pass
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
 async def test_worker_registered(c: Client, s: Scheduler, a: Worker):
     assert wc.registered(a)
     w = Worker(s.address, nthreads=1)

@@ -104,6 +104,36 @@ def test_a_direct_future_as_an_argument_of_other_calls_and_plain_dask_work(clien
         assert client.gather(doubled) == 42
 
 
+def test_a_pending_direct_future_pickled_on_its_clients_loop_raises_a_clear_error():
+    """Its answer is handled on the client's loop: waiting there for it could never end."""
+    import asyncio
+    import pickle
+    from types import SimpleNamespace
+
+    from distributed import Future
+
+    from dask_agents import direct
+    from dask_agents.futures import AgentFuture
+
+    loop = asyncio.new_event_loop()
+    call = direct.DirectCall(key="Writer-1", worker="tcp://w", session="s1", resubmit=None,
+                             client=SimpleNamespace(loop=SimpleNamespace(asyncio_loop=loop)),
+                             ann={"component": "Writer", "method": "double"})
+    fut = AgentFuture.adopt(Future("Writer-1"), None)  # (no client: nothing to release)
+    fut.__dict__["_agents_direct"] = call
+
+    async def on_loop() -> None:
+        pickle.dumps(fut)
+
+    try:
+        with pytest.raises(da.CallEscapeError, match=r"Writer\.double \(session s1\).*Writer-1.*event loop"):
+            loop.run_until_complete(on_loop())
+    finally:
+        loop.close()
+    call.done.set()  # answered: its key exists, pickling goes ahead anywhere
+    assert pickle.loads(pickle.dumps(fut)).key == "Writer-1"
+
+
 def test_errors_are_the_same_on_both_paths(client):
     with da.session(client) as s:
         direct, routed = da.stub(dc.Writer).fail(3), da.stub(dc.Plain).fail(3)

@@ -137,6 +137,44 @@ def test_a_chain_of_local_calls_runs_here_only_while_its_root_task_runs():
     assert not local.runs_here("x", lambda k: True)  # not running here at all
 
 
+def test_a_running_calls_future_sent_where_waiting_cannot_end_raises_a_clear_error():
+    """Pickling the future of a call that is running (it must end before its key exists) from
+    the thread running it, or from the worker's event loop, could never end: a
+    ``da.CallEscapeError`` naming the call, never a wedged thread or loop."""
+    import asyncio
+    import pickle
+    import threading
+    from types import SimpleNamespace
+
+    from distributed import Future
+
+    from dask_agents.futures import AgentFuture
+    from dask_agents.worker_plugin.local import RUNNING, LocalCall, LocalCalls
+
+    loop = asyncio.new_event_loop()
+    local = LocalCalls(worker=SimpleNamespace(loop=SimpleNamespace(asyncio_loop=loop)), max_wait=0.005)
+    call = LocalCall(key="where-1", creator="Caller-1", ann={"component": "where", "session": "s1"},
+                     run=lambda: None, submit=lambda: None, submit_error=lambda: None, client=None,
+                     controller=local, state=RUNNING, thread=threading.get_ident())
+    fut = AgentFuture.adopt(Future("where-1"), None)  # (no client: nothing to release)
+    fut.__dict__["_agents_local"] = call
+    with pytest.raises(da.CallEscapeError, match="where .*session s1.*where-1.*the thread running it"):
+        pickle.dumps(fut)
+
+    call.thread = None  # run by another thread; pickled on the loop
+
+    async def on_loop() -> None:
+        pickle.dumps(fut)
+
+    try:
+        with pytest.raises(da.CallEscapeError, match="the worker's event loop"):
+            loop.run_until_complete(on_loop())
+    finally:
+        loop.close()
+    call.done.set()  # ended meanwhile: pickling it from any other thread goes ahead
+    assert pickle.loads(pickle.dumps(fut)).key == "where-1"
+
+
 def test_a_scheduler_path_call_made_by_a_fast_path_call_is_its_child(client):
     """A fast-path tool makes a stateful call (scheduler path): that call's update-graph can
     reach the scheduler before the tool's record; the graph still has the tool as its creator,
@@ -178,6 +216,16 @@ def test_a_local_future_passed_to_plain_dask_work(client, deferred):
     already run here): the plain task gets its value."""
     with da.session(client):
         assert da.stub(fp.Caller).plain_submit(20, deferred).value() == 42
+
+
+def test_a_future_hidden_in_a_siblings_argument_does_not_wedge_its_caller(client):
+    """``b = unbox(Box(a))`` then ``a.value()``: waiting for ``a`` sends its sibling ``b`` first,
+    and pickling ``b`` carries ``a``'s future, so ``a`` must exist on the scheduler by then. It
+    used to be taken to run here before the siblings went, so that pickling waited for ``a`` to
+    finish in the very thread that was to run it, holding the client's lock (the worker's
+    event loop then stalled on that lock too)."""
+    with da.session(client):
+        assert da.stub(fp.Caller).hidden(1).value(timeout=60) == 2 + 102
 
 
 def test_fan_out_runs_the_waited_call_here_and_the_rest_meanwhile(client):

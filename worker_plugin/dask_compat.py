@@ -72,6 +72,36 @@ def unprofiled() -> Iterator[None]:
                 worker.active_threads[ident] = key
 
 
+def on_event_loop(owner: Any) -> bool:
+    """True in the thread running the event loop of ``owner`` (a worker or a client: its
+    handlers, callbacks, comms). Dask's loop is tornado's wrapper of an asyncio loop
+    (``IOLoop.asyncio_loop``)."""
+    import asyncio
+
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:  # no loop runs in this thread
+        return False
+    return running is getattr(getattr(owner, "loop", None), "asyncio_loop", None)
+
+
+@contextmanager
+def lock_released(lock: Any) -> Iterator[None]:
+    """Let go of ``lock`` (a ``threading.RLock``, e.g. a Dask ``Client._refcount_lock``) for
+    the block if this thread holds it, however deeply, and take it back after, as
+    ``threading.Condition.wait`` does with its lock (``_release_save``/``_acquire_restore``);
+    anything else (None, a lock this thread does not hold): the block runs as it is."""
+    owned = getattr(lock, "_is_owned", None)
+    if owned is None or not owned():
+        yield
+        return
+    state = lock._release_save()
+    try:
+        yield
+    finally:
+        lock._acquire_restore(state)
+
+
 def in_any_task_thread() -> bool:
     """True in a thread that runs a task of a worker, seceded or not."""
     return getattr(task_state, "key", None) is not None

@@ -84,6 +84,8 @@ class LocalCall:
     finished: float | None = None
     error_sent: bool = False  # an erred call escaped: its error task was submitted
     metrics: dict | None = None  # an LLM call's token counts (the engine's), sent with its record
+    thread: int | None = None  # the thread that runs it (set when it starts)
+    claimed: bool = False  # its caller waits for it: it runs here unless its future escapes first
     done: threading.Event = field(default_factory=threading.Event)
 
     def __repr__(self) -> str:
@@ -179,11 +181,12 @@ class LocalCalls:
         return True
 
     def _take_all(self, creator: str) -> list[LocalCall]:
-        """Take every deferred call of ``creator`` (under the lock) for the scheduler path."""
+        """Take every deferred call of ``creator`` (under the lock) for the scheduler path, but
+        the one its caller is about to run here (``claimed``)."""
         out = []
         for k in list(self._by_creator.get(creator, ())):
             c = self._deferred.get(k)
-            if c is not None and self._take(c, SUBMITTED):
+            if c is not None and not c.claimed and self._take(c, SUBMITTED):
                 out.append(c)
         return out
 
@@ -192,13 +195,18 @@ class LocalCalls:
         """``call``'s value for a caller waiting on it: run here if it is still deferred;
         :data:`SCHEDULER` if it took the scheduler path (the caller reads it from there)."""
         run = False
-        with self._lock:
-            if timeout is None and self._take(call, RUNNING):
-                siblings, run = self._take_all(call.creator), True
-            else:
-                siblings = []
-        for s in siblings:  # they run meanwhile, on the scheduler path, while this one runs here
-            self._submit(s, "sibling")
+        if timeout is None and call.state == DEFERRED:
+            # Its siblings go first, while it is still deferred: they run meanwhile, on the
+            # scheduler path, while this one runs here; and one whose arguments carry this
+            # call's future (inside an object, pickled with it) sends this one too. Taken to
+            # run first, this call could only be waited for, in the thread that was to run it.
+            with self._lock:
+                call.claimed = True  # not for max-wait or the siblings' submission (only its own escape)
+                siblings = self._take_all(call.creator)
+            for s in siblings:
+                self._submit(s, "sibling")
+            with self._lock:
+                run = self._take(call, RUNNING)
         if run:
             self._run(call)
         elif call.state == DEFERRED:  # a timeout: only the scheduler path can honour one
@@ -246,7 +254,7 @@ class LocalCalls:
             self.direct.discard(call.key)
 
     def _run(self, call: LocalCall, resolve: bool = True) -> None:
-        call.started = time.time()
+        call.started, call.thread = time.time(), threading.get_ident()
         self._record(call)
         self._running[call.key] = call
         try:
@@ -304,13 +312,32 @@ class LocalCalls:
             self._submit(call, "escaped")
             return
         if call.state == RUNNING:
-            call.done.wait()
+            self._wait_to_escape(call)
         with self._lock:
             raise_error = call.state == ERRED and not call.error_sent
             call.error_sent = call.error_sent or raise_error
         if raise_error:
             self.counts["submitted:error"] += 1
             call.submit_error()
+
+    def _wait_to_escape(self, call: LocalCall) -> None:
+        """Wait for a running ``call`` whose future is being sent: its key exists once it ended.
+        Never where the wait could not end: in the thread running it, or on the event loop (the
+        call may need the loop; so does every other worker duty); a clear error there. Elsewhere
+        the client's own lock is let go meanwhile: the sender may be serializing a graph under
+        it, and the running call takes it to make any future."""
+        from dask_agents.errors import CallEscapeError, where
+        from dask_agents.worker_plugin import dask_compat
+
+        if call.thread == threading.get_ident() or dask_compat.on_event_loop(self.worker):
+            a = call.ann
+            place = "the thread running it" if call.thread == threading.get_ident() else "the worker's event loop"
+            raise CallEscapeError(
+                f"the future of {where(a.get('component', '?'), a.get('method'), a.get('session'))} (key {call.key}) "
+                f"was sent while the call runs, from {place}, where waiting for it would never end: wait for "
+                f"it first, or pass the future itself as an argument (not inside an object) so Dask sees it")
+        with dask_compat.unprofiled(), dask_compat.lock_released(getattr(call.client, "_refcount_lock", None)):
+            call.done.wait()
 
     def escape_keys(self, keys: list) -> None:
         """Something outside this worker will want ``keys`` (``fire_and_forget``): the
@@ -347,7 +374,7 @@ class LocalCalls:
     def _expire(self, key: str) -> None:
         """On the loop, ``max_wait`` after creation: nobody waited for it here."""
         call = self._deferred.get(key)
-        if call is None:
+        if call is None or call.claimed:  # (claimed: its caller is about to run it)
             return
         if call.client.refcount.get(key, 0) <= 0 and self.cancel(call):
             return  # its future was dropped unwaited: Dask would have released the task
