@@ -61,6 +61,25 @@ def test_reported_numbers_never_come_from_a_sweep_run(monkeypatch):
     assert deadlines == {("sweep", FULL["sweep_deadline_s"]), ("measure", 10)}
 
 
+def test_overhead_parts_add_up_to_the_critical_paths_overhead():
+    """``Recorder.parts`` splits the request's overhead by where it is paid (before or after
+    each agent, LLM and tool body), over the branch that ended last only."""
+    from benchmarks.e2e.program import AgentClock, AgentResult, Recorder
+
+    clock = AgentClock()
+    clock.started = 10.0
+    clock.add(10.0, 10.5, 11.0, 11.25)  # an LLM call: 0.5 s before its body, 0.25 s after
+    clock.add(11.25, 11.5, 12.0, 12.0, kind="tool")
+    slow = clock.result("slow")
+    slow.ended = 12.5
+    fast = AgentResult("fast", 9.5, 10.0, 3.0, parts={"llm_in": 3.0})  # ended first: not critical
+    rec = Recorder()
+    rec.add_gather([9.0, 9.0], [slow, fast], returned=13.0)
+    assert rec.parts == pytest.approx({"agent_in": 1.0, "agent_out": 0.5, "llm_in": 0.5, "llm_out": 0.25,
+                                       "tool_in": 0.25, "tool_out": 0.0})
+    assert sum(rec.parts.values()) == pytest.approx(rec.overhead_s) == pytest.approx(2.5)
+
+
 def test_jobs_cover_every_unit_once_and_merge_rejects_overlaps(tmp_path):
     units = runner.units(["stationary", "bursty"], [0.5, 0.8, 1.0, 1.2], [0, 1, 2])
     jobs = [runner.job_slice(units, (k, 5)) for k in range(1, 6)]

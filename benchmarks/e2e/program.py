@@ -22,7 +22,9 @@ overhead of a call is ``(started - issued) + (returned - ended)``; an agent's ow
 that of the calls it made in sequence; a gather adds the overhead along the branch that
 finished last. So ``rt.rec.overhead_s`` is the framework overhead on the request's critical
 path, whatever the framework. (An engine's own queueing is not overhead: it is inside
-``started .. ended``.) Clocks are ``time.time()`` of processes on one machine.
+``started .. ended``.) Clocks are ``time.time()`` of processes on one machine. The same sum is
+kept in parts (``rt.rec.parts``: ``<kind>_in`` before bodies, ``<kind>_out`` after them, for
+kinds ``agent``, ``llm`` and ``tool``) so a gap between frameworks shows where it is paid.
 
 Time scale: emulated seconds x ``time_scale`` = wall seconds, one scale for engines and tools,
 applied by the variant (engines through ``EmulationParams.time_scale``, tools by
@@ -105,6 +107,7 @@ class AgentResult(Generic[T]):
     ended: float
     inner_overhead_s: float
     llm: list[LLMOut] = field(default_factory=list)
+    parts: dict = field(default_factory=dict)  # inner_overhead_s by part (``Recorder.parts``)
 
 
 class Handle(Protocol[T]):
@@ -141,6 +144,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.overhead_s = 0.0
+        self.parts: dict[str, float] = {}  # overhead_s by part: agent/llm/tool, _in (before the body) or _out
         self.llm: list[LLMOut] = []
         self.calls = 0
 
@@ -151,6 +155,9 @@ class Recorder:
         i = max(range(len(results)), key=lambda j: results[j].ended)
         r = results[i]
         self.overhead_s += Stamp("agent", issued[i], r.started, r.ended, returned, r.inner_overhead_s).overhead_s
+        add_part(self.parts, "agent", issued[i], r.started, r.ended, returned)
+        for k, v in r.parts.items():
+            self.parts[k] = self.parts.get(k, 0.0) + v
         for x in results:
             self.llm.extend(x.llm)
             self.calls += 1
@@ -162,13 +169,23 @@ class AgentClock:
     def __init__(self) -> None:
         self.started = time.time()
         self.overhead_s = 0.0
+        self.parts: dict[str, float] = {}
         self.llm: list[LLMOut] = []
 
-    def add(self, issued: float, started: float, ended: float, returned: float) -> None:
+    def add(self, issued: float, started: float, ended: float, returned: float, kind: str = "llm") -> None:
+        """One call made in sequence (``kind``: ``llm`` or ``tool``), stamped four times."""
         self.overhead_s += max(0.0, started - issued) + max(0.0, returned - ended)
+        add_part(self.parts, kind, issued, started, ended, returned)
 
     def result(self, value: Any) -> AgentResult:
-        return AgentResult(value, self.started, time.time(), self.overhead_s, self.llm)
+        return AgentResult(value, self.started, time.time(), self.overhead_s, self.llm, self.parts)
+
+
+def add_part(parts: dict, kind: str, issued: float, started: float, ended: float, returned: float) -> None:
+    """Add one call's overhead to ``parts``: ``<kind>_in`` (issued -> started) and ``<kind>_out``
+    (ended -> returned)."""
+    parts[f"{kind}_in"] = parts.get(f"{kind}_in", 0.0) + max(0.0, started - issued)
+    parts[f"{kind}_out"] = parts.get(f"{kind}_out", 0.0) + max(0.0, returned - ended)
 
 
 class FuturesRuntime:

@@ -94,8 +94,9 @@ def drive(variant: Any, wf: Any, specs: list, offsets: list[float], time_scale: 
                 value = wf.program(rt, spec)
                 t2 = time.time()
             wf.check(spec, value)
-            rec.update(ok=True, finish_wall=time.time(),
-                       overhead_wall=rt.rec.overhead_s + (t1 - t0) + (time.time() - t2))
+            t3 = time.time()
+            rec.update(ok=True, finish_wall=t3, overhead_wall=rt.rec.overhead_s + (t1 - t0) + (t3 - t2),
+                       overhead_parts_wall={**rt.rec.parts, "session": (t1 - t0) + (t3 - t2)})
         except BaseException as e:  # noqa: BLE001  (any failure is the request's, recorded)
             rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:300], finish_wall=time.time())
         finally:
@@ -152,6 +153,7 @@ def run_point(make: Callable[[], Any], wf: Any, specs: list, offsets: list[float
         row = {"id": spec.id, "arrival": off, "ideal": lat, "ok": bool(r.get("ok")), "error": r.get("error"),
                "latency": (r["finish_wall"] - r["arrival_wall"]) / scale - wf.think_s(spec)}
         row["overhead_s"] = r["overhead_wall"] / scale if r.get("ok") else math.nan
+        row["overhead_parts"] = {k: v / scale for k, v in r.get("overhead_parts_wall", {}).items()}
         rows.append(row)
     floor = sum(ideal_of[s.id][1] for s in specs)
     m = stats.point_metrics(rows, rate, stats.counter_delta(before, after), floor)

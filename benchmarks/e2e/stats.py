@@ -56,8 +56,9 @@ def completion_slope(done: list[dict]) -> float:
 
 def point_metrics(records: list[dict], offered: float, counters: dict, floor_prefill: int) -> dict:
     """One point's metrics. ``records``: per request ``arrival`` (emulated s), ``latency`` (a
-    failed request's censored where it was given up), ``ideal``, ``overhead_s`` (emulated), ``ok``;
-    ``counters``: the engines' counter deltas summed; ``floor_prefill``: the prefill tokens of a
+    failed request's censored where it was given up), ``ideal``, ``overhead_s`` (emulated), ``ok``,
+    optionally ``overhead_parts`` (``overhead_s`` by part: ``benchmarks.e2e.program.Recorder.parts``
+    and ``session``); ``counters``: the engines' counter deltas summed; ``floor_prefill``: the prefill tokens of a
     perfect cache for the same requests. Latency statistics cover every request of the window,
     failed ones included (censored), against the ideal of the same requests."""
     w = window(records)
@@ -84,6 +85,9 @@ def point_metrics(records: list[dict], offered: float, counters: dict, floor_pre
         "offered_rps": offered, "mean_s": _mean(lat), "p50_s": percentile(lat, 50), "p95_s": percentile(lat, 95),
         "p99_s": p99, "ideal_mean_s": _mean(ideal), "ideal_p99_s": percentile(ideal, 99),
         "overhead_share": _mean([r["overhead_s"] / r["latency"] for r in done if r["latency"] > 0]),
+        # where the overhead is paid: mean emulated seconds per completed request, by part
+        "overhead_parts_s": {k: sum(r.get("overhead_parts", {}).get(k, 0.0) for r in done) / len(done)
+                             for k in sorted({k for r in done for k in r.get("overhead_parts", {})})},
         "throughput_rps": thr, "completion_slope": slope, "latency_growth": growth, "sustained": sustained,
         "p99_bound_s": bound, "hit_rate": h / q if q else math.nan, "prefill_tokens": prefill,
         "recomputed_tokens": counters.get("recomputed_tokens", 0), "preemptions": counters.get("preemptions", 0),

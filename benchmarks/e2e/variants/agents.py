@@ -90,7 +90,7 @@ class _Ctx:
     def tool(self, call: ToolCall) -> str:
         issued = time.time()
         answer, started, ended = da.stub(TOOLS[call.kind])(call, self.time_scale).value()
-        self.clock.add(issued, started, ended, time.time())
+        self.clock.add(issued, started, ended, time.time(), kind="tool")
         return answer
 
 

@@ -128,7 +128,7 @@ class ThreadCtx:
     def tool(self, call: ToolCall) -> str:
         issued = time.time()
         answer, started, ended = self._tool(call)
-        self.clock.add(issued, started, ended, time.time())
+        self.clock.add(issued, started, ended, time.time(), kind="tool")
         return answer
 
 

@@ -110,7 +110,7 @@ class _Ctx:
     def tool(self, call: ToolCall) -> str:
         issued = time.time()
         answer, started, ended = sleep_tool(call, self.time_scale)
-        self.clock.add(issued, started, ended, time.time())
+        self.clock.add(issued, started, ended, time.time(), kind="tool")
         return answer
 
 
