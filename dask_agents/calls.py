@@ -12,7 +12,7 @@ from distributed import Client, Future
 from dask_agents import config as agents_config
 from dask_agents import context
 from dask_agents.components import ComponentSpec
-from dask_agents.errors import NoClientError, where
+from dask_agents.errors import NoClientError, escape_error_in, where
 from dask_agents.futures import AgentFuture, check_client_open, closed_client_error, waiting_elsewhere
 from dask_agents.annotation import ANNOTATION, MAX_LABEL, sanitize_annotation  # noqa: F401  (also this module's)
 from dask_agents.models import DRIVER, CallMeta
@@ -203,6 +203,9 @@ def _submit(client: Client, runner: Any, header: tuple, target: Any, args: tuple
             closed = closed_client_error(e, client, component, method, sid)
             if closed is not None:
                 raise closed from None
+            escaped = escape_error_in(e)
+            if escaped is not None:  # (Dask's serializers wrap it in a TypeError of their own)
+                raise escaped from None
             bad = _unserializable(args, kwargs)
             if bad is None:
                 raise
@@ -297,9 +300,11 @@ def _direct(client: Client, spec: ComponentSpec, header: tuple, runner: Any, tar
     def resubmit(lost: bool) -> None:  # refused, or its worker lost: the scheduler path, same key
         _submit(client, runner, header, target, args, kwargs, ann, None, deferred=True)
 
+    payload = direct.pack(runner, target, header, args, kwargs)
+    if payload is None:  # something in it does not pickle: the scheduler path names it
+        return None
     fut = AgentFuture.adopt(Future(header[3], client), meta)  # before the answer can come
-    fut.__dict__["_agents_direct"] = direct.send(client, routes, where, header, runner, target, args, kwargs, ann,
-                                                 resubmit)
+    fut.__dict__["_agents_direct"] = direct.send(client, routes, where, header, payload, ann, resubmit)
     fut.__dict__["_agents_scheduler"] = _scheduler_id(client)
     return fut
 

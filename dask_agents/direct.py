@@ -154,18 +154,35 @@ def eligible(client: Any, spec: Any, ann: dict, deps: list, sid: str | None) -> 
             and hints.max_replicas is None and not ann.get("stream") and bool(agents_config.get("client.direct-calls")))
 
 
-def send(client: Any, routes: Routes, where: tuple[str, str, str], header: tuple, runner: Any, target: Any,
-         args: tuple, kwargs: dict, ann: dict, resubmit: Any) -> DirectCall:
-    """Send the call to ``where`` = (worker, token, model) on the client's loop; returns at once."""
-    from distributed.protocol import to_serialize
+def pack(runner: Any, target: Any, header: tuple, args: tuple, kwargs: dict) -> Any | None:
+    """A direct call's payload, pickled in the caller's thread (not on the client's loop): a
+    future of a call still running that it carries is waited for here (:func:`escape`), where
+    the wait can end. None if something in it does not pickle: the caller takes the scheduler
+    path, which names the argument."""
+    from distributed.protocol import Serialized, serialize
 
+    try:
+        return Serialized(*serialize((runner, header, target, args, kwargs), on_error="raise"))
+    except Exception as e:
+        from dask_agents.errors import escape_error_in
+
+        escaped = escape_error_in(e)
+        if escaped is not None:
+            raise escaped from None
+        return None
+
+
+def send(client: Any, routes: Routes, where: tuple[str, str, str], header: tuple, payload: Any, ann: dict,
+         resubmit: Any) -> DirectCall:
+    """Send the call (``payload`` from :func:`pack`) to ``where`` = (worker, token, model) on the
+    client's loop; returns at once."""
     worker, token, model = where
     call = DirectCall(key=header[3], worker=worker, session=header[2], client=client, resubmit=resubmit, ann=ann)
     with routes.lock:
         routes.pending[call.key] = call
         routes.made.setdefault(call.session, []).append(call.key)
     msg = {"key": call.key, "ann": ann, "client": client.id, "token": token, "model": model,
-           "payload": to_serialize((runner, header, target, args, kwargs))}
+           "payload": payload}
     client.loop.add_callback(_go, client, routes, call, msg)
     return call
 

@@ -74,6 +74,18 @@ class CallEscapeError(AgentsError, RuntimeError):
     end must pass through. The message names the call and says how to pass it instead."""
 
 
+def escape_error_in(e: BaseException | None) -> CallEscapeError | None:
+    """The :class:`CallEscapeError` behind ``e`` (itself, its causes and contexts), if any:
+    Dask's serializers wrap what a ``__reduce__`` raised in errors of their own."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, CallEscapeError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 class CallFailedError(AgentsError, RuntimeError):
     """A component raised. The message names the call; ``original`` holds the exception when it pickles."""
 

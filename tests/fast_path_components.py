@@ -54,6 +54,13 @@ class Box:
     fut: Any
 
 
+class Escaping:
+    """An argument whose pickling raises what a running call's future raises where it cannot wait."""
+
+    def __reduce__(self):
+        raise da.CallEscapeError("the future of add (key add-0) was sent from nowhere")
+
+
 @da.tool
 def unbox(box: Box) -> int:
     """Reads the future it was handed inside an object: a plain Dask future by then, unbound

@@ -175,6 +175,51 @@ def test_a_running_calls_future_sent_where_waiting_cannot_end_raises_a_clear_err
     assert pickle.loads(pickle.dumps(fut)).key == "where-1"
 
 
+def test_a_running_calls_future_pickled_under_the_clients_lock_lets_the_call_finish():
+    """A graph is serialized under ``Client._refcount_lock``; pickling the future of a call that
+    another thread runs waits for that call, which takes the same lock to make any future: the
+    wait lets the lock go (else both wait for good)."""
+    import pickle
+    import threading
+    from types import SimpleNamespace
+
+    from distributed import Future
+
+    from dask_agents.futures import AgentFuture
+    from dask_agents.worker_plugin.local import RUNNING, LocalCall, LocalCalls
+
+    lock = threading.RLock()
+    local = LocalCalls(worker=None, max_wait=0.005)
+    call = LocalCall(key="where-2", creator="Caller-2", ann={"component": "where"}, run=lambda: None,
+                     submit=lambda: None, submit_error=lambda: None, client=SimpleNamespace(_refcount_lock=lock),
+                     controller=local, state=RUNNING)
+    fut = AgentFuture.adopt(Future("where-2"), None)
+    fut.__dict__["_agents_local"] = call
+
+    def running_call() -> None:
+        with lock:  # a future made by the running call (Future.__init__ -> Client._inc_ref)
+            pass
+        call.done.set()
+
+    def sender() -> None:
+        with lock:  # Client._graph_to_futures
+            threading.Thread(target=running_call, daemon=True).start()
+            pickle.dumps(fut)
+
+    t = threading.Thread(target=sender, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and call.done.is_set()
+
+
+def test_an_escape_error_reaches_the_caller_as_itself(client):
+    """Dask's serializers wrap what a ``__reduce__`` raises in a TypeError of their own: the
+    caller still gets the ``da.CallEscapeError`` naming the call."""
+    with da.session(client):
+        with pytest.raises(da.CallEscapeError, match="from nowhere"):
+            da.stub(fp.add)(fp.Escaping(), 1)
+
+
 def test_a_scheduler_path_call_made_by_a_fast_path_call_is_its_child(client):
     """A fast-path tool makes a stateful call (scheduler path): that call's update-graph can
     reach the scheduler before the tool's record; the graph still has the tool as its creator,

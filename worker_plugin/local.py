@@ -203,8 +203,12 @@ class LocalCalls:
             with self._lock:
                 call.claimed = True  # not for max-wait or the siblings' submission (only its own escape)
                 siblings = self._take_all(call.creator)
-            for s in siblings:
-                self._submit(s, "sibling")
+            try:
+                for s in siblings:
+                    self._submit(s, "sibling")
+            except BaseException:  # left deferred, unclaimed: its caller's end sends it on
+                call.claimed = False
+                raise
             with self._lock:
                 run = self._take(call, RUNNING)
         if run:
