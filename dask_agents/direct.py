@@ -292,15 +292,12 @@ def escape(call: DirectCall) -> None:
     handled, waiting could never end: a clear error instead."""
     if call.done.is_set():
         return
-    from dask_agents.errors import CallEscapeError, where
+    from dask_agents.errors import escape_error
     from dask_agents.worker_plugin import dask_compat
 
     if dask_compat.on_event_loop(call.client):
         a = call.ann
-        raise CallEscapeError(
-            f"the future of {where(a.get('component', '?'), a.get('method'), call.session)} (key {call.key}) was "
-            "sent from its client's event loop while the call runs on a worker, where waiting for it would never "
-            "end: wait for it first, or pass the future itself as an argument (not inside an object)")
+        raise escape_error(a.get("component", "?"), a.get("method"), call.session, call.key, "its client's event loop")
     with dask_compat.lock_released(getattr(call.client, "_refcount_lock", None)):
         call.done.wait()
 

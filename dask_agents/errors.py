@@ -74,6 +74,14 @@ class CallEscapeError(AgentsError, RuntimeError):
     end must pass through. The message names the call and says how to pass it instead."""
 
 
+def escape_error(component: str, method: str | None, session: str | None, key: str, place: str) -> CallEscapeError:
+    """The :class:`CallEscapeError` for call ``key`` whose future was sent from ``place``."""
+    return CallEscapeError(
+        f"the future of {where(component, method, session)} (key {key}) was sent while the call runs, from {place}, "
+        "where waiting for it would never end: wait for it first, or pass the future itself as an argument (not "
+        "inside an object) so Dask sees it")
+
+
 def escape_error_in(e: BaseException | None) -> CallEscapeError | None:
     """The :class:`CallEscapeError` behind ``e`` (itself, its causes and contexts), if any:
     Dask's serializers wrap what a ``__reduce__`` raised in errors of their own."""

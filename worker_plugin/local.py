@@ -330,16 +330,13 @@ class LocalCalls:
         call may need the loop; so does every other worker duty); a clear error there. Elsewhere
         the client's own lock is let go meanwhile: the sender may be serializing a graph under
         it, and the running call takes it to make any future."""
-        from dask_agents.errors import CallEscapeError, where
+        from dask_agents.errors import escape_error
         from dask_agents.worker_plugin import dask_compat
 
         if call.thread == threading.get_ident() or dask_compat.on_event_loop(self.worker):
             a = call.ann
             place = "the thread running it" if call.thread == threading.get_ident() else "the worker's event loop"
-            raise CallEscapeError(
-                f"the future of {where(a.get('component', '?'), a.get('method'), a.get('session'))} (key {call.key}) "
-                f"was sent while the call runs, from {place}, where waiting for it would never end: wait for "
-                f"it first, or pass the future itself as an argument (not inside an object) so Dask sees it")
+            raise escape_error(a.get("component", "?"), a.get("method"), a.get("session"), call.key, place)
         with dask_compat.unprofiled(), dask_compat.lock_released(getattr(call.client, "_refcount_lock", None)):
             call.done.wait()
 
