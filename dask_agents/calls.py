@@ -293,18 +293,21 @@ def _direct(client: Client, spec: ComponentSpec, header: tuple, runner: Any, tar
     routes = direct.routes_of(client)
     if routes is None or not direct.eligible(client, spec, ann, deps, sid) or _on_a_worker():
         return None
-    where = routes.target(sid, spec.name, spec.hints.model)
+    where = routes.target(sid, spec.name, spec.hints.model) or routes.unrouted(sid, spec.name, spec.hints.model)
     if where is None:
         return None
 
     def resubmit(lost: bool) -> None:  # refused, or its worker lost: the scheduler path, same key
         _submit(client, runner, header, target, args, kwargs, ann, None, deferred=True)
 
+    def pin() -> None:  # answered: its key gets the call as its task (recomputed if its worker is lost)
+        _submit(client, runner, header, target, args, kwargs, {**ann, "call": None}, None, deferred=True)
+
     payload = direct.pack(runner, target, header, args, kwargs)
     if payload is None:  # something in it does not pickle: the scheduler path names it
         return None
     fut = AgentFuture.adopt(Future(header[3], client), meta)  # before the answer can come
-    fut.__dict__["_agents_direct"] = direct.send(client, routes, where, header, payload, ann, resubmit)
+    fut.__dict__["_agents_direct"] = direct.send(client, routes, where, header, payload, ann, resubmit, pin)
     fut.__dict__["_agents_scheduler"] = _scheduler_id(client)
     return fut
 

@@ -79,8 +79,12 @@ def open_session(client: Client, session: str, tenant: str | None = None) -> Any
     from dask_agents import direct
 
     # ``direct``: this client takes routes for its sessions' calls (dask_agents/direct.py)
-    wants = direct.routes_of(client) is not None and not client.asynchronous
-    return _stream(client, {"op": SESSION_OPEN_OP, "session": session, "tenant": tenant, "direct": wants})
+    routes = direct.routes_of(client)
+    wants = routes is not None and not client.asynchronous
+    out = _stream(client, {"op": SESSION_OPEN_OP, "session": session, "tenant": tenant, "direct": wants})
+    if wants and _ident(client) in _verified:  # sent: its first calls may ask for a route (after it, same stream)
+        routes.opened.add(session)
+    return out
 
 
 def end_session(client: Client, session: str, cancel: bool = False, direct: list | None = None) -> Any:
@@ -116,15 +120,19 @@ REATTACH_OP = "agents-reattach"
 
 
 def session_graph(client: Client, session: Any) -> SessionGraph:
-    """The live call graph of a session (a Session or its id) as the scheduler rebuilt it."""
+    """The live call graph of a session (a Session or its id) as the scheduler rebuilt it. For
+    a Session this driver has left, the scheduler first waits (at most 2 s) for the session's
+    end and for the records of its calls that went straight to workers, so that a graph read
+    right after the block shows what the block did."""
     sid = getattr(session, "id", session)
+    settle = getattr(session, "ended", False) is True
 
     def parse(data: Any) -> SessionGraph:
         if data is None:
             raise KeyError(f"unknown or expired session {sid!r}")
         return SessionGraph.model_validate(data)
 
-    return _call(client, "agents_session_graph", parse, session=sid)
+    return _call(client, "agents_session_graph", parse, session=sid, settle=settle)
 
 
 def workflow_graph(client: Client) -> WorkflowGraph:

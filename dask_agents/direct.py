@@ -16,13 +16,18 @@ answer. The scheduler tells a session's owner, on its own stream (``agents-direc
 - when a session is bound to an engine of a model (admission), that **binding**.
 
 A call goes to the worker of its session's engine of the model its component uses, or to the
-only engine of that model; anything else (no route yet: a session's first call where a model
-has several engines; stateful, batched, resource-bound or timed calls; calls with futures as
-arguments; LLM calls; asynchronous clients) takes the scheduler path, as does a call the worker
-refuses (no free thread, not ready, draining). Nothing about the future changes: it is an
+only engine of that model. A session's first call of a model with several engines has no route
+yet: it waits on the client for one (**route request**, ``agents-route`` on the client's
+stream, after the session's open): the scheduler binds the session as that call's own arrival
+would, and answers where, so a request's first calls (often a fan-out) go straight too; an
+answer of None, or none within :data:`ROUTE_WAIT_S`, sends them down the scheduler path (as
+``agents.client.route-first-calls: false`` does: the scheduler path binds the session). Anything else (stateful, batched, resource-bound or timed
+calls; calls with futures as arguments; LLM calls; asynchronous clients) takes the scheduler
+path, as does a call the worker refuses (no free thread, not ready, draining). Nothing about the future changes: it is an
 ``AgentFuture`` of the same key; when the answer comes its key is made known to the scheduler
 (``update-data`` on this client's stream, as ``scatter`` does: the value stays in the worker's
-memory and later work may depend on it), and the worker's records of the call reach the
+memory and later work may depend on it) and given the call as its task (so a value lost with
+its worker is computed again, as a task's would be), and the worker's records of the call reach the
 scheduler plugin with its reports, so session graphs and telemetry see it. A call whose worker
 is lost before it answers is sent again down the scheduler path under the same key (Dask would
 run a task again after the same loss); one cancelled before its answer is dropped there.
@@ -37,6 +42,13 @@ from typing import Any
 
 DIRECT_OP = "agents-direct"
 """scheduler -> client: routes for the client's sessions (``scheduler_plugin/direct.py``)."""
+
+ROUTE_OP = "agents-route"
+"""client -> scheduler: where a session's calls of a model go (``scheduler_plugin/plugin.py``)."""
+
+ROUTE_WAIT_S = 1.0
+"""How long calls waiting for a route request's answer wait before they take the scheduler path
+(an answer lost with a dropped connection must not leave them waiting)."""
 
 LASTING, REST_S = ("not ready", "no token"), 10.0
 """A worker that answers it cannot take direct calls for one of these reasons is not sent any
@@ -56,6 +68,7 @@ class DirectCall:
     client: Any
     resubmit: Any
     ann: dict = field(default_factory=dict)  # its annotation (an erred one's task carries it)
+    pin: Any = None  # once answered: sends the call as its key's task (:func:`_settle`)
     state: str = SENT
     value: Any = None
     error: BaseException | None = None
@@ -72,6 +85,7 @@ class Routes:
     def __init__(self) -> None:
         self.token: str | None = None  # this client's token (from the scheduler)
         self.sessions: set[str] = set()  # sessions the scheduler routes for (their bindings are kept)
+        self.opened: set[str] = set()  # sessions this client opened taking routes (may ask for a route)
         self.bound: dict[tuple[str, str], str] = {}  # (session, model) -> worker of its engine
         self.models: dict[str, tuple[str, ...]] = {}  # model -> workers of its engines
         self.components: dict[str, str] = {}  # component -> the model its LLM calls use
@@ -80,11 +94,16 @@ class Routes:
         self.resting: dict[str, float] = {}
         self.made: dict[str, list[str]] = {}  # session -> keys of the calls sent straight, to name at its end
         self.pending: dict[str, DirectCall] = {}  # key -> a call sent and not answered yet
+        # (session, model) -> calls waiting for the answer to its route request (client's loop only)
+        self.awaiting: dict[tuple[str, str], list[tuple[DirectCall, dict]]] = {}
         self.lock = threading.Lock()
 
     def update(self, token: Any = None, session: Any = None, bound: Any = None, models: Any = None,
-               components: Any = None, **kw: Any) -> None:
-        """The client-stream handler of :data:`DIRECT_OP` (on the client's loop)."""
+               components: Any = None, routed: Any = None, **kw: Any) -> None:
+        """What the scheduler said on :data:`DIRECT_OP` (on the client's loop); ``routed``, the
+        answer to a route request, is a binding (or none)."""
+        if isinstance(routed, (list, tuple)) and len(routed) == 3 and routed[2] is not None:
+            bound = [*(bound or ()), routed]
         if isinstance(models, dict):
             self.models = {m: tuple(w) for m, w in models.items() if isinstance(w, (list, tuple))}
         if isinstance(components, dict):
@@ -105,6 +124,7 @@ class Routes:
     def forget(self, sid: str) -> None:
         """``sid`` ended: its routes go (they would only grow)."""
         self.sessions.discard(sid)
+        self.opened.discard(sid)
         for sk in [sk for sk in self.bound if sk[0] == sid]:
             del self.bound[sk]
 
@@ -125,6 +145,21 @@ class Routes:
             return None
         return worker, token, model
 
+    def unrouted(self, sid: str, component: str, model: str | None) -> tuple[None, str, str] | None:
+        """(None, token, model) when a call of ``component`` in ``sid`` (a session this client
+        opened) lacks only the session's binding (its model has several engines, not all
+        resting): it may wait for a route request's answer; else None."""
+        from dask_agents import config as agents_config
+
+        token = self.token
+        model = model or self.components.get(component)
+        if (token is None or model is None or sid not in self.opened or (sid, model) in self.bound
+                or not agents_config.get("client.route-first-calls")):
+            return None
+        now = time.monotonic()
+        workers = [w for w in self.models.get(model, ()) if self.resting.get(w, 0.0) <= now]
+        return (None, token, model) if len(workers) > 1 else None
+
 
 def routes_of(client: Any) -> Routes | None:
     """The client's routes, once ``da.install`` set them up on it (None before)."""
@@ -138,7 +173,17 @@ def install_routes(client: Any) -> Routes:
     routes = routes_of(client)
     if routes is None:
         routes = client._agents_routes = Routes()
-        dask_compat.add_client_stream_handler(client, DIRECT_OP, routes.update)
+
+        def on_direct(**msg: Any) -> None:
+            routes.update(**msg)
+            routed = msg.get("routed")
+            if isinstance(routed, (list, tuple)) and len(routed) == 3:
+                _routed(client, routes, (routed[0], routed[1]), routed[2])
+            for row in msg.get("bound") or ():  # a binding made meanwhile by other means
+                if isinstance(row, (list, tuple)) and len(row) == 3 and row[2] is not None:
+                    _routed(client, routes, (row[0], row[1]), row[2])
+
+        dask_compat.add_client_stream_handler(client, DIRECT_OP, on_direct)
         dask_compat.on_graph_dependencies(client, lambda: bool(routes.pending),
                                           lambda keys: escape_keys(client, keys))
     return routes
@@ -172,19 +217,67 @@ def pack(runner: Any, target: Any, header: tuple, args: tuple, kwargs: dict) -> 
         return None
 
 
-def send(client: Any, routes: Routes, where: tuple[str, str, str], header: tuple, payload: Any, ann: dict,
-         resubmit: Any) -> DirectCall:
+def send(client: Any, routes: Routes, where: tuple[str | None, str, str], header: tuple, payload: Any, ann: dict,
+         resubmit: Any, pin: Any = None) -> DirectCall:
     """Send the call (``payload`` from :func:`pack`) to ``where`` = (worker, token, model) on the
-    client's loop; returns at once."""
+    client's loop; returns at once. A worker of None (:meth:`Routes.unrouted`): the call waits
+    for its session's route first."""
     worker, token, model = where
-    call = DirectCall(key=header[3], worker=worker, session=header[2], client=client, resubmit=resubmit, ann=ann)
+    call = DirectCall(key=header[3], worker=worker or "", session=header[2], client=client, resubmit=resubmit,
+                      ann=ann, pin=pin)
     with routes.lock:
         routes.pending[call.key] = call
         routes.made.setdefault(call.session, []).append(call.key)
     msg = {"key": call.key, "ann": ann, "client": client.id, "token": token, "model": model,
            "payload": payload}
-    client.loop.add_callback(_go, client, routes, call, msg)
+    if worker is None:
+        client.loop.add_callback(_await_route, client, routes, call, msg, (call.session, model))
+    else:
+        client.loop.add_callback(_go, client, routes, call, msg)
     return call
+
+
+def _await_route(client: Any, routes: Routes, call: DirectCall, msg: dict, sk: tuple[str, str]) -> None:
+    """On the client's loop: ``call`` goes where its session is bound, or waits for the answer
+    to the session's route request (the first waiting call of ``sk`` sends it)."""
+    worker = routes.bound.get(sk)
+    if worker is not None:
+        _routed_one(client, routes, call, msg, worker)
+        return
+    waiting = routes.awaiting.get(sk)
+    if waiting is not None:
+        waiting.append((call, msg))
+        return
+    waiting = routes.awaiting[sk] = [(call, msg)]
+    try:
+        # on the client's stream, after the session's open (sent from the caller's thread before)
+        client._send_to_scheduler({"op": ROUTE_OP, "session": sk[0], "model": sk[1]})  # noqa: SLF001
+    except Exception:  # a closing client: the scheduler path says what is wrong
+        _routed(client, routes, sk, None)
+        return
+    client.loop.call_later(ROUTE_WAIT_S, _routed, client, routes, sk, None, waiting)
+
+
+def _routed(client: Any, routes: Routes, sk: tuple, worker: str | None, only: list | None = None) -> None:
+    """On the client's loop: ``sk``'s route is ``worker`` (None: none, or no answer in time:
+    ``only`` the calls of that request, not of a later one): the calls waiting for it go there,
+    or down the scheduler path."""
+    if only is not None and routes.awaiting.get(sk) is not only:
+        return
+    for call, msg in routes.awaiting.pop(sk, ()):
+        _routed_one(client, routes, call, msg, worker)
+
+
+def _routed_one(client: Any, routes: Routes, call: DirectCall, msg: dict, worker: str | None) -> None:
+    if call.state != SENT:  # cancelled while it waited: never sent anywhere
+        with routes.lock:
+            routes.pending.pop(call.key, None)
+        return
+    if worker is None or (worker in routes.resting and routes.resting[worker] > time.monotonic()):
+        _settle(client, routes, call, {"status": "unrouted"})  # the scheduler path, same key
+        return
+    call.worker = worker
+    client.loop.add_callback(_go, client, routes, call, msg)
 
 
 async def _go(client: Any, routes: Routes, call: DirectCall, msg: dict) -> None:
@@ -213,6 +306,16 @@ def _settle(client: Any, routes: Routes, call: DirectCall, answer: dict) -> None
         # the key made known first, on this client's stream: anything this client sends later
         # (a call depending on it, its release) comes after
         dask_compat.register_key(client, call.key, call.worker, answer.get("nbytes") or 0)
+        # ... then the call itself as the key's task (Dask keeps the value and takes the task:
+        # ``update_graph`` gives a key known without one its run_spec), so that a value lost
+        # with its worker is computed again, as Dask does for a task's, for whatever was given
+        # its future: otherwise it is scattered data, and work depending on it fails with
+        # "lost dependencies". Its annotation names no call: the call's record is its worker's.
+        if call.pin is not None:
+            try:
+                call.pin()
+            except Exception:  # a closing client: nothing can depend on it any more
+                pass
         call.state = FINISHED
         dask_compat.finish_future(client, call.key, type(call.value))
     elif status == "error":

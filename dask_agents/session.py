@@ -53,6 +53,7 @@ class Session:
         self.tenant = tenant
         self._stack: ExitStack | None = None
         self._token: Any = None
+        self.ended = False  # the driver told the scheduler it made its last call (:meth:`end`)
 
     def _activate(self) -> None:
         if self._stack is not None:
@@ -114,6 +115,7 @@ class Session:
         Returns a coroutine with an asynchronous client."""
         from dask_agents import client_api, direct
 
+        self.ended = True
         if cancel:  # its calls still running straight on their workers: dropped here too
             direct.cancel_session(self.client, self.id)
         made = direct.session_ended(self.client, self.id)
@@ -123,7 +125,7 @@ class Session:
         """This session's call graph as the scheduler sees it (:class:`SessionGraph`)."""
         from dask_agents import client_api
 
-        return client_api.session_graph(self.client, self.id)
+        return client_api.session_graph(self.client, self)
 
     def __repr__(self) -> str:
         return f"<Session {self.id}>"

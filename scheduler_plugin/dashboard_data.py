@@ -226,6 +226,28 @@ def pick_bottleneck(candidates: dict[str, dict], current: str | None,
     return low
 
 
+def _depths(keys: list[str], parents_of: dict[str, list[str]]) -> dict[str, int]:
+    """Each call's depth: the longest chain of dependencies and creators before it (0: none),
+    whatever the order of ``keys``; an edge that would close a cycle is left out."""
+    depth: dict[str, int] = {}
+    for root in keys:
+        if root in depth:
+            continue
+        stack, on_path = [(root, iter(parents_of[root]))], {root}
+        while stack:
+            node, parents = stack[-1]
+            for p in parents:
+                if p not in depth and p not in on_path:
+                    stack.append((p, iter(parents_of[p])))
+                    on_path.add(p)
+                    break
+            else:
+                stack.pop()
+                on_path.discard(node)
+                depth[node] = 1 + max((depth[p] for p in parents_of[node] if p in depth), default=-1)
+    return depth
+
+
 class DashboardModel:
     """Snapshots of one plugin for the page(s); shared by every open page."""
 
@@ -567,14 +589,15 @@ class DashboardModel:
             return cached
         recs = list(s.calls.values())[-self.max_graph_nodes:]
         keys = {r.key for r in recs}
-        depth: dict[str, int] = {}
         parents_of: dict[str, list[str]] = {}
-        for r in recs:  # creation order: a call's dependencies and creator come first
+        for r in recs:
             parents = [d for d in r.dependencies if d in keys]
             if r.creator in keys:
                 parents.append(r.creator)
             parents_of[r.key] = parents
-            depth[r.key] = 1 + max((depth[d] for d in parents), default=-1)
+        # not in one pass over the records: a call's record may come before its creator's (a
+        # driver's direct call is recorded by its worker, its nested calls' records often first)
+        depth = _depths([r.key for r in recs], parents_of)
         levels: dict[int, list[str]] = {}
         for r in recs:
             levels.setdefault(depth[r.key], []).append(r.key)
@@ -583,7 +606,11 @@ class DashboardModel:
         for d in sorted(levels):  # children sit next to their parents (fewer crossing edges)
             ks = levels[d]
             if d > 0:
-                ks.sort(key=lambda k: (-sum(pos[q][1] for q in parents_of[k]) / len(parents_of[k]), order[k]))
+                def mean_y(k: str, d: int = d) -> float:
+                    ys = [pos[q][1] for q in parents_of[k] if depth[q] < d]
+                    return sum(ys) / len(ys) if ys else 0.0
+
+                ks.sort(key=lambda k: (-mean_y(k), order[k]))
             for i, k in enumerate(ks):
                 pos[k] = (float(d), (len(ks) - 1) / 2.0 - i)
         nodes = {c: [] for c in ("key", "component", "method", "state", "color", "x", "y", "worker", "duration",

@@ -6,9 +6,11 @@ so on its own stream (``agents-direct``), and its calls go there straight, in on
 told, whenever it opens a session: its token (a keyed hash of its id under the scheduler's
 secret: the workers run direct calls only with it), where each model's engines are and which
 model each component calls; and, whenever the session's engine binding changes,
-the new one (None when it is gone). Binding stays the scheduler's: a session whose calls have
-no route (several engines of its model and no binding yet) takes the scheduler path, which
-binds it.
+the new one (None when it is gone). Binding stays the scheduler's: a session whose first call
+of a model has no route (several engines of it, no binding yet) asks for one (``agents-route``,
+on the client's stream after the session's open), and the scheduler binds the session then, as
+that call's arrival on the scheduler path would, and answers where (``routed``), or None: the
+scheduler path.
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ class DirectRoutes:
         client = self.owners.get(sid)
         if client is not None and what.startswith("llm:"):
             self._send(client, {"bound": [[sid, what[4:], worker]]})
+
+    def routed(self, client: str, sid: Any, model: Any, worker: str | None) -> None:
+        """The answer to ``client``'s route request for ``sid``'s calls of ``model``: the
+        engine's worker they go to, or None (the scheduler path)."""
+        if isinstance(sid, str) and isinstance(model, str):
+            self._send(client, {"routed": [sid, model, worker]})
 
     def ended(self, sid: str) -> None:
         self.owners.pop(sid, None)

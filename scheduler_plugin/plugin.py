@@ -22,6 +22,7 @@ per task; housekeeping (retention) runs periodically.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -58,6 +59,8 @@ MAX_UNLINKED = 10_000  # calls parked until the record of their fast-path creato
 SESSION_END_OP = "agents-session-end"  # client -> scheduler, on the client's stream (ordered with its submits)
 SESSION_OPEN_OP = "agents-session-open"  # client -> scheduler, on entering a da.session block
 REATTACH_OP = "agents-reattach"  # client -> scheduler: a reconnected driver asks for its calls again
+SETTLE_S = 2.0  # how long a session's graph asked for by its owner after its end waits for the end and records
+ROUTE_OP = "agents-route"  # client -> scheduler: where a session's calls of a model go (dask_agents/direct.py)
 REFUSED = "inproc://dask-agents-refused-call"
 """Where a call past a limit waits (it never runs) until it is failed, outside update_graph."""
 ORPHANED = "inproc://dask-agents-orphaned-call"
@@ -226,7 +229,7 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
                                               on_refused=self.aggregates.rejected.stream_refused)
         # a session's owner is the client stream the message came on, never a field of it
         for op, handler in ((SESSION_END_OP, self.sessions.on_end_msg), (SESSION_OPEN_OP, self._on_session_open),
-                            (REATTACH_OP, self.sessions.on_reattach_msg)):
+                            (REATTACH_OP, self.sessions.on_reattach_msg), (ROUTE_OP, self._on_route)):
             dask_compat.add_client_stream_handler(scheduler, op, handler,
                                                   on_refused=self.aggregates.rejected.client_stream_refused)
         for name, handler in {
@@ -768,6 +771,21 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         if s is not None and s.owner == client:
             self.direct.opened(sid, client)
 
+    def _on_route(self, client: Any = None, session: Any = None, model: Any = None, **_: Any) -> None:
+        """A driver's first call of ``model`` in its ``session`` has no route (several engines,
+        no binding yet): bind the session now, as that call's own arrival would
+        (``Admission.bind_early``), and tell the driver where, or that it has no route (None:
+        nothing to choose now, admission holding the model's calls, a session not its own);
+        the calls then go straight there, or down the scheduler path."""
+        worker = None
+        if isinstance(session, str) and isinstance(model, str) and self.direct.owners.get(session) == client:
+            s = self.state.sessions.get(session)
+            if s is not None and s.owner == client:
+                worker = self.admission.bind_early(session, model)
+                if worker not in self._routable_models().get(model, ()):
+                    worker = None
+        self.direct.routed(client, session, model, worker)
+
     def _routable_models(self) -> dict[str, list[str]]:
         """model -> the workers of its engines a direct call may go to (not retiring ones)."""
         retiring = self.roster.retiring
@@ -937,11 +955,24 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
         """model -> (min replicas, max replicas) from agents.llm.models."""
         return model_bounds()
 
-    def _session_graph(self, session: str) -> dict | None:
+    async def _session_graph(self, session: str, settle: Any = False) -> dict | None:
         session = validate.session_id(session, "agents_session_graph: session")
+        if settle is True:
+            await self._settled(session)
         if session not in self.state.sessions:
             return None
         return self.state.session_graph(session).model_dump(mode="json")
+
+    async def _settled(self, sid: str) -> None:
+        """The owner asks after leaving ``sid``'s block: its end (on its own stream) and the
+        records of its direct calls (on their workers' streams) may still be on their way, so
+        wait, at most :data:`SETTLE_S`, until the end has come and no record is awaited."""
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline:
+            s = self.state.sessions.get(sid)
+            if s is None or s.state == "completed" or (s.state == "closing" and not s.awaiting):
+                return
+            await asyncio.sleep(0.005)
 
     def _telemetry(self, session: str | None = None, table: str = "calls") -> list[dict] | dict:
         if session is not None:

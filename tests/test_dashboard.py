@@ -155,6 +155,22 @@ def test_the_page_follows_the_live_session_running_longest():
     assert model.pick_session() == "new"
 
 
+def test_a_graph_lays_out_calls_whose_records_came_before_their_creators():
+    """A driver's direct call is recorded by its worker, and its nested calls' records often
+    come first: the layout's depths must not depend on the records' order (it raised KeyError,
+    and the page's graph stopped updating)."""
+    from types import SimpleNamespace
+
+    st = WorkflowState()
+    st.add_call("llm-1", {"session": "s", "component": "llm.emu", "creator": "Dev-1"}, [], 2.0)
+    st.add_call("tool-1", {"session": "s", "component": "lookup", "creator": "Dev-1"}, [], 2.0)
+    st.add_call("Dev-1", {"session": "s", "component": "Dev", "creator": "Plan-1"}, ["Plan-1"], 1.5)
+    st.add_call("Plan-1", {"session": "s", "component": "Plan"}, [], 1.0)
+    _, layout = DashboardModel(SimpleNamespace(state=st)).graph("s")
+    x = dict(zip(layout["nodes"]["key"], layout["nodes"]["x"]))
+    assert x == {"Plan-1": 0.0, "Dev-1": 1.0, "llm-1": 2.0, "tool-1": 2.0}
+
+
 def test_busy_time_counts_each_call_within_the_window_exactly():
     """Utilization comes from the workers' exact start/finish times: a call is split across
     the buckets it spans; the window's oldest bucket counts in proportion to its overlap."""

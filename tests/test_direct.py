@@ -214,9 +214,10 @@ def test_disabled_direct_calls_take_the_scheduler_path(client):
 
 
 def test_a_worker_killed_mid_direct_call_runs_it_again_through_the_scheduler(tmp_path):
-    """Two engines: the session's first call binds it (scheduler path), the next goes straight
-    to that worker, which dies while it runs: the driver sends it again down the scheduler path
-    under the same key, it runs on the other worker, and the graph has it once, finished."""
+    """Two engines: the session's first call asks for its route and goes straight to the engine
+    it was bound to, the next one too, and that worker dies while it runs: the driver sends it
+    again down the scheduler path under the same key, it runs on the other worker, and the
+    graph has it once, finished."""
     log, release = tmp_path / "log", tmp_path / "release"
     cluster = _cluster(2)
     try:
@@ -227,8 +228,8 @@ def test_a_worker_killed_mid_direct_call_runs_it_again_through_the_scheduler(tmp
                 wait_for(lambda: c._agents_routes.token)
                 first = da.stub(dc.Writer).write([3] * 16)
                 bound = first.value()["worker"]
-                assert _direct(first) is None  # two engines, no binding yet: the scheduler path binds it
-                wait_for(lambda: c._agents_routes.bound.get((s.id, "emu")) == bound)
+                assert _direct(first) is not None and _direct(first).worker == bound  # routed, then straight
+                assert c._agents_routes.bound.get((s.id, "emu")) == bound
                 fut = da.stub(dc.Writer).logged_wait(str(log), str(release))
                 assert _direct(fut) is not None and _direct(fut).worker == bound
                 wait_for(lambda: log.exists() and log.read_text().strip())
@@ -242,6 +243,107 @@ def test_a_worker_killed_mid_direct_call_runs_it_again_through_the_scheduler(tmp
             g = wait_for(lambda: (g := da.session_graph(c, s)).state == "completed" and g)
             states = [n.state for n in g.nodes if n.call_id == fut.key]
             assert states == ["finished"]
+    finally:
+        cluster.close(timeout=30)
+
+
+def test_a_direct_value_lost_with_its_worker_is_computed_again_for_what_depends_on_it():
+    """A direct call answered, then its worker died: its value lived only there. Work given its
+    future afterwards (a call on the scheduler path, plain Dask work) still gets the right value:
+    the key has the call as its task, so Dask runs it again elsewhere, as for any task's lost
+    value (scattered data would fail them with lost dependencies)."""
+    cluster = _cluster(2)
+    try:
+        with Client(cluster) as c:
+            with dask.config.set(CONFIG):
+                da.install(c, models=["emu"])
+            with da.session(c) as s:
+                wait_for(lambda: c._agents_routes.token)
+                bound = da.stub(dc.Writer).write([3] * 16).value()["worker"]  # binds the session
+                wait_for(lambda: c._agents_routes.bound.get((s.id, "emu")) == bound)
+                fut = da.stub(dc.Writer).double(21)
+                assert fut.value() == 42 and _direct(fut) is not None and _direct(fut).worker == bound
+                wait_for(lambda: c.run_on_scheduler(lambda dask_scheduler, k=fut.key:
+                                                    getattr(dask_scheduler.tasks.get(k), "run_spec", None) is not None))
+                with contextlib.suppress(Exception):
+                    c.run(os._exit, 1, workers=[bound])
+                wait_for(lambda: bound not in c.scheduler_info()["workers"])
+                assert da.stub(dc.Plain).add(fut, 1).value(timeout=60) == 43
+                assert c.submit(lambda x: x + 100, fut).result(timeout=60) == 142
+                assert fut.value() == 42
+    finally:
+        cluster.close(timeout=30)
+
+
+def _route_answers(on: bool, dask_scheduler: Any = None) -> None:
+    """Make the scheduler drop route requests unanswered (a lost answer), or answer them again."""
+    from dask_agents.direct import ROUTE_OP
+
+    handlers = dask_scheduler.stream_handlers
+    if not on:
+        dask_scheduler._test_route, handlers[ROUTE_OP] = handlers[ROUTE_OP], lambda **msg: None
+    else:
+        handlers[ROUTE_OP] = dask_scheduler._test_route
+
+
+def _admission(on: bool, dask_scheduler: Any = None) -> None:
+    dask_scheduler.plugins["dask-agents"].admission.enabled = on
+
+
+def test_a_sessions_first_calls_wait_for_one_route_then_go_straight():
+    """Two engines of the model, no binding yet: a fan-out of a session's first calls sends one
+    route request; the scheduler binds the session (as the first call's arrival would) and
+    answers, and every call goes straight to that engine's worker, their LLM calls beside them.
+    With no answer (lost), or no route to give (admission off: nothing binds a session before its
+    first LLM call), the calls take the scheduler path under their keys, and answer right.
+    With ``agents.client.route-first-calls: false`` (read where the call is made) they take the
+    scheduler path, which binds the session."""
+    cluster = _cluster(2)
+    try:
+        with Client(cluster) as c:
+            with dask.config.set(CONFIG):
+                da.install(c, models=["emu"])
+            c.run_on_scheduler(_count_graph_keys)
+            routes = c._agents_routes
+            with da.session(c):
+                wait_for(lambda: routes.token)
+            wait_for(lambda: _lease_out(c))
+            sent_before = c.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["dask-agents"].direct.sent)
+            with da.session(c) as s:
+                futs = [da.stub(dc.Writer).write([7] * (16 + i)) for i in range(3)]
+                outs = [f.value() for f in futs]
+            bound = outs[0]["worker"]
+            for f, out in zip(futs, outs):
+                call = _direct(f)
+                assert call is not None and call.state == "finished" and call.worker == bound
+                assert out["worker"] == out["llm_worker"] == bound and out["output"] == 4
+            assert not {f.key for f in futs} & _graph_keys(c)  # none crossed the scheduler
+            # the session's open, one route answer (and its binding): not one per call
+            sent = c.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["dask-agents"].direct.sent)
+            assert sent - sent_before <= 3
+            g = wait_for(lambda: (g := da.session_graph(c, s)).state == "completed" and g)
+            assert {n.call_id for n in g.nodes if n.kind == "agent"} == {f.key for f in futs}
+
+            with dask.config.set({"agents.client.route-first-calls": False}), da.session(c) as s:
+                first = da.stub(dc.Writer).double(1)
+                assert first.value() == 2 and _direct(first) is None and first.key in _graph_keys(c)
+                bound = wait_for(lambda: routes.bound.get((s.id, "emu")))
+                then = da.stub(dc.Writer).double(2)  # bound now: straight there
+                assert then.value() == 4 and _direct(then) is not None and _direct(then).worker == bound
+
+            for off in (_route_answers, _admission):
+                c.run_on_scheduler(off, False)
+                try:
+                    with da.session(c) as s:
+                        futs = [da.stub(dc.Writer).double(i) for i in range(3)]
+                        assert [f.value() for f in futs] == [0, 2, 4]
+                    assert all(_direct(f).state == "scheduler" for f in futs), off.__name__
+                    assert {f.key for f in futs} <= _graph_keys(c)
+                    assert not routes.awaiting
+                    g = wait_for(lambda: (g := da.session_graph(c, s)).state == "completed" and g)
+                    assert sorted(n.state for n in g.nodes) == ["finished"] * 3
+                finally:
+                    c.run_on_scheduler(off, True)
     finally:
         cluster.close(timeout=30)
 
@@ -315,6 +417,32 @@ def test_routes_send_a_call_to_its_sessions_engine_or_the_models_only_one():
     assert r.target("s1", "Chatter", None) is None
     r.forget("s1")
     assert "s1" not in r.sessions
+
+
+def test_routes_ask_for_a_route_only_where_the_binding_alone_is_missing():
+    """A call may wait for a route request's answer only in a session this client opened, when
+    its model is known and has several engines not resting and its session has no binding of
+    it, and unless ``agents.client.route-first-calls`` is off; the answer is a binding."""
+    from dask_agents.direct import Routes
+
+    r = Routes()
+    r.opened.add("s1")
+    r.update(token="t", session="s1", models={"coder": ["w1", "w2"], "chat": ["w3"]}, components={"Coder": "coder"})
+    with dask.config.set({"agents.client.route-first-calls": False}):
+        assert r.unrouted("s1", "Coder", None) is None  # turned off
+    with dask.config.set({"agents.client.route-first-calls": True}):  # (the default)
+        assert r.unrouted("s1", "Coder", None) == (None, "t", "coder")
+        assert r.unrouted("s-not-opened-here", "Coder", None) is None  # another client's session
+        assert r.unrouted("s1", "Planner", None) is None  # no model
+        assert r.unrouted("s1", "Planner", "chat") is None  # one engine: routed already (target)
+        r.resting["w2"] = float("inf")
+        assert r.unrouted("s1", "Coder", None) is None  # one engine left to choose: the scheduler path
+        r.resting.clear()
+        r.update(routed=["s1", "coder", "w2"])
+        assert r.unrouted("s1", "Coder", None) is None and r.target("s1", "Coder", None) == ("w2", "t", "coder")
+        r.update(routed=["s2", "coder", None])
+        assert ("s2", "coder") not in r.bound
+        assert Routes().unrouted("s1", "Coder", None) is None  # no token
 
 
 def test_the_scheduler_tells_a_sessions_owner_its_token_engines_and_bindings():

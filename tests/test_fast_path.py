@@ -31,12 +31,15 @@ def client():
 
 
 def _count_graph_keys(dask_scheduler: Any) -> None:
-    """Record every key the scheduler receives in an update-graph (the scheduler path)."""
+    """Record every key the scheduler receives in an update-graph to run it (the scheduler path;
+    not a direct call's key, in memory already, given its call as its task after it answered)."""
     dask_scheduler.agents_test_graph_keys = set()
     handler = dask_scheduler.stream_handlers["update-graph"]
 
     async def counted(*args: Any, _h: Any = handler, **kwargs: Any) -> Any:  # Dask awaits coroutine handlers
-        dask_scheduler.agents_test_graph_keys.update(kwargs.get("keys") or ())
+        tasks = dask_scheduler.tasks
+        dask_scheduler.agents_test_graph_keys.update(
+            k for k in kwargs.get("keys") or () if k not in tasks or tasks[k].state != "memory")
         out = _h(*args, **kwargs)
         return await out if inspect.isawaitable(out) else out
 

@@ -911,7 +911,7 @@ async def test_fuzzed_input_through_the_real_rpcs_never_crashes_or_wedges_the_cl
     assert await c.gather(futs) == [i + 1 for i in range(40)]
 
     # 2. the scheduler plugin's RPC handlers (the client API), with junk arguments
-    handlers = {"agents_session_graph": ["session"],
+    handlers = {"agents_session_graph": ["session", "settle"],
                 "agents_telemetry": ["session", "table"], "agents_progress": ["sessions"],
                 "agents_scale_requests": ["interval"], "agents_worker_hello": ["worker", "models", "pid"],
                 "agents_control": ["action"], "agents_workflow_graph": [], "agents_models": [], "agents_ping": []}

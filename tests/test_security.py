@@ -276,7 +276,8 @@ def test_our_handlers_live_only_on_the_schedulers_and_workers_tls_comms(secured)
     assert {"agents_kv", "agents_swap_model", "agents_end_session", "agents_worker_info", "agents_direct",
             "agents_direct_forget"} <= ours_w
     assert {op for op in s.stream_handlers if op.startswith("agents")} == {"agents-report", "agents-session-end",
-                                                                          "agents-session-open", "agents-reattach"}
+                                                                          "agents-session-open", "agents-reattach",
+                                                                          "agents-route"}
     for server in (s, w):
         assert server.listeners and all(lst.contact_address.startswith("tls://") for lst in server.listeners)
 
