@@ -31,6 +31,19 @@ def _cluster(n: int) -> LocalCluster:
                             worker_dashboard_address=":0")
 
 
+@contextlib.contextmanager
+def _installed(n: int) -> Any:
+    """A client of a fresh ``n``-worker cluster with dask-agents installed (model ``emu`` on each)."""
+    cluster = _cluster(n)
+    try:
+        with Client(cluster) as c:
+            with dask.config.set(CONFIG):
+                da.install(c, models=["emu"])
+            yield c
+    finally:
+        cluster.close(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def client():
     cluster = _cluster(1)
@@ -219,32 +232,26 @@ def test_a_worker_killed_mid_direct_call_runs_it_again_through_the_scheduler(tmp
     again down the scheduler path under the same key, it runs on the other worker, and the
     graph has it once, finished."""
     log, release = tmp_path / "log", tmp_path / "release"
-    cluster = _cluster(2)
-    try:
-        with Client(cluster) as c:
-            with dask.config.set(CONFIG):
-                da.install(c, models=["emu"])
-            with da.session(c) as s:
-                wait_for(lambda: c._agents_routes.token)
-                first = da.stub(dc.Writer).write([3] * 16)
-                bound = first.value()["worker"]
-                assert _direct(first) is not None and _direct(first).worker == bound  # routed, then straight
-                assert c._agents_routes.bound.get((s.id, "emu")) == bound
-                fut = da.stub(dc.Writer).logged_wait(str(log), str(release))
-                assert _direct(fut) is not None and _direct(fut).worker == bound
-                wait_for(lambda: log.exists() and log.read_text().strip())
-                with contextlib.suppress(Exception):  # it dies before it answers
-                    c.run(os._exit, 1, workers=[bound])
-                release.write_text("go")
-                where = fut.value()
-            assert where != bound
-            lines = [ln.split() for ln in log.read_text().splitlines()]
-            assert [k for k, _ in lines] == [fut.key, fut.key] and lines[1][1] == where  # again, same key
-            g = wait_for(lambda: (g := da.session_graph(c, s)).state == "completed" and g)
-            states = [n.state for n in g.nodes if n.call_id == fut.key]
-            assert states == ["finished"]
-    finally:
-        cluster.close(timeout=30)
+    with _installed(2) as c:
+        with da.session(c) as s:
+            wait_for(lambda: c._agents_routes.token)
+            first = da.stub(dc.Writer).write([3] * 16)
+            bound = first.value()["worker"]
+            assert _direct(first) is not None and _direct(first).worker == bound  # routed, then straight
+            assert c._agents_routes.bound.get((s.id, "emu")) == bound
+            fut = da.stub(dc.Writer).logged_wait(str(log), str(release))
+            assert _direct(fut) is not None and _direct(fut).worker == bound
+            wait_for(lambda: log.exists() and log.read_text().strip())
+            with contextlib.suppress(Exception):  # it dies before it answers
+                c.run(os._exit, 1, workers=[bound])
+            release.write_text("go")
+            where = fut.value()
+        assert where != bound
+        lines = [ln.split() for ln in log.read_text().splitlines()]
+        assert [k for k, _ in lines] == [fut.key, fut.key] and lines[1][1] == where  # again, same key
+        g = wait_for(lambda: (g := da.session_graph(c, s)).state == "completed" and g)
+        states = [n.state for n in g.nodes if n.call_id == fut.key]
+        assert states == ["finished"]
 
 
 def test_a_direct_value_lost_with_its_worker_is_computed_again_for_what_depends_on_it():
@@ -252,27 +259,21 @@ def test_a_direct_value_lost_with_its_worker_is_computed_again_for_what_depends_
     future afterwards (a call on the scheduler path, plain Dask work) still gets the right value:
     the key has the call as its task, so Dask runs it again elsewhere, as for any task's lost
     value (scattered data would fail them with lost dependencies)."""
-    cluster = _cluster(2)
-    try:
-        with Client(cluster) as c:
-            with dask.config.set(CONFIG):
-                da.install(c, models=["emu"])
-            with da.session(c) as s:
-                wait_for(lambda: c._agents_routes.token)
-                bound = da.stub(dc.Writer).write([3] * 16).value()["worker"]  # binds the session
-                wait_for(lambda: c._agents_routes.bound.get((s.id, "emu")) == bound)
-                fut = da.stub(dc.Writer).double(21)
-                assert fut.value() == 42 and _direct(fut) is not None and _direct(fut).worker == bound
-                wait_for(lambda: c.run_on_scheduler(lambda dask_scheduler, k=fut.key:
-                                                    getattr(dask_scheduler.tasks.get(k), "run_spec", None) is not None))
-                with contextlib.suppress(Exception):
-                    c.run(os._exit, 1, workers=[bound])
-                wait_for(lambda: bound not in c.scheduler_info()["workers"])
-                assert da.stub(dc.Plain).add(fut, 1).value(timeout=60) == 43
-                assert c.submit(lambda x: x + 100, fut).result(timeout=60) == 142
-                assert fut.value() == 42
-    finally:
-        cluster.close(timeout=30)
+    with _installed(2) as c:
+        with da.session(c) as s:
+            wait_for(lambda: c._agents_routes.token)
+            bound = da.stub(dc.Writer).write([3] * 16).value()["worker"]  # binds the session
+            wait_for(lambda: c._agents_routes.bound.get((s.id, "emu")) == bound)
+            fut = da.stub(dc.Writer).double(21)
+            assert fut.value() == 42 and _direct(fut) is not None and _direct(fut).worker == bound
+            wait_for(lambda: c.run_on_scheduler(lambda dask_scheduler, k=fut.key:
+                                                getattr(dask_scheduler.tasks.get(k), "run_spec", None) is not None))
+            with contextlib.suppress(Exception):
+                c.run(os._exit, 1, workers=[bound])
+            wait_for(lambda: bound not in c.scheduler_info()["workers"])
+            assert da.stub(dc.Plain).add(fut, 1).value(timeout=60) == 43
+            assert c.submit(lambda x: x + 100, fut).result(timeout=60) == 142
+            assert fut.value() == 42
 
 
 def _route_answers(on: bool, dask_scheduler: Any = None) -> None:
@@ -298,54 +299,48 @@ def test_a_sessions_first_calls_wait_for_one_route_then_go_straight():
     first LLM call), the calls take the scheduler path under their keys, and answer right.
     With ``agents.client.route-first-calls: false`` (read where the call is made) they take the
     scheduler path, which binds the session."""
-    cluster = _cluster(2)
-    try:
-        with Client(cluster) as c:
-            with dask.config.set(CONFIG):
-                da.install(c, models=["emu"])
-            c.run_on_scheduler(_count_graph_keys)
-            routes = c._agents_routes
-            with da.session(c):
-                wait_for(lambda: routes.token)
-            wait_for(lambda: _lease_out(c))
-            sent_before = c.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["dask-agents"].direct.sent)
-            with da.session(c) as s:
-                futs = [da.stub(dc.Writer).write([7] * (16 + i)) for i in range(3)]
-                outs = [f.value() for f in futs]
-            bound = outs[0]["worker"]
-            for f, out in zip(futs, outs):
-                call = _direct(f)
-                assert call is not None and call.state == "finished" and call.worker == bound
-                assert out["worker"] == out["llm_worker"] == bound and out["output"] == 4
-            assert not {f.key for f in futs} & _graph_keys(c)  # none crossed the scheduler
-            # the session's open, one route answer (and its binding): not one per call
-            sent = c.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["dask-agents"].direct.sent)
-            assert sent - sent_before <= 3
-            g = wait_for(lambda: (g := da.session_graph(c, s)).state == "completed" and g)
-            assert {n.call_id for n in g.nodes if n.kind == "agent"} == {f.key for f in futs}
+    with _installed(2) as c:
+        c.run_on_scheduler(_count_graph_keys)
+        routes = c._agents_routes
+        with da.session(c):
+            wait_for(lambda: routes.token)
+        wait_for(lambda: _lease_out(c))
+        sent_before = c.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["dask-agents"].direct.sent)
+        with da.session(c) as s:
+            futs = [da.stub(dc.Writer).write([7] * (16 + i)) for i in range(3)]
+            outs = [f.value() for f in futs]
+        bound = outs[0]["worker"]
+        for f, out in zip(futs, outs):
+            call = _direct(f)
+            assert call is not None and call.state == "finished" and call.worker == bound
+            assert out["worker"] == out["llm_worker"] == bound and out["output"] == 4
+        assert not {f.key for f in futs} & _graph_keys(c)  # none crossed the scheduler
+        # the session's open, one route answer (and its binding): not one per call
+        sent = c.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["dask-agents"].direct.sent)
+        assert sent - sent_before <= 3
+        g = wait_for(lambda: (g := da.session_graph(c, s)).state == "completed" and g)
+        assert {n.call_id for n in g.nodes if n.kind == "agent"} == {f.key for f in futs}
 
-            with dask.config.set({"agents.client.route-first-calls": False}), da.session(c) as s:
-                first = da.stub(dc.Writer).double(1)
-                assert first.value() == 2 and _direct(first) is None and first.key in _graph_keys(c)
-                bound = wait_for(lambda: routes.bound.get((s.id, "emu")))
-                then = da.stub(dc.Writer).double(2)  # bound now: straight there
-                assert then.value() == 4 and _direct(then) is not None and _direct(then).worker == bound
+        with dask.config.set({"agents.client.route-first-calls": False}), da.session(c) as s:
+            first = da.stub(dc.Writer).double(1)
+            assert first.value() == 2 and _direct(first) is None and first.key in _graph_keys(c)
+            bound = wait_for(lambda: routes.bound.get((s.id, "emu")))
+            then = da.stub(dc.Writer).double(2)  # bound now: straight there
+            assert then.value() == 4 and _direct(then) is not None and _direct(then).worker == bound
 
-            for off in (_route_answers, _admission):
-                c.run_on_scheduler(off, False)
-                try:
-                    with da.session(c) as s:
-                        futs = [da.stub(dc.Writer).double(i) for i in range(3)]
-                        assert [f.value() for f in futs] == [0, 2, 4]
-                    assert all(_direct(f).state == "scheduler" for f in futs), off.__name__
-                    assert {f.key for f in futs} <= _graph_keys(c)
-                    assert not routes.awaiting
-                    g = wait_for(lambda: (g := da.session_graph(c, s)).state == "completed" and g)
-                    assert sorted(n.state for n in g.nodes) == ["finished"] * 3
-                finally:
-                    c.run_on_scheduler(off, True)
-    finally:
-        cluster.close(timeout=30)
+        for off in (_route_answers, _admission):
+            c.run_on_scheduler(off, False)
+            try:
+                with da.session(c) as s:
+                    futs = [da.stub(dc.Writer).double(i) for i in range(3)]
+                    assert [f.value() for f in futs] == [0, 2, 4]
+                assert all(_direct(f).state == "scheduler" for f in futs), off.__name__
+                assert {f.key for f in futs} <= _graph_keys(c)
+                assert not routes.awaiting
+                g = wait_for(lambda: (g := da.session_graph(c, s)).state == "completed" and g)
+                assert sorted(n.state for n in g.nodes) == ["finished"] * 3
+            finally:
+                c.run_on_scheduler(off, True)
 
 
 def test_a_session_completes_only_after_the_records_of_its_direct_calls(client):
