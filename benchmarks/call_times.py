@@ -43,7 +43,8 @@ def record() -> None:
     path = os.path.join(out_dir, f"{os.getpid()}.jsonl")
     add = program.AgentClock.add
 
-    def add_and_keep(self: Any, issued: float, started: float, ended: float, returned: float, kind: str = "llm") -> None:
+    def add_and_keep(self: Any, issued: float, started: float, ended: float, returned: float,
+                     kind: str = "llm") -> None:
         last.times = (issued, started, ended, returned)
         add(self, issued, started, ended, returned, kind)
 
@@ -155,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                 unit = os.path.join(tmp, f"{v}-{rep}.json")
                 env = {**os.environ, _ENV_DIR: out_dir, "PYTHONPATH": ROOT,
                        "DASK_DISTRIBUTED__WORKER__PRELOAD": json.dumps([os.path.abspath(__file__)])}
+                cli = ["measure", "--workflow", a.workflow, "--job", a.job, "--choices", a.choices,
+                       "--variants", v, "--json", unit]
                 code = (f"import sys; sys.path.insert(0, {ROOT!r}); from benchmarks import call_times; "
-                        "call_times.record(); from benchmarks.e2e.cli import main; "
-                        f"sys.exit(main({['measure', '--workflow', a.workflow, '--job', a.job, '--choices', a.choices, '--variants', v, '--json', unit]!r}))")
+                        f"call_times.record(); from benchmarks.e2e.cli import main; sys.exit(main({cli!r}))")
                 subprocess.run([sys.executable, "-c", code], env=env, check=True, stdout=subprocess.DEVNULL)
                 with open(unit) as f:
                     m = json.load(f)["units"][0]["metrics"]

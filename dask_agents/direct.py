@@ -21,9 +21,10 @@ yet: it waits on the client for one (**route request**, ``agents-route`` on the 
 stream, after the session's open): the scheduler binds the session as that call's own arrival
 would, and answers where, so a request's first calls (often a fan-out) go straight too; an
 answer of None, or none within :data:`ROUTE_WAIT_S`, sends them down the scheduler path (as
-``agents.client.route-first-calls: false`` does: the scheduler path binds the session). Anything else (stateful, batched, resource-bound or timed
-calls; calls with futures as arguments; LLM calls; asynchronous clients) takes the scheduler
-path, as does a call the worker refuses (no free thread, not ready, draining). Nothing about the future changes: it is an
+``agents.client.route-first-calls: false`` does: the scheduler path binds the session).
+Anything else (stateful, batched, resource-bound or timed calls; calls with futures as
+arguments; LLM calls; asynchronous clients) takes the scheduler path, as does a call the
+worker refuses (no free thread, not ready, draining). Nothing about the future changes: it is an
 ``AgentFuture`` of the same key; when the answer comes its key is made known to the scheduler
 (``update-data`` on this client's stream, as ``scatter`` does: the value stays in the worker's
 memory and later work may depend on it) and given the call as its task (so a value lost with
