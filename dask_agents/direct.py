@@ -17,11 +17,12 @@ answer. The scheduler tells a session's owner, on its own stream (``agents-direc
 
 A call goes to the worker of its session's engine of the model its component uses, or to the
 only engine of that model. A session's first call of a model with several engines has no route
-yet: it waits on the client for one (**route request**, ``agents-route`` on the client's
-stream, after the session's open): the scheduler binds the session as that call's own arrival
-would, and answers where, so a request's first calls (often a fan-out) go straight too; an
-answer of None, or none within :data:`ROUTE_WAIT_S`, sends them down the scheduler path (as
-``agents.client.route-first-calls: false`` does: the scheduler path binds the session).
+yet and takes the scheduler path, which binds the session; with
+``agents.client.route-first-calls`` (off by default) it waits on the client for one instead
+(**route request**, ``agents-route`` on the client's stream, after the session's open): the
+scheduler binds the session as that call's own arrival would, and answers where, so a
+request's first calls (often a fan-out) go straight too; an answer of None, or none within
+:data:`ROUTE_WAIT_S`, sends them down the scheduler path.
 Anything else (stateful, batched, resource-bound or timed calls; calls with futures as
 arguments; LLM calls; asynchronous clients) takes the scheduler path, as does a call the
 worker refuses (no free thread, not ready, draining). Nothing about the future changes: it is an

@@ -232,7 +232,7 @@ def test_a_worker_killed_mid_direct_call_runs_it_again_through_the_scheduler(tmp
     again down the scheduler path under the same key, it runs on the other worker, and the
     graph has it once, finished."""
     log, release = tmp_path / "log", tmp_path / "release"
-    with _installed(2) as c:
+    with _installed(2) as c, dask.config.set({"agents.client.route-first-calls": True}):
         with da.session(c) as s:
             wait_for(lambda: c._agents_routes.token)
             first = da.stub(dc.Writer).write([3] * 16)
@@ -299,7 +299,7 @@ def test_a_sessions_first_calls_wait_for_one_route_then_go_straight():
     first LLM call), the calls take the scheduler path under their keys, and answer right.
     With ``agents.client.route-first-calls: false`` (read where the call is made) they take the
     scheduler path, which binds the session."""
-    with _installed(2) as c:
+    with _installed(2) as c, dask.config.set({"agents.client.route-first-calls": True}):
         c.run_on_scheduler(_count_graph_keys)
         routes = c._agents_routes
         with da.session(c):
@@ -425,7 +425,7 @@ def test_routes_ask_for_a_route_only_where_the_binding_alone_is_missing():
     r.update(token="t", session="s1", models={"coder": ["w1", "w2"], "chat": ["w3"]}, components={"Coder": "coder"})
     with dask.config.set({"agents.client.route-first-calls": False}):
         assert r.unrouted("s1", "Coder", None) is None  # turned off
-    with dask.config.set({"agents.client.route-first-calls": True}):  # (the default)
+    with dask.config.set({"agents.client.route-first-calls": True}):
         assert r.unrouted("s1", "Coder", None) == (None, "t", "coder")
         assert r.unrouted("s-not-opened-here", "Coder", None) is None  # another client's session
         assert r.unrouted("s1", "Planner", None) is None  # no model
