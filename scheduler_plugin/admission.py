@@ -251,6 +251,9 @@ class Admission:
         r = self.engines.get((worker, model))
         if r is None:
             r = self.engines[(worker, model)] = EngineRoom(worker, model)
+            # an engine that reports after its model's lease went out gets it too: the lease is
+            # sent when it opens or closes, so without this a late engine's worker never has it
+            self._lease_changed(worker, model)
         return r
 
     def working_set(self, sid: str, model: str, new: bool = False) -> int:

@@ -782,8 +782,8 @@ class AgentsSchedulerPlugin(SchedulerPlugin):
             s = self.state.sessions.get(session)
             if s is not None and s.owner == client:
                 worker = self.admission.bind_early(session, model)
-                if worker not in self._routable_models().get(model, ()):
-                    worker = None
+                if worker not in self.model_workers.get(model, ()) or worker in self.roster.retiring:
+                    worker = None  # (as _routable_models, without building it per request)
         self.direct.routed(client, session, model, worker)
 
     def _routable_models(self) -> dict[str, list[str]]:

@@ -296,6 +296,48 @@ async def test_lazy_engines_stop_at_max_replicas(c: Client, s: Scheduler, a: Wor
     assert plugin.admission.counts["engines_started"] == 0
 
 
+def test_an_engine_that_reports_after_its_models_lease_went_out_gets_the_lease() -> None:
+    """The lease is pushed when a model's lease opens or closes; an engine of the model that
+    reports later (a second worker slower to start) must get it too, not wait for a change
+    that may never come (seen: a two-worker cluster whose second worker never held it)."""
+    from dask_agents.scheduler_plugin.admission import LEASE_OP, Admission
+    from dask_agents.scheduler_plugin.placement import Placement
+    from dask_agents.scheduler_plugin.recovery import Recovery
+    from dask_agents.scheduler_plugin.roster import Roster
+    from dask_agents.scheduler_plugin.state import WorkflowState
+
+    sent: list = []
+    soon: list = []
+
+    class Scheduler:  # what push_leases uses of Dask's scheduler
+        workers = {"a": "ws-a", "b": "ws-b"}
+        running = {"ws-a", "ws-b"}
+
+        class loop:
+            add_callback = staticmethod(lambda fn, *args: soon.append((fn, args)))
+
+        def worker_send(self, address: str, msg: dict) -> None:
+            sent.append((address, msg))
+
+    roster, state = Roster(), WorkflowState()
+    roster.scheduler = Scheduler()
+    adm = Admission(roster, state, Placement(roster, state, Recovery(roster, state), lambda component: None))
+    assert adm.leasing
+    roster.hosts["m"] = {"a"}
+    adm.room("a", "m")
+    adm.tick()  # nothing short: the lease goes out to the one engine
+    for fn, args in soon:
+        fn(*args)
+    soon.clear()
+    assert sent == [("a", {"op": LEASE_OP, "leases": {"m": []}})]
+    sent.clear()
+    roster.hosts["m"].add("b")
+    adm.room("b", "m")  # the second engine reports: nothing opened or closed
+    for fn, args in soon:
+        fn(*args)
+    assert sent == [("b", {"op": LEASE_OP, "leases": {"m": []}})]
+
+
 def test_the_working_set_limit_follows_what_the_engine_shows():
     """AIMD on an engine's limit: up while new sessions wait and returning calls find their
     prefixes, down at once when they find them evicted; never faster than once a second."""
