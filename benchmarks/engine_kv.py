@@ -88,9 +88,12 @@ from dask_agents.stats import percentile  # noqa: E402
 
 VARIANTS = ("prefix_caching", "lru_host", "wa_lru", "nalar", "ours")
 POLICY = {"prefix_caching": "none", "wa_lru": "wa_lru", "nalar": "nalar", "ours": "ours", "lru_host": "lru",
-          "lmcache": "none"}
+          "lmcache": "none", "offload_lru": "lru", "offload_ours": "ours"}
 # "lmcache" (GPU: benchmarks/gpu_check.sh): vLLM's AsyncLLM with LMCache's CPU tier under it
 # (engine: vllm-async, kv-connector: lmcache); no hints reach it (LMCache is workflow-blind).
+# "offload_lru" / "offload_ours" (GPU only: vLLM refuses its OffloadingConnector on CPU): AsyncLLM
+# with vLLM's own host tier (kv-connector: offloading), evicting by vLLM's LRU or by our policy
+# (kv/runtime/offload_policy.py, fed the sessions' hints with the requests).
 QUICK = {"sessions": 8, "steps": (5, 7), "task": (768, 1280), "tool_out": (192, 384), "rounds": 5}
 FULL = {"sessions": 12, "steps": (5, 8), "task": (768, 1280), "tool_out": (192, 384), "rounds": 9}
 TOOLS = {"planner": ("file_io", "web_api"), "developer": ("file_io", "code_exec"), "tester": ("code_exec",)}
@@ -252,6 +255,8 @@ def settings(variant: str, args: argparse.Namespace) -> Any:
         os.environ.setdefault("LMCACHE_MAX_LOCAL_CPU_SIZE", str(parse_bytes(args.host) / 2**30))
         os.environ.setdefault("LMCACHE_CHUNK_SIZE", "128")
         extra = {"engine": "vllm-async", "kv_connector": "lmcache"}
+    elif variant.startswith("offload_"):
+        extra = {"engine": "vllm-async", "kv_connector": "offloading"}
     return ModelSettings(model="builtin:tiny-llama", load_format="dummy", tokenizer="byte", dtype="bfloat16",
                          max_model_len=args.max_model_len, kv_cache_memory_bytes=args.device,
                          kv_host_bytes=0 if policy == "none" else args.host, kv_policy=policy,

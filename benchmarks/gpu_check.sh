@@ -7,8 +7,10 @@
 # otherwise creates it and installs the project with its `gpu` extra (CUDA vLLM + LMCache:
 # needs the package registries). Side by side in one run, on the same tiny dummy-weight
 # model as the CPU benchmark: vLLM prefix caching alone, WA-LRU+TTL, Nalar, the full
-# dask-agents policy (in-process engines with the project's own host tier), and LMCache
-# (AsyncLLM with LMCache's CPU tier, workflow-blind). Writes OUT_DIR/engine-kv-gpu.json.
+# dask-agents policy (in-process engines with the project's own host tier), LMCache
+# (AsyncLLM with LMCache's CPU tier, workflow-blind), and vLLM's own host tier (AsyncLLM with
+# its OffloadingConnector) evicting by vLLM's LRU or by our policy (offload_lru, offload_ours).
+# Writes OUT_DIR/engine-kv-gpu.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results}
@@ -24,4 +26,4 @@ fi
 # the in-process variants step the engine in this process; the lmcache variant's AsyncLLM
 # starts its core in a child process (this script's process is not daemonic)
 timeout 540 "$VENV/bin/python" benchmarks/engine_kv.py --quick --rounds 2 \
-    --variants prefix_caching wa_lru nalar ours lmcache --json "$OUT/engine-kv-gpu.json"
+    --variants prefix_caching wa_lru nalar ours lmcache offload_lru offload_ours --json "$OUT/engine-kv-gpu.json"

@@ -65,10 +65,12 @@ class ModelSettings(BaseModel):
         "vllm", description="vllm (a real engine stepped in the worker: per-session KV control), vllm-async "
         "(vLLM's AsyncLLM, its core in a child process: GPU workers, needs a non-daemonic worker; KV tiers "
         "from a KV connector) or emulated (a cost model, for experiments at scale).")
-    kv_connector: Literal["lmcache", "dask-agents"] | None = Field(
+    kv_connector: Literal["lmcache", "dask-agents", "offloading"] | None = Field(
         None, alias="kv-connector", description="vllm-async only: lmcache puts LMCache's CPU/disk KV tiers "
         "under the engine (workflow-blind); dask-agents puts kv/runtime/connector.py's host tier "
-        "(kv-host-bytes) under it, with per-session directives (inspect, offload, invalidate).")
+        "(kv-host-bytes) under it, with per-session directives (inspect, offload, invalidate); offloading "
+        "puts vLLM's OffloadingConnector's host tier (kv-host-bytes) under it, evicting by our policy "
+        "(kv/runtime/offload_policy.py) from the sessions' state hints (GPU: vLLM refuses it on CPU).")
     # The engine host and its KV control in a child process of the worker (worker_plugin/process_host.py):
     # the worker's Python threads (components, tools, Dask) no longer share the engine's GIL.
     process: bool = Field(False, description=(

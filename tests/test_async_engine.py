@@ -105,10 +105,14 @@ class _FakeAsyncLLM:
 
     def __init__(self, mode: str):
         self.mode, self.errored, self.shut = mode, False, False
+        self.hints: list = []  # "record": each request's kv_hints (finished at once, no output)
 
-    async def generate(self, prompt, sampling, request_id, priority=0, session_id=None):
+    async def generate(self, prompt, sampling, request_id, priority=0, session_id=None, kv_hints=None):
         import asyncio
 
+        if self.mode == "record":
+            self.hints.append(kv_hints)
+            return
         if self.mode == "die":
             self.errored = True
             raise RuntimeError("engine core died")
@@ -119,12 +123,12 @@ class _FakeAsyncLLM:
         self.shut = True
 
 
-def _fake_host(monkeypatch, mode: str) -> tuple[AsyncEngineHost, _FakeAsyncLLM]:
+def _fake_host(monkeypatch, mode: str, **settings: object) -> tuple[AsyncEngineHost, _FakeAsyncLLM]:
     from vllm.v1.engine import async_llm
 
     fake = _FakeAsyncLLM(mode)
     monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", classmethod(lambda cls, args: fake))
-    host = AsyncEngineHost("fake", ModelSettings(engine="vllm-async", **TINY))
+    host = AsyncEngineHost("fake", ModelSettings(engine="vllm-async", **{**TINY, **settings}))
     host.start()
     host.wait_loaded(60)
     return host, fake
@@ -151,3 +155,48 @@ def test_a_dead_core_marks_the_host_crashed_for_a_restart(monkeypatch):
     assert info.value.crashed and "engine core died" in str(info.value)
     assert host.crashed is not None and host.crashed.__traceback__ is None
     host.close()
+
+
+def test_offloading_puts_our_policy_under_vllms_host_tier_and_sends_it_the_hints(monkeypatch):
+    """``kv-connector: offloading``: vLLM's OffloadingConnector with our cache policy
+    (kv/runtime/offload_policy.py, tested against vLLM's manager in test_offload_policy.py;
+    vLLM refuses the connector on CPU, so the engine itself runs it only on GPUs). The state
+    hints the worker gives the engine, a session's end among them, travel with the next
+    request as vLLM's kv_hints, once; without the connector nothing is sent."""
+    from dask.utils import parse_bytes
+
+    from dask_agents.kv.runtime import offload_policy
+
+    host, fake = _fake_host(monkeypatch, "record", **{"kv-connector": "offloading", "kv-host-bytes": "64 MiB"})
+    try:
+        kv = host._engine_args().kv_transfer_config
+        assert kv.kv_connector == "OffloadingConnector"
+        assert kv.kv_connector_extra_config == offload_policy.extra_config(parse_bytes("64 MiB"), "ours")
+        params = host.sampling_params(4, 0.0, None)
+        assert host.kv_hint("a", "paused", node="coder", wait_key="code_exec", at=5.0) is not None
+        host.kv_session_end("b")
+        host.submit("r0", [5, 6, 7], params, "c").result(10)
+        host.submit("r1", [5, 6, 7], params, "c").result(10)
+        first, second = fake.hints
+        assert first.protocol_version == offload_policy.PROTOCOL
+        sent = [(a.action_type, a.payload) for a in first.actions]
+        assert sent[0] == ("dask-agents.session-state", {"session": "a", "state": "paused", "node": "coder",
+                                                         "wait_key": "code_exec", "at": 5.0})
+        assert sent[1][1]["session"] == "b" and sent[1][1]["state"] == "finished"
+        assert sent[2] == ("dask-agents.request", {"session": "c"})
+        assert [(a.action_type, a.payload) for a in second.actions] == [sent[2]]  # each hint once
+    finally:
+        host.close()
+    lru = AsyncEngineHost("lru", ModelSettings(engine="vllm-async", **{**TINY, "kv-connector": "offloading",
+                                                                       "kv-policy": "lru"}))
+    assert lru._engine_args().kv_transfer_config.kv_connector_extra_config["eviction_policy"] == "lru"
+    with pytest.raises(ValueError, match="ours or lru"):
+        AsyncEngineHost("n", ModelSettings(engine="vllm-async", **{**TINY, "kv-connector": "offloading",
+                                                                   "kv-policy": "nalar"}))._engine_args()
+    host, fake = _fake_host(monkeypatch, "record")
+    try:
+        assert host.kv_hint("a", "paused") is None
+        host.submit("r0", [5, 6, 7], host.sampling_params(4, 0.0, None), "c").result(10)
+        assert fake.hints == [None]
+    finally:
+        host.close()

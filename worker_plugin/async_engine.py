@@ -20,6 +20,7 @@ routes a session to the engine that holds its KV.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import threading
@@ -72,6 +73,9 @@ class AsyncEngineHost:
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"dask-agents-async-engine-{name}", daemon=True)
+        # kv-connector: offloading: the session-state hints received since the last request, sent
+        # with the next one (vLLM's kv_hints) to our cache policy in the core's host tier
+        self._hints: collections.deque = collections.deque(maxlen=4096)
 
     def start(self) -> None:
         """Start loading the engine in the background (idempotent)."""
@@ -99,6 +103,15 @@ class AsyncEngineHost:
             from vllm.config import KVTransferConfig
 
             kv_transfer = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+        elif s.kv_connector == "offloading":
+            from vllm.config import KVTransferConfig
+
+            from dask_agents import config as agents_config
+            from dask_agents.kv.runtime.offload_policy import extra_config
+
+            policy = s.kv_policy or str(agents_config.get("kv.policy"))
+            kv_transfer = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                           kv_connector_extra_config=extra_config(byte_size(s.kv_host_bytes), policy))
         return AsyncEngineArgs(
             model=s.model_path(), load_format=s.load_format, skip_tokenizer_init=self.tokenizer is not None,
             dtype=s.dtype, max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
@@ -179,9 +192,11 @@ class AsyncEngineHost:
         fut: Future = Future()
         sampling, priority = params
 
+        hints = self._take_hints(session)
+
         def begin() -> None:
             self._tasks[request_id] = self._loop.create_task(self._generate(request_id, token_ids, sampling,
-                                                                            priority, fut, session))
+                                                                            priority, fut, session, hints))
         with self._lock:
             if self._closed or self.crashed is not None or self._engine is None:
                 fut.set_exception(self._stopped_error())
@@ -196,14 +211,15 @@ class AsyncEngineHost:
         return fut
 
     async def _generate(self, request_id: str, token_ids: list[int], sampling: Any, priority: int,
-                        fut: Future, session: str | None = None) -> None:
+                        fut: Future, session: str | None = None, hints: Any = None) -> None:
         from dask_agents.kv.runtime.vllm_compat import token_prompt
 
         final, seen, streamed = None, {}, {}
         try:
             priority = priority if self.settings.scheduling == "priority" else 0
             async for out in self._engine.generate(token_prompt(token_ids), sampling,
-                                                   request_id, priority=priority, session_id=session):
+                                                   request_id, priority=priority, session_id=session,
+                                                   **({"kv_hints": hints} if hints is not None else {})):
                 if final is None and out.outputs and out.outputs[0].token_ids:
                     self.token_times.token(request_id)
                 final = gather_completions(seen, out)
@@ -232,15 +248,40 @@ class AsyncEngineHost:
 
     def kv_hint(self, session: str, state: str, node: str | None = None, wait_key: str | None = None,
                 at: float | None = None) -> Future | None:
-        """Ignored (None): no KV manager runs beside AsyncLLM."""
-        return None
+        """With ``kv-connector: offloading``, kept for the next request to carry to the host
+        tier's cache policy (``kv/runtime/offload_policy.py``; a done future); else ignored
+        (None): no KV manager runs beside AsyncLLM."""
+        if self.settings.kv_connector != "offloading":
+            return None
+        self._hints.append((session, state, node, wait_key, time.time() if at is None else float(at)))
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _take_hints(self, session: str | None) -> Any:
+        """The hints the next request carries (None without ``kv-connector: offloading``)."""
+        if self.settings.kv_connector != "offloading":
+            return None
+        from dask_agents.kv.runtime.offload_policy import envelope
+
+        states = []
+        while self._hints:
+            try:
+                states.append(self._hints.popleft())
+            except IndexError:  # (taken by another request's submit meanwhile)
+                break
+        return envelope(session, states)
 
     def kv_directive(self, op: str, session: str, timeout: float = 60.0, **args: Any) -> dict:
         """See :meth:`kv_connector_directive`."""
         return self.kv_connector_directive(op, session, timeout, **args)
 
     def kv_session_end(self, session: str) -> None:
-        """See :meth:`kv_connector_forget`."""
+        """See :meth:`kv_connector_forget`; with ``kv-connector: offloading``, the session's end
+        goes to the host tier's cache policy with the next request (its chunks go first)."""
+        if self.settings.kv_connector == "offloading":
+            self.kv_hint(session, "finished")
+            return
         self.kv_connector_forget(session)
 
     def kv_connector_directive(self, op: str, session: str, timeout: float = 60.0, **args: Any) -> dict:
