@@ -5,6 +5,7 @@ rest, finish."""
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import random
 
@@ -118,6 +119,61 @@ def test_context_a_session_left_behind_goes_before_what_sessions_still_hold():
     got = _request(m, _chain("n0", "n1", "n2"), "N", states)
     assert got["evicted"] == [a[3], a[2]]  # S's old chain, tail first
     assert all(k in m._policy.chunks for k in p + compacted)
+
+
+def _reference_evict(policy: op.SessionCachePolicy, n: int, protected: set) -> list | None:
+    """What evict must pick, by its definition, computed the slow way: every candidate ranked by
+    (its soonest holder's next use, oldest use first)."""
+    candidates = [k for k in policy._evictable if k not in protected]
+    if len(candidates) < n:
+        return None
+    nxt = policy.next_use()
+
+    def order(k):
+        owners = policy._owners.get(k)
+        return (min(nxt[s] for s in owners) if owners else float("inf")), -policy._rank[k]
+
+    return heapq.nlargest(n, candidates, key=order)
+
+
+def test_evicting_level_by_level_picks_what_ranking_every_chunk_would():
+    """The eviction walks sessions by expected use and reads only the chunks of the levels it
+    reaches; on random agent traffic (shared prompts, compactions, tool pauses of every kind,
+    ends, chunks in use) it picks the same chunks, in the same order, as ranking them all."""
+    rng = random.Random(3)
+    now = [0.0]
+    m = _manager(60)
+    policy = m._policy
+    policy.clock = lambda: now[0]
+    fast = policy.evict
+    calls = []
+
+    def checked(n, protected):
+        want = _reference_evict(policy, n, protected)
+        got = fast(n, protected)
+        assert (None if got is None else [k for k, _ in got]) == want
+        calls.append(n)
+        return got
+
+    policy.evict = checked
+    chains = {s: ["sys0", "sys1"] for s in range(10)}
+    kinds = ["file_io", "code_exec", "web_api", None]
+    hints: list = []
+    for step in range(600):
+        now[0] += rng.expovariate(2.0)
+        s = rng.randrange(10)
+        if rng.random() < 0.08:
+            chains[s] = ["sys0", "sys1", f"sum{s}-{step}"]  # a compaction
+        chains[s] = chains[s] + [f"s{s}-{step}-{j}" for j in range(rng.randrange(1, 5))]
+        _request(m, _chain(*chains[s]), f"S{s}", tuple(hints))
+        hints = [(f"S{s}", "finished" if rng.random() < 0.05 else "paused", "coder", rng.choice(kinds), now[0])]
+        if hints[0][1] == "finished":
+            chains[s] = ["sys0", "sys1"]
+    assert len(calls) > 100 and len(policy.chunks) > 30, (len(calls), len(policy.chunks))
+    for _ in range(50):  # and direct calls with arbitrary protected sets
+        keys = list(policy.chunks)
+        protected = set(rng.sample(keys, rng.randrange(len(keys) + 1)))
+        checked(rng.randrange(1, 8), protected)
 
 
 def test_a_request_that_cannot_find_room_changes_nothing():
