@@ -228,6 +228,9 @@ class Admission:
         self.tokens: dict[tuple[str, str], int] = {}  # (session, model) -> largest call budget seen
         self.models_of: dict[str, set[str]] = defaultdict(set)  # session -> models it called (cleanup index)
         self.peak: dict[tuple[str, str], int] = {}  # (session, model) -> largest context reported
+        # (session, model) -> the context each of its threads of LLM calls (those one call makes:
+        # an agent's steps) had after its last call: what that thread's next prompt extends
+        self.threads: dict[tuple[str, str], dict[str | None, int]] = {}
         self.typical: dict[str, float] = {}  # model -> EWMA of ended sessions' peak contexts
         self.shared: dict[str, float] = {}  # model -> EWMA of the tokens sessions share (first calls' hits)
         self.counts: Counter = Counter()
@@ -486,7 +489,16 @@ class Admission:
         # bound early and served under the lease (no update_graph, so on_call never said what
         # it needs): from its first report on it counts what it holds, not the typical peak
         self.early.discard(sk)
-        before = self.peak.get(sk)
+        # a miss is judged against the context of the same thread (the calls one caller makes,
+        # each extending the last), not the session's largest: in a session of several agents
+        # (finance: 3-5 analysts, a summarizer, follow-ups) another agent's first call shares
+        # only the system prompt, and taking that for an eviction drove every engine's limit to
+        # its floor with nothing ever evicted (all 12 finance units below capacity: factor 0.5)
+        self.models_of[rec.session].add(rec.model)  # (what it records here goes at the session's end)
+        threads = self.threads.setdefault(sk, {})
+        creator = getattr(rec, "creator", None)
+        before = threads.get(creator)
+        threads[creator] = ctx
         if before is not None and m.get("cached_tokens") is not None and self.admitted_on.get(sk) == rec.worker:
             r = self.engines.get((rec.worker, rec.model))
             if r is not None:
@@ -563,6 +575,7 @@ class Admission:
                 r.lent.discard(sid)
                 self._lease_changed(worker, model)
         peak = self.peak.pop((sid, model), 0)
+        self.threads.pop((sid, model), None)
         self.tokens.pop((sid, model), None)
         self.early.discard((sid, model))
         models = self.models_of.get(sid)

@@ -359,8 +359,8 @@ def test_the_working_set_limit_follows_what_the_engine_shows():
     adm.admitted_on[("s", "m")] = "w"
 
     def returning(prompt: int, cached: int, held_before: int) -> None:
-        """A returning call of a session that held ``held_before`` tokens found ``cached``."""
-        adm.peak[("s", "m")] = held_before
+        """A returning call of a thread (of a session) that held ``held_before`` tokens found ``cached``."""
+        adm.threads.setdefault(("s", "m"), {})[None] = held_before
         Rec.metrics = {"prompt_tokens": prompt, "cached_tokens": cached, "output_tokens": 0}
         adm.on_llm_report(Rec)
 
@@ -381,6 +381,43 @@ def test_the_working_set_limit_follows_what_the_engine_shows():
     assert r.factor == pytest.approx(1.2 * 0.7) and adm.counts["limit_changes"] == 3
     returning(prompt=1000, cached=0, held_before=20)  # too short to judge: ignored
     assert r.samples == 20
+
+
+def test_another_agents_first_call_is_not_taken_for_an_eviction() -> None:
+    """A session of several agents: each agent's LLM calls extend that agent's own context. A
+    call is judged against the context its own thread (its caller's calls) had, so another
+    agent's first call (sharing only the system prompt) is no miss, and the limit holds; an
+    agent whose own context was evicted is one."""
+    from dask_agents.scheduler_plugin.admission import Admission
+    from dask_agents.scheduler_plugin.placement import Placement
+    from dask_agents.scheduler_plugin.recovery import Recovery
+    from dask_agents.scheduler_plugin.roster import Roster
+    from dask_agents.scheduler_plugin.state import WorkflowState
+
+    roster, state = Roster(), WorkflowState()
+    adm = Admission(roster, state, Placement(roster, state, Recovery(roster, state), lambda component: None))
+    r = adm.room("w", "m")
+    r.capacity, r.block_size = 1000, 16
+    state.session("s", None, 0.0)
+    adm.admitted_on[("s", "m")] = "w"
+
+    def call(creator: str, prompt: int, cached: int, output: int = 200) -> None:
+        rec = type("Rec", (), {"model": "m", "session": "s", "worker": "w", "creator": creator,
+                               "metrics": {"prompt_tokens": prompt, "cached_tokens": cached, "output_tokens": output}})
+        adm.on_llm_report(rec)
+
+    for i in range(12):  # analyst i: its first call shares the 512-token system prompt only, then extends its own
+        call(f"analyst-{i}", prompt=3000, cached=512)
+        call(f"analyst-{i}", prompt=3400, cached=3200)
+    assert r.samples == 12 and r.misses == 0.0
+    adm.adapt(10.0)
+    assert r.factor == 1.0  # (per session, every analyst's first call read as a miss: the factor fell)
+    for i in range(12):
+        call(f"analyst-{i}", prompt=3800, cached=512)  # now their own contexts are gone
+    adm.adapt(11.5)
+    assert r.factor == pytest.approx(0.7)
+    adm.on_session_ended("s")
+    assert ("s", "m") not in adm.threads
 
 
 @pytest.mark.parametrize("slack, near_ok", [(1, [True, True, False]), (0, [True, False, False])])
@@ -667,6 +704,7 @@ def test_parking_pauses_on_an_engine_whose_parked_sessions_come_back_to_a_recomp
         r.sessions.add(parked)
         adm.admitted_on[(parked, "m")] = "w"
         adm.peak[(parked, "m")] = 60 * 16  # 60 blocks: a 40-block newcomer fits (limit 90) only in its room
+        adm.threads[(parked, "m")] = {None: 60 * 16}  # (what its returning call's own thread held)
         assert adm.parked(r, time.time()) == {parked: 60}
         r.sessions.add(newcomer)
         assert adm._into_parked(r, newcomer, {}) and parked in r.lent
