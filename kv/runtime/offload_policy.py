@@ -106,10 +106,11 @@ class _Request:
 
 
 class _View:
-    """The two things ``Ours.next_use`` asks of a view: the graph and a session's elapsed pause."""
+    """What ``Ours.next_use`` and ``Ours.open_pauses`` ask of a view: the graph, the sessions and
+    a session's elapsed pause."""
 
-    def __init__(self, graph: AgentGraph, now: float):
-        self.graph, self.now = graph.view(), now
+    def __init__(self, graph: AgentGraph, sessions: dict[str, _Session], now: float):
+        self.graph, self.sessions, self.now = graph.view(), sessions, now
 
     def elapsed(self, s: _Session) -> float:
         return self.now - s.paused_since if s.paused_since is not None else 0.0
@@ -361,13 +362,8 @@ class SessionCachePolicy(CachePolicy):
 
     def next_use(self, now: float | None = None) -> dict[str, float]:
         """Each session holding chunks: ``Ours.next_use`` (seconds over probability; inf: gone)."""
-        view = _View(self.graph, self.clock() if now is None else now)
-        pauses: dict[str, list[float]] = {}
-        for s in self.sessions.values():
-            if s.state == PAUSED:
-                pauses.setdefault(s.wait_key, []).append(view.elapsed(s))
-        for xs in pauses.values():
-            xs.sort()
+        view = _View(self.graph, self.sessions, self.clock() if now is None else now)
+        pauses = Ours.open_pauses(view)
         memo: dict = {}
         return {sid: Ours.next_use(view, s, pauses, memo) for sid, s in self.sessions.items() if s.keys}
 
