@@ -33,6 +33,7 @@ from distributed import Scheduler, SchedulerPlugin
 
 import dask_agents.config as agents_config
 from dask_agents.annotation import ANNOTATION, sanitize_annotation
+from dask_agents.direct import ROUTE_OP  # client -> scheduler: where a session's calls of a model go
 from dask_agents.models import DRIVER, CallReport
 from dask_agents.scheduler_plugin import dask_compat, engine_health, metrics, validate
 from dask_agents.scheduler_plugin.actions import Kill, Provision
@@ -60,7 +61,6 @@ SESSION_END_OP = "agents-session-end"  # client -> scheduler, on the client's st
 SESSION_OPEN_OP = "agents-session-open"  # client -> scheduler, on entering a da.session block
 REATTACH_OP = "agents-reattach"  # client -> scheduler: a reconnected driver asks for its calls again
 SETTLE_S = 2.0  # how long a session's graph asked for by its owner after its end waits for the end and records
-ROUTE_OP = "agents-route"  # client -> scheduler: where a session's calls of a model go (dask_agents/direct.py)
 REFUSED = "inproc://dask-agents-refused-call"
 """Where a call past a limit waits (it never runs) until it is failed, outside update_graph."""
 ORPHANED = "inproc://dask-agents-orphaned-call"
