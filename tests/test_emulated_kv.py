@@ -177,6 +177,29 @@ def test_chunked_prefill_spreads_a_long_prompt_over_the_token_budget():
     assert sched.counters["prefill_tokens"] == n and sched.steps == 4
 
 
+@pytest.mark.parametrize("arrives", ["same step", "mid prefill"])
+def test_a_sibling_hits_the_blocks_a_step_schedules_not_only_those_computed_before(arrives):
+    """vLLM caches a block when a step allocates it for the tokens it schedules
+    (``KVCacheManager.allocate_slots`` -> ``cache_blocks``): a sibling admitted after the first
+    request, in the same step or while the first is still in prefill, hits every block the first
+    has been scheduled for and prefills only the rest (a fan-out over one long document computes
+    the document once). Caching blocks only once computed charged siblings the shared prefix
+    again: the yardstick's finance analysts prefilled 1.20x the floor."""
+    budget, doc = 16, [7] * 36  # the document: 9 blocks of 4 tokens, prefilled over 3 steps
+    sched = EmulatedScheduler(params(max_num_batched_tokens=budget), 100)
+    a, b = Sequence("a", doc + [1, 2, 3, 4], 2), Sequence("b", doc + [5, 6, 7, 8], 2)
+    sched.add(a)
+    if arrives == "mid prefill":
+        sched.step()  # a's first chunk (16 tokens) is computed
+    sched.add(b)
+    finish(sched)
+    # b is admitted once a's chunks leave it budget: every block of the document a was
+    # scheduled for by then, in that step included, is a hit
+    assert b.cached_tokens == 36 and a.cached_tokens == 0
+    assert sched.counters["prefill_tokens"] == 36 + 4 + 4 == sched.counters["queries"] - sched.counters["hits"]
+    assert b.output and a.output
+
+
 def test_running_decodes_take_the_budget_before_a_waiting_prompt():
     sched = EmulatedScheduler(params(max_num_batched_tokens=16), 100)
     r = Sequence("r", [5] * 4, 10)

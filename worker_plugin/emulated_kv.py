@@ -6,9 +6,11 @@ Everything it produces (latencies, cached tokens, KV use, transfers) is EMULATED
 computed, only counted. It follows what vLLM v1 does (``vllm/v1/core/sched/scheduler.py``,
 ``kv_cache_manager.py``, ``block_pool.py``):
 
-- **Blocks.** KV is paged in blocks of ``block_size`` tokens. A block full of computed tokens
-  is registered in the prefix cache under a chained hash (its parent's hash and its tokens),
-  so requests with a common prefix share blocks. A block nobody references stays cached and is
+- **Blocks.** KV is paged in blocks of ``block_size`` tokens. A block is registered in the
+  prefix cache under a chained hash (its parent's hash and its tokens) once a step schedules
+  the tokens that fill it (vLLM caches at allocation, before the step computes them), so
+  requests with a common prefix share blocks, a request admitted while another is still in
+  prefill included. A block nobody references stays cached and is
   evicted least recently used first when a new block is needed; a request's blocks are freed
   tail first, so a chain loses its tail before its head. The last sampled token's KV is never
   computed (its block is not full of computed tokens), as in vLLM.
@@ -509,11 +511,12 @@ class EmulatedScheduler:
                     empty.append(b)
         seq.blocks, seq.num_hashed = [], 0
 
-    def _cache_full(self, seq: Sequence) -> None:
-        """Register the sequence's blocks that are full of computed tokens in the prefix cache."""
+    def _cache_full(self, seq: Sequence, upto: int | None = None) -> None:
+        """Register the sequence's blocks that are full of computed tokens (``upto``: of tokens
+        computed by the end of this step) in the prefix cache."""
         if not self.prefix_caching:
             return
-        full = min(seq.num_computed // self.p.block_size, len(seq.hashes))
+        full = min((seq.num_computed if upto is None else upto) // self.p.block_size, len(seq.hashes))
         for i in range(seq.num_hashed, full):
             b, h = seq.blocks[i], seq.hashes[i]
             if b.block_hash is not None:
@@ -760,6 +763,16 @@ class EmulatedScheduler:
             if seq.status == "running":
                 scheduled.append((seq, n))
                 budget -= n
+        caching = self.prefix_caching
+        if caching:
+            # vLLM caches a block when it is allocated for the tokens a step schedules, not once
+            # computed (KVCacheManager.allocate_slots -> cache_blocks): a request admitted after
+            # it, in this step or later, hits the blocks this step computes (a fan-out's
+            # siblings arriving while the first is in prefill share its prefix). After the
+            # preemptions: a sequence unscheduled by one caches nothing it did not compute.
+            for seq, n in scheduled:
+                if (seq.num_computed + n) // bs > seq.num_hashed:
+                    self._cache_full(seq, seq.num_computed + n)
         admitted: list[Sequence] = []
         if not preempted or not scheduled:  # (vLLM admits nothing in a step that preempted)
             while self.waiting and len(self.running) < p.max_batch and budget > 0:
@@ -773,12 +786,13 @@ class EmulatedScheduler:
                 n = min(seq.length - seq.num_computed, budget)
                 scheduled.append((seq, n))
                 budget -= n
+                if caching and (seq.num_computed + n) // bs > seq.num_hashed:
+                    self._cache_full(seq, seq.num_computed + n)  # (as above: the next admitted may hit it)
         if not scheduled:
             return 0.0, []
         stall = max(0.0, max((s.ready_at for s in admitted), default=0.0) - self.now)
         prefill = positions = ctx = decoded = 0
         done: list[Sequence] = []
-        caching = self.prefix_caching
         for seq, n in scheduled:
             c = seq.num_computed
             if c < seq.prefill_target:  # prefill of positions c .. c + k - 1
