@@ -17,8 +17,15 @@ answer. The scheduler tells a session's owner, on its own stream (``agents-direc
 
 A call goes to the worker of its session's engine of the model its component uses, or to the
 only engine of that model. A session's first call of a model with several engines has no route
-yet and takes the scheduler path, which binds the session; with
-``agents.client.route-first-calls`` (off by default) it waits on the client for one instead
+yet: with ``agents.client.bind-first-calls`` (on by default) this client binds the session
+itself, to the engine its own calls in flight load least (then the one with fewest of its
+sessions), as the scheduler's ``balance-by: calls`` would, and the call goes straight there; the
+worker admits the session to its engine under admission's lease (nothing of the model short)
+and the scheduler binds it from the records (else admission binds it where its first LLM call
+arrives, and tells this client). That spares a request's first calls (often a fan-out) the
+scheduler's round trip both ways: 10-12 ms each under load against 2-5 for a direct hop
+(``benchmarks/README.md``, finance). Off, the call takes the scheduler path, which binds the
+session; with ``agents.client.route-first-calls`` (off by default) it waits on the client for one instead
 (**route request**, ``agents-route`` on the client's stream, after the session's open): the
 scheduler binds the session as that call's own arrival would, and answers where, so a
 request's first calls (often a fan-out) go straight too; an answer of None, or none within
@@ -52,6 +59,10 @@ ROUTE_WAIT_S = 1.0
 """How long calls waiting for a route request's answer wait before they take the scheduler path
 (an answer lost with a dropped connection must not leave them waiting)."""
 
+NOT_ADMITTED = "not admitted"
+"""A worker's refusal of a call in a session this client bound itself, which its engine could
+not admit (something of the model is short): the call takes the scheduler path, which binds it."""
+
 LASTING, REST_S = ("not ready", "no token"), 10.0
 """A worker that answers it cannot take direct calls for one of these reasons is not sent any
 for this many seconds (a full thread pool, by contrast, passes)."""
@@ -70,6 +81,7 @@ class DirectCall:
     client: Any
     resubmit: Any
     ann: dict = field(default_factory=dict)  # its annotation (an erred one's task carries it)
+    model: str | None = None  # the model its component's LLM calls use (its route's)
     pin: Any = None  # once answered: sends the call as its key's task (:func:`_settle`)
     state: str = SENT
     value: Any = None
@@ -89,6 +101,9 @@ class Routes:
         self.sessions: set[str] = set()  # sessions the scheduler routes for (their bindings are kept)
         self.opened: set[str] = set()  # sessions this client opened taking routes (may ask for a route)
         self.bound: dict[tuple[str, str], str] = {}  # (session, model) -> worker of its engine
+        # bindings this client made itself (:meth:`bind`) that neither the scheduler nor a
+        # worker's admission confirmed yet: a worker that cannot admit the session refuses them
+        self.provisional: set[tuple[str, str]] = set()
         self.models: dict[str, tuple[str, ...]] = {}  # model -> workers of its engines
         self.components: dict[str, str] = {}  # component -> the model its LLM calls use
         # worker -> until when it is not sent direct calls (it answered it cannot take them:
@@ -118,6 +133,7 @@ class Routes:
             if isinstance(row, (list, tuple)) and len(row) == 3:
                 sid, model, worker = row
                 if sid in self.sessions:
+                    self.provisional.discard((sid, model))  # the scheduler's word
                     if worker is None:
                         self.bound.pop((sid, model), None)
                     else:
@@ -129,6 +145,7 @@ class Routes:
         self.opened.discard(sid)
         for sk in [sk for sk in self.bound if sk[0] == sid]:
             del self.bound[sk]
+            self.provisional.discard(sk)
 
     def target(self, sid: str, component: str, model: str | None) -> tuple[str, str, str] | None:
         """(worker, token, model) for a call of ``component`` in ``sid`` (``model``: its
@@ -142,10 +159,48 @@ class Routes:
         worker = self.bound.get((sid, model))
         if worker is None:
             workers = self.models.get(model, ())
-            worker = workers[0] if len(workers) == 1 else None
+            worker = workers[0] if len(workers) == 1 else self.bind(sid, model, workers)
         if worker is None or (worker in self.resting and self.resting[worker] > time.monotonic()):
             return None
         return worker, token, model
+
+    def bind(self, sid: str, model: str, workers: tuple[str, ...]) -> str | None:
+        """Bind ``sid`` (a session this client opened) to the engine of ``model`` its own calls
+        in flight load least, then the one with fewest of its sessions bound (None: not this
+        client's session, bind-first-calls off, or every engine resting)."""
+        from dask_agents import config as agents_config
+
+        if sid not in self.opened or not agents_config.get("client.bind-first-calls"):
+            return None
+        now = time.monotonic()
+        live = [w for w in workers if self.resting.get(w, 0.0) <= now]
+        if not live:
+            return None
+        with self.lock:
+            calls = {w: 0 for w in live}
+            for c in self.pending.values():
+                if c.worker in calls:
+                    calls[c.worker] += 1
+            sessions = {w: 0 for w in live}
+            for (_, m), w in self.bound.items():
+                if m == model and w in sessions:
+                    sessions[w] += 1
+            worker = min(live, key=lambda w: (calls[w], sessions[w]))
+            self.bound[(sid, model)] = worker  # the session's next calls follow, the scheduler's word wins
+            self.provisional.add((sid, model))
+        return worker
+
+    def confirmed(self, call: "DirectCall", admitted: bool) -> None:
+        """The worker of ``call`` ran it (``admitted``: its engine took the session) or refused
+        it because it could not admit the session (something of the model is short): a binding
+        this client made is confirmed, or goes (the scheduler path binds the session)."""
+        sk = (call.session, call.model)
+        with self.lock:
+            if sk not in self.provisional:
+                return
+            self.provisional.discard(sk)
+            if not admitted and self.bound.get(sk) == call.worker:
+                del self.bound[sk]
 
     def unrouted(self, sid: str, component: str, model: str | None) -> tuple[None, str, str] | None:
         """(None, token, model) when a call of ``component`` in ``sid`` (a session this client
@@ -226,12 +281,13 @@ def send(client: Any, routes: Routes, where: tuple[str | None, str, str], header
     for its session's route first."""
     worker, token, model = where
     call = DirectCall(key=header[3], worker=worker or "", session=header[2], client=client, resubmit=resubmit,
-                      ann=ann, pin=pin)
+                      ann=ann, pin=pin, model=model)
     with routes.lock:
         routes.pending[call.key] = call
         routes.made.setdefault(call.session, []).append(call.key)
+        bind = (call.session, model) in routes.provisional  # the worker must admit the session, or refuse
     msg = {"key": call.key, "ann": ann, "client": client.id, "token": token, "model": model,
-           "payload": payload}
+           "payload": payload, "bind": bind}
     if worker is None:
         client.loop.add_callback(_await_route, client, routes, call, msg, (call.session, model))
     else:
@@ -297,6 +353,8 @@ def _settle(client: Any, routes: Routes, call: DirectCall, answer: dict) -> None
     with routes.lock:
         routes.pending.pop(call.key, None)
     status = answer.get("status")
+    if status in ("OK", "error") or answer.get("why") == NOT_ADMITTED:
+        routes.confirmed(call, status != "busy")
     if call.state == SENT and client.refcount.get(call.key, 0) <= 0:
         call.state = CANCELLED  # its future was dropped unwaited: Dask would have released the task
     if call.state == CANCELLED:  # dropped while it ran: nobody registers it, so the worker forgets it

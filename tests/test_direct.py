@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Any
 
 import dask
@@ -232,7 +233,8 @@ def test_a_worker_killed_mid_direct_call_runs_it_again_through_the_scheduler(tmp
     again down the scheduler path under the same key, it runs on the other worker, and the
     graph has it once, finished."""
     log, release = tmp_path / "log", tmp_path / "release"
-    with _installed(2) as c, dask.config.set({"agents.client.route-first-calls": True}):
+    with _installed(2) as c, dask.config.set({"agents.client.route-first-calls": True,
+                                              "agents.client.bind-first-calls": False}):
         with da.session(c) as s:
             wait_for(lambda: c._agents_routes.token)
             first = da.stub(dc.Writer).write([3] * 16)
@@ -298,8 +300,10 @@ def test_a_sessions_first_calls_wait_for_one_route_then_go_straight():
     With no answer (lost), or no route to give (admission off: nothing binds a session before its
     first LLM call), the calls take the scheduler path under their keys, and answer right.
     With ``agents.client.route-first-calls: false`` (read where the call is made) they take the
-    scheduler path, which binds the session."""
-    with _installed(2) as c, dask.config.set({"agents.client.route-first-calls": True}):
+    scheduler path, which binds the session. (The client binding sessions itself, the default,
+    is off here: ``test_a_sessions_first_calls_go_straight_to_the_engine_its_client_binds``.)"""
+    with _installed(2) as c, dask.config.set({"agents.client.route-first-calls": True,
+                                              "agents.client.bind-first-calls": False}):
         c.run_on_scheduler(_count_graph_keys)
         routes = c._agents_routes
         with da.session(c):
@@ -389,6 +393,36 @@ def test_a_worker_that_cannot_take_direct_calls_is_left_alone_for_a_while(client
         client._agents_routes.resting.clear()
 
 
+def test_a_client_binds_its_new_session_to_the_engine_its_calls_load_least():
+    """``Routes.bind``: a session this client opened, with no binding of a model with several
+    engines, is bound to the engine with fewest of this client's calls in flight, then fewest of
+    its sessions; resting engines are passed over; a session of another client, or the knob off,
+    is not bound here (None); the scheduler's binding, when it comes, wins."""
+    from dask_agents.direct import DirectCall, Routes
+
+    r = Routes()
+    r.update(token="t", models={"coder": ["w1", "w2", "w3"]}, components={"Coder": "coder"})
+    for sid in ("s1", "s2", "s3", "s4"):
+        r.update(session=sid)
+        r.opened.add(sid)
+    r.pending["k1"] = DirectCall("k1", "w1", "s0", None, None)
+    r.pending["k2"] = DirectCall("k2", "w2", "s0", None, None)
+    assert r.target("s1", "Coder", None) == ("w3", "t", "coder")  # no call in flight there
+    assert r.bound[("s1", "coder")] == "w3" and r.target("s1", "Coder", None)[0] == "w3"  # it stays
+    del r.pending["k2"]
+    assert r.target("s2", "Coder", None)[0] == "w2"  # tied with w3 on calls, fewer sessions
+    r.resting["w3"] = r.resting["w2"] = float("inf")
+    assert r.target("s3", "Coder", None)[0] == "w1"  # the only one not resting
+    r.resting["w1"] = float("inf")
+    assert r.target("s4", "Coder", None) is None and ("s4", "coder") not in r.bound
+    r.resting.clear()
+    assert r.target("someone-elses", "Coder", None) is None  # not opened by this client
+    with dask.config.set({"agents.client.bind-first-calls": False}):
+        assert r.target("s4", "Coder", None) is None
+    r.update(bound=[["s1", "coder", "w1"]])  # the scheduler bound it elsewhere: its word wins
+    assert r.target("s1", "Coder", None)[0] == "w1"
+
+
 def test_routes_send_a_call_to_its_sessions_engine_or_the_models_only_one():
     """The client's routes (dask_agents/direct.py): a session's binding for its component's
     model wins; else the model's only engine; several engines and no binding, no model, no
@@ -414,6 +448,74 @@ def test_routes_send_a_call_to_its_sessions_engine_or_the_models_only_one():
     assert "s1" not in r.sessions
 
 
+def _admitted_on(sid: str, dask_scheduler: Any = None) -> str | None:
+    return dask_scheduler.plugins["dask-agents"].admission.admitted_on.get((sid, "emu"))
+
+
+def test_a_sessions_first_calls_go_straight_to_the_engine_its_client_binds(tmp_path):
+    """Two engines of the model, no binding yet: with ``agents.client.bind-first-calls`` (the
+    default) the client binds a new session itself, to the engine its own calls in flight load
+    least, and the session's first calls (a fan-out) go straight there, nothing through the
+    scheduler and no route request, their LLM calls beside them; the scheduler's admission binds
+    the session to that engine from the records. A session opened while another's call is in
+    flight on one engine goes to the other."""
+    log, release = tmp_path / "log", tmp_path / "release"
+    with _installed(2) as c:
+        c.run_on_scheduler(_count_graph_keys)
+        routes = c._agents_routes
+        with da.session(c):
+            wait_for(lambda: routes.token)
+        wait_for(lambda: _lease_out(c), timeout=120)  # both engines report first (slow under a loaded machine)
+        with da.session(c) as s:
+            futs = [da.stub(dc.Writer).write([7] * (16 + i)) for i in range(3)]
+            outs = [f.value() for f in futs]
+            bound = outs[0]["worker"]
+            assert wait_for(lambda: c.run_on_scheduler(_admitted_on, s.id)) == bound
+        for f, out in zip(futs, outs):
+            call = _direct(f)
+            assert call is not None and call.state == "finished" and call.worker == bound
+            assert out["worker"] == out["llm_worker"] == bound and out["output"] == 4
+        assert not {f.key for f in futs} & _graph_keys(c) and not routes.awaiting
+
+        held: dict = {}
+
+        def first_session() -> None:
+            with da.session(c):
+                fut = da.stub(dc.Writer).logged_wait(str(log), str(release))
+                held["call"] = _direct(fut)
+                held["where"] = fut.value()
+
+        t = threading.Thread(target=first_session)
+        t.start()
+        try:
+            wait_for(lambda: log.exists() and log.read_text().strip())
+            with da.session(c):
+                other = da.stub(dc.Writer).write([8] * 16).value()
+        finally:
+            release.write_text("go")
+            t.join(60)
+        assert held["call"] is not None and held["where"] == held["call"].worker
+        assert other["worker"] == other["llm_worker"] != held["where"]
+
+        # something of the model short (no lease out on the workers): the worker cannot admit
+        # the session the client bound, refuses the call, and it takes the scheduler path,
+        # where admission binds the session; the client's binding goes, the scheduler's comes
+        c.run(_withdraw_leases)
+        with da.session(c) as s:
+            f = da.stub(dc.Writer).write([9] * 16)
+            out = f.value()
+            assert _direct(f).state == "scheduler" and f.key in _graph_keys(c)
+            bound = wait_for(lambda: c.run_on_scheduler(_admitted_on, s.id))
+            assert out["llm_worker"] == bound and (s.id, "emu") not in routes.provisional
+            assert wait_for(lambda: routes.bound.get((s.id, "emu"))) == bound
+        refused = c.run(lambda dask_worker: dask_worker.plugins["dask-agents"].direct.counts["refused:not admitted"])
+        assert sum(refused.values()) == 1
+
+
+def _withdraw_leases(dask_worker: Any = None) -> None:
+    dask_worker.plugins["dask-agents"].local.leases = {}
+
+
 def test_routes_ask_for_a_route_only_where_the_binding_alone_is_missing():
     """A call may wait for a route request's answer only in a session this client opened, when
     its model is known and has several engines not resting and its session has no binding of
@@ -423,9 +525,9 @@ def test_routes_ask_for_a_route_only_where_the_binding_alone_is_missing():
     r = Routes()
     r.opened.add("s1")
     r.update(token="t", session="s1", models={"coder": ["w1", "w2"], "chat": ["w3"]}, components={"Coder": "coder"})
-    with dask.config.set({"agents.client.route-first-calls": False}):
+    with dask.config.set({"agents.client.route-first-calls": False, "agents.client.bind-first-calls": False}):
         assert r.unrouted("s1", "Coder", None) is None  # turned off
-    with dask.config.set({"agents.client.route-first-calls": True}):
+    with dask.config.set({"agents.client.route-first-calls": True, "agents.client.bind-first-calls": False}):
         assert r.unrouted("s1", "Coder", None) == (None, "t", "coder")
         assert r.unrouted("s-not-opened-here", "Coder", None) is None  # another client's session
         assert r.unrouted("s1", "Planner", None) is None  # no model

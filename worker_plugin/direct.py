@@ -24,6 +24,7 @@ from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from dask_agents.direct import NOT_ADMITTED
 from dask_agents.models import DRIVER
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class DirectCalls:
         return None
 
     async def handle(self, comm: Any = None, key: Any = None, ann: Any = None, client: Any = None,
-                     token: Any = None, model: Any = None, payload: Any = None) -> dict:
+                     token: Any = None, model: Any = None, payload: Any = None, bind: Any = False) -> dict:
         """The ``agents_direct`` RPC: run the call here and answer its outcome."""
         from distributed.protocol import to_serialize
 
@@ -99,7 +100,11 @@ class DirectCalls:
         if isinstance(model, str) and engines is not None and model in engines.hosted:
             # its LLM calls go to the engine here: a session the scheduler has not bound yet is
             # admitted to it now, while the lease is out (the scheduler binds it on their records)
-            local.admit_here(model, header[2])
+            if not local.admit_here(model, header[2]) and bind:
+                # the driver bound the session itself, and something of the model is short here:
+                # the scheduler path, where admission decides where it goes
+                self.counts[f"refused:{NOT_ADMITTED}"] += 1
+                return {"status": "busy", "why": NOT_ADMITTED}
         call = LocalCall(key=key, creator=DRIVER, ann={**ann, "creator": DRIVER}, run=lambda: runner(
             header, target, args, kwargs), submit=_never, submit_error=_never, client=None, controller=local,
             owner=client, state=RUNNING)
