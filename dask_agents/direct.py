@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dask_agents.models import NOT_ADMITTED
+
 DIRECT_OP = "agents-direct"
 """scheduler -> client: routes for the client's sessions (``scheduler_plugin/direct.py``)."""
 
@@ -58,10 +60,6 @@ ROUTE_OP = "agents-route"
 ROUTE_WAIT_S = 1.0
 """How long calls waiting for a route request's answer wait before they take the scheduler path
 (an answer lost with a dropped connection must not leave them waiting)."""
-
-NOT_ADMITTED = "not admitted"
-"""A worker's refusal of a call in a session this client bound itself, which its engine could
-not admit (something of the model is short): the call takes the scheduler path, which binds it."""
 
 LASTING, REST_S = ("not ready", "no token"), 10.0
 """A worker that answers it cannot take direct calls for one of these reasons is not sent any

@@ -21,6 +21,11 @@ STATE_COLORS = {
 DRIVER = "driver"
 """Creator of calls made by the user's program rather than by another call."""
 
+NOT_ADMITTED = "not admitted"
+"""A worker's refusal of a driver's direct call in a session the driver bound itself, which the
+engine there could not admit (something of the model is short): the call takes the scheduler
+path, which binds the session (``dask_agents/direct.py``, ``worker_plugin/direct.py``)."""
+
 
 class CallReport(TypedDict):
     """A fast-path call's record: what a worker's local controller sends in its report batches

@@ -24,8 +24,7 @@ from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dask_agents.direct import NOT_ADMITTED
-from dask_agents.models import DRIVER
+from dask_agents.models import DRIVER, NOT_ADMITTED
 
 logger = logging.getLogger(__name__)
 
