@@ -500,6 +500,9 @@ def test_a_sessions_first_calls_go_straight_to_the_engine_its_client_binds(tmp_p
         # something of the model short (no lease out on the workers): the worker cannot admit
         # the session the client bound, refuses the call, and it takes the scheduler path,
         # where admission binds the session; the client's binding goes, the scheduler's comes
+        # (once the sessions above have ended there and their leases went out: nothing changes
+        # the leases again until the next session's call)
+        wait_for(lambda: c.run_on_scheduler(_no_sessions_admitted))
         c.run(_withdraw_leases)
         with da.session(c) as s:
             f = da.stub(dc.Writer).write([9] * 16)
@@ -510,6 +513,11 @@ def test_a_sessions_first_calls_go_straight_to_the_engine_its_client_binds(tmp_p
             assert wait_for(lambda: routes.bound.get((s.id, "emu"))) == bound
         refused = c.run(lambda dask_worker: dask_worker.plugins["dask-agents"].direct.counts["refused:not admitted"])
         assert sum(refused.values()) == 1
+
+
+def _no_sessions_admitted(dask_scheduler: Any = None) -> bool:
+    admission = dask_scheduler.plugins["dask-agents"].admission
+    return not admission.admitted_on and not admission._lease_soon
 
 
 def _withdraw_leases(dask_worker: Any = None) -> None:
