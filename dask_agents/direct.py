@@ -193,6 +193,8 @@ class Routes:
         it because it could not admit the session (something of the model is short): a binding
         this client made is confirmed, or goes (the scheduler path binds the session)."""
         sk = (call.session, call.model)
+        if sk not in self.provisional:  # (most answers: no lock taken on the client's loop)
+            return
         with self.lock:
             if sk not in self.provisional:
                 return
