@@ -193,8 +193,8 @@ def code_provenance(modules: dict[str, str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/e2e.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", nargs="?", default="all", choices=["all", "choose", "measure", "merge"])
-    ap.add_argument("files", nargs="*", help="merge: the choose and measure JSON files")
+    ap.add_argument("phase", nargs="?", default="all", choices=["all", "choose", "measure", "merge", "reference"])
+    ap.add_argument("files", nargs="*", help="merge: the choose and measure JSON files; reference: files with units")
     ap.add_argument("--quick", action="store_true", help="the quick preset (under 10 minutes)")
     ap.add_argument("--workflow", action="append", help="only these workflows (repeatable)")
     ap.add_argument("--variants", help="comma list (default: the preset's)")
@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         preset["variants"] = a.variants.split(",")
     if a.phase == "merge":
         return merge(a.files, a.json)
+    if a.phase == "reference":
+        return reference(a.files, a.json, preset["requests"] if a.requests is None else a.requests)
     preset["variants"] = check_peers(preset["variants"], a.no_peers)
     log = lambda s: print(s, flush=True)  # noqa: E731
     mode = "quick" if a.quick else "full"
@@ -255,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                     "requests": preset["requests"], "deadline_s": preset["deadline_s"]}
             out["units"] += runner.measure(wf, setup, plan, factory_for(setup, chosen), job, log)
     if a.phase == "all":
-        out["summary"] = report.summarize(out["units"], **kv_context(out["units"], preset["requests"], out["setups"]))
+        out["summary"] = report.summarize(out["units"], **kv_context(out["units"], preset["requests"], out["setups"]),
+                                          references=references(out["units"], preset["requests"], out["setups"]))
         print(report.table(out["summary"]))
     if a.json:
         if out.get("summary"):
@@ -287,6 +290,66 @@ def kv_context(units: list[dict], requests: int, setups: dict, workflows: dict |
     return {"footprints": footprints, "kv_tokens": kv}
 
 
+def setup_of(described: dict) -> Setup:
+    """The Setup a run recorded (``Setup.describe()``)."""
+    return Setup(engine=dict(described["engine"]), replicas=described["replicas"],
+                 models=tuple(described["models"].items()), time_scale=described["time_scale"],
+                 max_model_len=described["max_model_len"], tool_threads=described["tool_threads"],
+                 entry=described.get("entry"))
+
+
+def references(units: list[dict], requests: int, setups: dict, workflows: dict | None = None) -> dict:
+    """``report.summarize``'s zero-overhead references: per workflow, scenario, load factor and
+    seed, the unit's requests replayed on its engines in virtual time with no framework
+    (:func:`benchmarks.e2e.zero_overhead.unit_reference`; deterministic, so computed here from
+    the units' seeds and rates). None for a real engine's run (no cost model to replay)."""
+    from benchmarks.e2e.zero_overhead import unit_reference
+
+    out: dict = {}
+    for wf_name, sc, f, seed, rate in sorted({(u["workflow"], u["scenario"], u["factor"], u["seed"], u["rate_rps"])
+                                              for u in units}):
+        if wf_name not in setups or setups[wf_name].get("entry"):
+            continue
+        wf = (workflows or {}).get(wf_name) or workflow(wf_name)
+        ref = unit_reference(wf, setup_of(setups[wf_name]), sc, rate, seed, requests)
+        out.setdefault(wf_name, {}).setdefault(sc, {}).setdefault(f, {})[str(seed)] = ref
+    return out
+
+
+def reference(files: list[str], path: str | None, requests: int) -> int:
+    """The zero-overhead reference of every unit in ``files`` (any JSON with ``units``, a
+    diagnostic's too: each unit's setup is the one its variant recorded) and each point's mean
+    against it; ``requests``: the units' requests per point (the preset's unless given)."""
+    if not files:
+        raise SystemExit("reference needs files with units")
+    units = [u for f in files for u in json.load(open(f)).get("units", [])]
+    setups = {}
+    for u in units:
+        got = (u["metrics"].get("variant") or {}).get("setup")
+        if setups.setdefault(u["workflow"], got) != got:
+            raise SystemExit(f"reference: {u['workflow']} units ran on different setups")
+    refs = references(units, requests, setups)
+    rows = []
+    for u in units:
+        r = refs.get(u["workflow"], {}).get(u["scenario"], {}).get(u["factor"], {}).get(str(u["seed"]))
+        if r is None:
+            continue
+        m = u["metrics"]
+        rows.append({k: u[k] for k in ("workflow", "scenario", "factor", "seed", "variant", "rate_rps")}
+                    | {"mean_s": m["mean_s"], "ideal_mean_s": m["ideal_mean_s"], "zero_overhead_mean_s": r["mean_s"],
+                       "mean_vs_zero_overhead": m["mean_s"] / r["mean_s"],
+                       "zero_overhead_vs_ideal": r["mean_s"] / m["ideal_mean_s"]})
+        print(f"  {u['workflow']} {u['scenario']} x{u['factor']:g} seed {u['seed']} {u['variant']:28s} "
+              f"mean {m['mean_s']:7.2f} s  zero-overhead {r['mean_s']:7.2f} s ({rows[-1]['mean_vs_zero_overhead']:.3f}x)"
+              f"  ideal {m['ideal_mean_s']:7.2f} s ({rows[-1]['zero_overhead_vs_ideal']:.2f}x)")
+    if path:
+        with open(path, "w") as f:
+            json.dump(jsonable({"what": "zero-overhead references (benchmarks/e2e/zero_overhead.py) of the units of "
+                                        + ", ".join(files), "requests": requests, "references": refs, "rows": rows}),
+                      f, indent=1)
+    return 0
+
+
 def merge(files: list[str], path: str | None) -> int:
     """Join choose/measure files of one plan into one result with its summary."""
     if not files:
@@ -313,8 +376,9 @@ def merge(files: list[str], path: str | None) -> int:
     keys = [(u["workflow"], u["scenario"], u["factor"], u["seed"], u["variant"]) for u in out["units"]]
     if len(keys) != len(set(keys)):
         raise SystemExit("merge: a unit appears twice (overlapping jobs)")
-    out["summary"] = report.summarize(out["units"], **kv_context(out["units"], out["config"]["preset"]["requests"],
-                                                                 out["setups"]))
+    requests = out["config"]["preset"]["requests"]
+    out["summary"] = report.summarize(out["units"], **kv_context(out["units"], requests, out["setups"]),
+                                      references=references(out["units"], requests, out["setups"]))
     print(report.table(out["summary"]))
     if path:
         out["plots"] = report.plot(out["summary"], os.path.splitext(path)[0])

@@ -6,7 +6,10 @@ spread of mean/P50/P99 latency, sustained, hit rate, prefill against the floor a
 share, ``best_baseline`` (the baseline with the lowest median mean), per variant
 ``gap_closed_mean``/``gap_closed_p99`` against it, ``sustained_load_ratio_vs_best_static`` and
 ``mean_speedup_vs_<variant>`` (dask-agents against every other variant, paired per seed), and
-per scenario the KV-bound proof at 0.8 of capacity.
+per scenario the KV-bound proof at 0.8 of capacity. With the zero-overhead references of the
+units (:mod:`benchmarks.e2e.zero_overhead`: the same requests on the same engines in virtual
+time, no framework at all), also ``zero_overhead_mean_s``/``zero_overhead_p99_s`` and per variant
+``mean_vs_zero_overhead``: what of a variant's distance from the ideal bound is the load itself.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ def _max_sustained(per_factor: dict, variant: str) -> dict[str, float]:
     return best
 
 
-def summarize_point(vs: dict, sustained_max: dict) -> dict:
-    """One workflow x scenario x load."""
+def summarize_point(vs: dict, sustained_max: dict, refs: dict | None = None) -> dict:
+    """One workflow x scenario x load (``refs``: seed -> its zero-overhead reference)."""
     any_v = next(iter(vs.values()))
     out: dict[str, Any] = {
         "ideal_mean_s": stats.spread({s: m["ideal_mean_s"] for s, m in any_v.items()}),
@@ -49,6 +52,12 @@ def summarize_point(vs: dict, sustained_max: dict) -> dict:
         "variants": {v: {k: stats.spread({s: (float(m[k]) if isinstance(m.get(k), bool) else m.get(k))
                                           for s, m in per.items()}) for k in KEYS} for v, per in vs.items()},
     }
+    if refs:
+        out["zero_overhead_mean_s"] = stats.spread({s: r["mean_s"] for s, r in refs.items()})
+        out["zero_overhead_p99_s"] = stats.spread({s: r["p99_s"] for s, r in refs.items()})
+        for v, per in vs.items():
+            # ratio(key)(a, b) is b / a: the variant's mean over the reference's
+            out["variants"][v]["mean_vs_zero_overhead"] = stats.paired(refs, per, stats.ratio("mean_s"))
     base = [b for b in BASELINES if b in vs and out["variants"][b]["mean_s"]["median"] is not None]
     best = min(base, key=lambda b: out["variants"][b]["mean_s"]["median"]) if base else None
     out["best_baseline"] = best
@@ -110,17 +119,21 @@ def check_same_resources(units: list[dict]) -> None:
                              f"resources than the rest: {got} != {want}")
 
 
-def summarize(units: list[dict], footprints: dict | None = None, kv_tokens: dict | None = None) -> dict:
+def summarize(units: list[dict], footprints: dict | None = None, kv_tokens: dict | None = None,
+              references: dict | None = None) -> dict:
     """The summary (module docstring). ``footprints``: workflow -> scenario -> seed -> mean KV
     footprint of the requests (tokens); ``kv_tokens``: workflow -> device KV of all its engines
-    (tokens); with both, the KV-bound proof says how much of the device KV the live requests need."""
+    (tokens); with both, the KV-bound proof says how much of the device KV the live requests need.
+    ``references``: workflow -> scenario -> load factor -> seed -> the unit's zero-overhead
+    reference (:func:`benchmarks.e2e.zero_overhead.unit_reference`)."""
     check_same_resources(units)
     out: dict[str, Any] = {}
     for wf, scs in _index(units).items():
         for sc, per_factor in scs.items():
             variants = {v for vs in per_factor.values() for v in vs}
             smax = {v: _max_sustained(per_factor, v) for v in variants}
-            entry = {f"x{f:g}": summarize_point(vs, smax) for f, vs in sorted(per_factor.items())}
+            refs = ((references or {}).get(wf) or {}).get(sc) or {}
+            entry = {f"x{f:g}": summarize_point(vs, smax, refs.get(f)) for f, vs in sorted(per_factor.items())}
             entry["kv_bound_proof"] = kv_bound_proof(per_factor, ((footprints or {}).get(wf) or {}).get(sc),
                                                      (kv_tokens or {}).get(wf))
             out.setdefault(wf, {})[sc] = entry
@@ -139,8 +152,11 @@ def table(summary: dict, label: str = "EMULATED") -> str:
             for lk, e in loads.items():
                 if not lk.startswith("x"):
                     continue
+                zo = (e.get("zero_overhead_mean_s") or {}).get("median")
                 lines.append(f"\n{wf} / {sc} / load {lk} of capacity: ideal mean {fmt(e['ideal_mean_s']['median'])} s, "
-                             f"P99 {fmt(e['ideal_p99_s']['median'])} s; best baseline {e['best_baseline']} ({label})")
+                             f"P99 {fmt(e['ideal_p99_s']['median'])} s; "
+                             + (f"zero-overhead mean {fmt(zo)} s; " if zo is not None else "")
+                             + f"best baseline {e['best_baseline']} ({label})")
                 lines.append(f"  {'variant':28s} {'mean':>7s} {'P99':>7s} {'hit':>5s} {'pf/floor':>8s} {'ovh':>5s} "
                              f"{'sust':>4s} {'gap_mean':>8s} {'gap_p99':>8s}")
                 for v, m in e["variants"].items():
