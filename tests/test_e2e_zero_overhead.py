@@ -181,3 +181,23 @@ def test_the_reference_phase_puts_any_files_units_against_their_references(tmp_p
     (tmp_path / "two.json").write_text(json.dumps({"units": [units[0], other]}))
     with pytest.raises(SystemExit, match="different setups"):
         main(["reference", str(tmp_path / "two.json"), "--requests", "4"])
+
+
+def test_the_reference_at_given_loads_and_engine_knobs_is_never_below_the_ideal(tmp_path):
+    """``e2e.py reference --rates``: the replay at any load with an engine knob changed, against
+    the ideal of the run's own engine: at least the bound, and a smaller batch cap can only
+    stretch a request set that batches (its steps are the same or fewer sequences at a time)."""
+    import json
+
+    from benchmarks.e2e.cli import main
+
+    rows = {}
+    for batch in (256, 1):
+        out = tmp_path / f"b{batch}.json"
+        assert main(["reference", "--workflow", "finance", "--rates", "0.5", "--seeds", "1", "--requests", "4",
+                     "--engine", f"max_batch={batch}", "--json", str(out)]) == 0
+        got = json.loads(out.read_text())
+        assert got["engine_changed"] == {"max_batch": batch} and len(got["rows"]) == 1
+        rows[batch] = got["rows"][0]
+    assert rows[256]["ideal_mean_s"] == rows[1]["ideal_mean_s"]
+    assert 1.0 <= rows[256]["zero_overhead_vs_ideal"] < rows[1]["zero_overhead_vs_ideal"]

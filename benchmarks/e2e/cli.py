@@ -3,8 +3,10 @@
 Phases: ``all`` (default: choose, then measure every unit, then summarize), ``choose`` (the
 sweeps: writes the chosen configurations, ``--json``), ``measure`` (``--choices FILE`` from a
 choose run, ``--job K/N`` for a slice of the units: writes the units' results), ``merge FILES``
-(joins choose and measure files of one plan: writes the summary, tables and plots). Every
-number is EMULATED; the time scale is printed with every run.
+(joins choose and measure files of one plan: writes the summary, tables and plots),
+``reference`` (the zero-overhead reference, :mod:`benchmarks.e2e.zero_overhead`: of the units in
+the files given, or with ``--rates`` at those loads, ``--engine KNOB=VALUE`` changing the
+engine). Every number is EMULATED; the time scale is printed with every run.
 """
 
 from __future__ import annotations
@@ -206,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="leave Ray and LangGraph out on purpose")
     ap.add_argument("--profile", default="realistic", choices=["realistic", "small"],
                     help="the engine profile (benchmarks/e2e/profile.py; small: the previous regime's)")
+    ap.add_argument("--rates", help="reference: replay at these loads (comma list, requests/s) instead of files' units")
+    ap.add_argument("--scenario", help="reference --rates: the scenario (default: the workflow's first)")
+    ap.add_argument("--engine", action="append", default=[], metavar="KNOB=VALUE",
+                    help="reference --rates: an engine parameter changed (EmulationParams, e.g. max_batch=8)")
     ap.add_argument("--json", help="write the results here (and PNGs beside it)")
     a = ap.parse_args(argv)
     preset = dict(QUICK if a.quick else FULL)
@@ -222,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         preset["variants"] = a.variants.split(",")
     if a.phase == "merge":
         return merge(a.files, a.json)
+    if a.phase == "reference" and a.rates:
+        return reference_at(preset, a.rates, a.scenario, a.engine, a.profile, a.json)
     if a.phase == "reference":
-        return reference(a.files, a.json, preset["requests"] if a.requests is None else a.requests)
+        return reference(a.files, a.json, preset["requests"])
     preset["variants"] = check_peers(preset["variants"], a.no_peers)
     log = lambda s: print(s, flush=True)  # noqa: E731
     mode = "quick" if a.quick else "full"
@@ -347,6 +355,45 @@ def reference(files: list[str], path: str | None, requests: int) -> int:
             json.dump(jsonable({"what": "zero-overhead references (benchmarks/e2e/zero_overhead.py) of the units of "
                                         + ", ".join(files), "requests": requests, "references": refs, "rows": rows}),
                       f, indent=1)
+    return 0
+
+
+def reference_at(preset: dict, rates: str, scenario: str | None, knobs: list[str], engine_profile: str,
+                 path: str | None) -> int:
+    """The zero-overhead reference of each workflow at ``rates`` for every seed, on the run's
+    engine with ``knobs`` (``KNOB=VALUE``, JSON values) changed, against the ideal bound of the
+    same requests on the run's own engine: what no framework beats by cutting overhead."""
+    import statistics
+
+    from benchmarks.e2e import stats
+    from benchmarks.e2e.runner import arrivals, ideals
+    from benchmarks.e2e.zero_overhead import replay
+
+    changed = {k: json.loads(v) for k, v in (x.split("=", 1) for x in knobs)}
+    rows = []
+    for name in preset["workflows"]:
+        wf = workflow(name)
+        sc = scenario or wf.scenarios[0]
+        base = make_setup(wf, preset, engine_profile)
+        setup = Setup(engine={**base.engine, **changed}, replicas=base.replicas, models=base.models,
+                      time_scale=base.time_scale, max_model_len=base.max_model_len, tool_threads=base.tool_threads)
+        for rate in (float(x) for x in rates.split(",")):
+            for seed in preset["seeds"]:
+                specs = wf.make_specs(preset["requests"], seed, sc)
+                offsets = arrivals(wf, sc, len(specs), rate, seed)
+                ideal_of = ideals(wf, specs, base)
+                w = stats.window([{"arrival": t, "ideal": ideal_of[s.id][0]} for t, s in zip(offsets, specs)])
+                ideal_mean = statistics.fmean(r["ideal"] for r in w)
+                ref = replay(wf, specs, offsets, setup)
+                rows.append({"workflow": name, "scenario": sc, "rate_rps": rate, "seed": seed, "ideal_mean_s": ideal_mean,
+                             "zero_overhead_mean_s": ref["mean_s"], "zero_overhead_p99_s": ref["p99_s"],
+                             "zero_overhead_vs_ideal": ref["mean_s"] / ideal_mean})
+                print(f"  {name} {sc} {rate:g}/s seed {seed}: zero-overhead mean {ref['mean_s']:.2f} s, ideal "
+                      f"{ideal_mean:.2f} s ({ref['mean_s'] / ideal_mean:.3f}x)", flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(jsonable({"what": "zero-overhead references at given loads (benchmarks/e2e/zero_overhead.py)",
+                                "engine_changed": changed, "requests": preset["requests"], "rows": rows}), f, indent=1)
     return 0
 
 
