@@ -200,6 +200,23 @@ def test_a_sibling_hits_the_blocks_a_step_schedules_not_only_those_computed_befo
     assert b.output and a.output
 
 
+@pytest.mark.parametrize("arrives", ["same step", "mid prefill"])
+def test_the_old_rule_is_kept_only_to_compare_with_runs_made_under_it(arrives):
+    """``cache_on_schedule=False`` is the emulator before f58ac1c: a block is cached once
+    computed, so the same sibling misses what the first had only been scheduled for and prefills
+    it again (the yardstick's Open-SWE and router runs were made under it)."""
+    budget, doc = 16, [7] * 36
+    sched = EmulatedScheduler(params(max_num_batched_tokens=budget, cache_on_schedule=False), 100)
+    a, b = Sequence("a", doc + [1, 2, 3, 4], 2), Sequence("b", doc + [5, 6, 7, 8], 2)
+    sched.add(a)
+    if arrives == "mid prefill":
+        sched.step()
+    sched.add(b)
+    finish(sched)
+    assert b.cached_tokens < 36 and b.output and a.output
+    assert sched.counters["prefill_tokens"] == 36 + 4 + 4 + (36 - b.cached_tokens)
+
+
 def test_running_decodes_take_the_budget_before_a_waiting_prompt():
     sched = EmulatedScheduler(params(max_num_batched_tokens=16), 100)
     r = Sequence("r", [5] * 4, 10)

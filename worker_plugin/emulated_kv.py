@@ -126,6 +126,9 @@ class EmulationParams(BaseModel):
     host_kv_blocks: int = Field(0, ge=0, description="host-memory KV tier in blocks (0: none)")
     host_restore_s_per_block: float = Field(8.4e-5, ge=0, description="host -> device per block (2 MiB at 25 GB/s)")
     host_offload_s_per_block: float = Field(8.4e-5, ge=0, description="device -> host per block (2 MiB at 25 GB/s)")
+    cache_on_schedule: bool = Field(
+        True, description="put a block in the prefix cache when a step schedules it, as vLLM v1 does (False: once "
+                          "computed, the emulator's rule before f58ac1c: only to compare with runs made under it)")
     host_policy: Literal["lru", "directed"] = Field(
         "lru", description="lru: every block leaving the device goes to the host (vLLM native offloading, "
                            "LMCache); directed: only what KV directives offload")
@@ -764,7 +767,8 @@ class EmulatedScheduler:
                 scheduled.append((seq, n))
                 budget -= n
         caching = self.prefix_caching
-        if caching:
+        early = caching and p.cache_on_schedule
+        if early:
             # vLLM caches a block when it is allocated for the tokens a step schedules, not once
             # computed (KVCacheManager.allocate_slots -> cache_blocks): a request admitted after
             # it, in this step or later, hits the blocks this step computes (a fan-out's
@@ -786,7 +790,7 @@ class EmulatedScheduler:
                 n = min(seq.length - seq.num_computed, budget)
                 scheduled.append((seq, n))
                 budget -= n
-                if caching and (seq.num_computed + n) // bs > seq.num_hashed:
+                if early and (seq.num_computed + n) // bs > seq.num_hashed:
                     self._cache_full(seq, seq.num_computed + n)  # (as above: the next admitted may hit it)
         if not scheduled:
             return 0.0, []

@@ -5,7 +5,7 @@ sweeps: writes the chosen configurations, ``--json``), ``measure`` (``--choices 
 choose run, ``--job K/N`` for a slice of the units: writes the units' results), ``merge FILES``
 (joins choose and measure files of one plan: writes the summary, tables and plots),
 ``reference`` (the zero-overhead reference, :mod:`benchmarks.e2e.zero_overhead`: of the units in
-the files given, or with ``--rates`` at those loads, ``--engine KNOB=VALUE`` changing the
+the files given, or with ``--rates`` at those loads; ``--engine KNOB=VALUE`` changes the
 engine). Every number is EMULATED; the time scale is printed with every run.
 """
 
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", help="reference: replay at these loads (comma list, requests/s) instead of files' units")
     ap.add_argument("--scenario", help="reference --rates: the scenario (default: the workflow's first)")
     ap.add_argument("--engine", action="append", default=[], metavar="KNOB=VALUE",
-                    help="reference --rates: an engine parameter changed (EmulationParams, e.g. max_batch=8)")
+                    help="reference: an engine parameter changed (EmulationParams, e.g. max_batch=8)")
     ap.add_argument("--json", help="write the results here (and PNGs beside it)")
     a = ap.parse_args(argv)
     preset = dict(QUICK if a.quick else FULL)
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.phase == "reference" and a.rates:
         return reference_at(preset, a.rates, a.scenario, a.engine, a.profile, a.json)
     if a.phase == "reference":
-        return reference(a.files, a.json, preset["requests"])
+        return reference(a.files, a.json, preset["requests"], a.engine)
     preset["variants"] = check_peers(preset["variants"], a.no_peers)
     log = lambda s: print(s, flush=True)  # noqa: E731
     mode = "quick" if a.quick else "full"
@@ -324,18 +324,21 @@ def references(units: list[dict], requests: int, setups: dict, workflows: dict |
     return out
 
 
-def reference(files: list[str], path: str | None, requests: int) -> int:
+def reference(files: list[str], path: str | None, requests: int, knobs: list[str] | None = None) -> int:
     """The zero-overhead reference of every unit in ``files`` (any JSON with ``units``, a
-    diagnostic's too: each unit's setup is the one its variant recorded) and each point's mean
-    against it; ``requests``: the units' requests per point (the preset's unless given)."""
+    diagnostic's too: each unit's setup is the one its variant recorded, with ``knobs``
+    (``KNOB=VALUE``) changed on its engine) and each point's mean against it; ``requests``: the
+    units' requests per point (the preset's unless given)."""
     if not files:
         raise SystemExit("reference needs files with units")
+    changed = {k: json.loads(v) for k, v in (x.split("=", 1) for x in knobs or [])}
     units = [u for f in files for u in json.load(open(f)).get("units", [])]
     setups = {}
     for u in units:
         got = (u["metrics"].get("variant") or {}).get("setup")
         if setups.setdefault(u["workflow"], got) != got:
             raise SystemExit(f"reference: {u['workflow']} units ran on different setups")
+    setups = {w: {**st, "engine": {**st["engine"], **changed}} for w, st in setups.items()}
     refs = references(units, requests, setups)
     rows = []
     for u in units:
@@ -345,6 +348,7 @@ def reference(files: list[str], path: str | None, requests: int) -> int:
         m = u["metrics"]
         rows.append({k: u[k] for k in ("workflow", "scenario", "factor", "seed", "variant", "rate_rps")}
                     | {"mean_s": m["mean_s"], "ideal_mean_s": m["ideal_mean_s"], "zero_overhead_mean_s": r["mean_s"],
+                       "zero_overhead_prefill_tokens": r["prefill_tokens"],
                        "mean_vs_zero_overhead": m["mean_s"] / r["mean_s"],
                        "zero_overhead_vs_ideal": r["mean_s"] / m["ideal_mean_s"]})
         print(f"  {u['workflow']} {u['scenario']} x{u['factor']:g} seed {u['seed']} {u['variant']:28s} "
@@ -353,7 +357,8 @@ def reference(files: list[str], path: str | None, requests: int) -> int:
     if path:
         with open(path, "w") as f:
             json.dump(jsonable({"what": "zero-overhead references (benchmarks/e2e/zero_overhead.py) of the units of "
-                                        + ", ".join(files), "requests": requests, "references": refs, "rows": rows}),
+                                        + ", ".join(files), "engine_changed": changed, "requests": requests,
+                                "references": refs, "rows": rows}),
                       f, indent=1)
     return 0
 

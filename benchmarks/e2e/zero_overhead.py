@@ -264,7 +264,8 @@ class Replay:
 def replay(wf: Any, specs: list, offsets: list[float], setup: Any, routing: str = "session_sticky") -> dict:
     """The zero-overhead reference of one unit, over the runner's measured window
     (:func:`benchmarks.e2e.stats.window`): mean, P50 and P99 latency (emulated s), every
-    request's latency, the prefix hit rate and each engine's busy seconds."""
+    request's latency, the prefix hit rate, the prefill tokens computed and each engine's busy
+    seconds."""
     from benchmarks.e2e import stats
 
     r = Replay(setup, routing)
@@ -272,6 +273,7 @@ def replay(wf: Any, specs: list, offsets: list[float], setup: Any, routing: str 
     w = [x["latency"] for x in stats.window([{"arrival": a, "latency": x} for a, x in zip(offsets, lat)])]
     return {"mean_s": statistics.fmean(w), "p50_s": stats.percentile(w, 50), "p99_s": stats.percentile(w, 99),
             "latencies_s": [round(x, 4) for x in lat], "hit_rate": r.hits / r.queried if r.queried else None,
+            "prefill_tokens": sum(e.sched.counters["prefill_tokens"] for e in r.engines),
             "engine_busy_s": [round(e.busy_s, 3) for e in r.engines], "routing": routing}
 
 
