@@ -412,6 +412,13 @@ def test_kv_footprint_is_the_prefix_tree_of_a_requests_prompts():
     kv = report.kv_bound_proof({0.8: {"dask": {"0": {**fake_metrics(10.0), "throughput_rps": 0.5}}}},
                                {"0": 4000.0}, 40_000)
     assert kv["live_working_set_vs_device_kv"]["median"] == pytest.approx(0.5 * 10.0 * 4000 / 40_000)
+    # a session paused for its user keeps its KV: its life is its latency and the think time;
+    # with a host tier, the working set against both tiers too
+    kv = report.kv_bound_proof({0.8: {"dask": {"0": {**fake_metrics(10.0), "throughput_rps": 0.5}}}},
+                               {"0": 4000.0}, 40_000, {"0": 30.0}, 10_000)
+    assert kv["live_working_set_vs_device_kv"]["median"] == pytest.approx(0.5 * 40.0 * 4000 / 40_000)
+    assert kv["live_working_set_vs_device_and_host_kv"]["median"] == pytest.approx(0.5 * 40.0 * 4000 / 50_000)
+    assert kv["think_s"]["median"] == 30.0 and kv["host_kv_tokens"] == 10_000
 
 
 def test_a_run_records_its_checkout_and_refuses_code_from_two():

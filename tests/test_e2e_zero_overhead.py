@@ -201,3 +201,6 @@ def test_the_reference_at_given_loads_and_engine_knobs_is_never_below_the_ideal(
         rows[batch] = got["rows"][0]
     assert rows[256]["ideal_mean_s"] == rows[1]["ideal_mean_s"]
     assert 1.0 <= rows[256]["zero_overhead_vs_ideal"] < rows[1]["zero_overhead_vs_ideal"]
+    for bad in ("max_batch", "max_batch=eight"):  # a clear error, not a traceback
+        with pytest.raises(SystemExit, match="--engine"):
+            main(["reference", "--workflow", "finance", "--rates", "0.5", "--engine", bad])

@@ -279,11 +279,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def kv_context(units: list[dict], requests: int, setups: dict, workflows: dict | None = None) -> dict:
     """``report.summarize``'s KV context of a run: per workflow, scenario and seed the requests'
-    mean KV footprint (the same requests, regenerated from their seeds) and per workflow the
-    device KV of all its engines (tokens)."""
+    mean KV footprint and mean think time (the same requests, regenerated from their seeds) and
+    per workflow the device KV and the host tier of all its engines (tokens)."""
     from benchmarks.e2e.ideal import kv_footprint, run_shared
 
     footprints: dict = {}
+    think: dict = {}
     for wf_name, sc, seed in sorted({(u["workflow"], u["scenario"], u["seed"]) for u in units}):
         if wf_name not in setups:  # (files without their setups: no KV context for them)
             continue
@@ -293,9 +294,14 @@ def kv_context(units: list[dict], requests: int, setups: dict, workflows: dict |
         shared = run_shared(wf, specs)
         fp = [kv_footprint(wf, spec, engine, shared) for spec in specs]
         footprints.setdefault(wf_name, {}).setdefault(sc, {})[str(seed)] = sum(fp) / len(fp)
-    kv = {name: int(st["engine"].get("kv_blocks") or 0) * int(st["engine"].get("block_size") or 16) * st["replicas"]
-          for name, st in setups.items()}
-    return {"footprints": footprints, "kv_tokens": kv}
+        think.setdefault(wf_name, {}).setdefault(sc, {})[str(seed)] = sum(map(getattr(wf, "think_s", lambda spec: 0.0), specs)) / len(specs)
+
+    def tokens(st: dict, key: str) -> int:
+        return int(st["engine"].get(key) or 0) * int(st["engine"].get("block_size") or 16) * st["replicas"]
+
+    return {"footprints": footprints, "think_s": think,
+            "kv_tokens": {name: tokens(st, "kv_blocks") for name, st in setups.items()},
+            "host_tokens": {name: tokens(st, "host_kv_blocks") for name, st in setups.items()}}
 
 
 def setup_of(described: dict) -> Setup:
@@ -324,6 +330,27 @@ def references(units: list[dict], requests: int, setups: dict, workflows: dict |
     return out
 
 
+def engine_knobs(knobs: list[str] | None) -> dict:
+    """``--engine KNOB=VALUE`` arguments as engine parameters (VALUE is JSON: 8, false, 0.5)."""
+    out = {}
+    for x in knobs or []:
+        k, eq, v = x.partition("=")
+        if not eq or not k:
+            raise SystemExit(f"--engine takes KNOB=VALUE, got {x!r}")
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            raise SystemExit(f"--engine {x!r}: the value is not JSON (8, 0.5, false)") from None
+    return out
+
+
+def with_engine(setup: Setup, changed: dict) -> Setup:
+    """``setup`` with ``changed`` engine parameters."""
+    return Setup(engine={**setup.engine, **changed}, replicas=setup.replicas, models=setup.models,
+                 time_scale=setup.time_scale, max_model_len=setup.max_model_len, tool_threads=setup.tool_threads,
+                 entry=setup.entry)
+
+
 def reference(files: list[str], path: str | None, requests: int, knobs: list[str] | None = None) -> int:
     """The zero-overhead reference of every unit in ``files`` (any JSON with ``units``, a
     diagnostic's too: each unit's setup is the one its variant recorded, with ``knobs``
@@ -331,7 +358,7 @@ def reference(files: list[str], path: str | None, requests: int, knobs: list[str
     units' requests per point (the preset's unless given)."""
     if not files:
         raise SystemExit("reference needs files with units")
-    changed = {k: json.loads(v) for k, v in (x.split("=", 1) for x in knobs or [])}
+    changed = engine_knobs(knobs)
     units = [u for f in files for u in json.load(open(f)).get("units", [])]
     setups = {}
     for u in units:
@@ -374,14 +401,13 @@ def reference_at(preset: dict, rates: str, scenario: str | None, knobs: list[str
     from benchmarks.e2e.runner import arrivals, ideals
     from benchmarks.e2e.zero_overhead import replay
 
-    changed = {k: json.loads(v) for k, v in (x.split("=", 1) for x in knobs)}
+    changed = engine_knobs(knobs)
     rows = []
     for name in preset["workflows"]:
         wf = workflow(name)
         sc = scenario or wf.scenarios[0]
         base = make_setup(wf, preset, engine_profile)
-        setup = Setup(engine={**base.engine, **changed}, replicas=base.replicas, models=base.models,
-                      time_scale=base.time_scale, max_model_len=base.max_model_len, tool_threads=base.tool_threads)
+        setup = with_engine(base, changed)
         for rate in (float(x) for x in rates.split(",")):
             for seed in preset["seeds"]:
                 specs = wf.make_specs(preset["requests"], seed, sc)

@@ -78,13 +78,16 @@ def summarize_point(vs: dict, sustained_max: dict, refs: dict | None = None) -> 
     return out
 
 
-def kv_bound_proof(per_factor: dict, footprints: dict | None = None, kv_tokens: int | None = None) -> dict:
+def kv_bound_proof(per_factor: dict, footprints: dict | None = None, kv_tokens: int | None = None,
+                   think_s: dict | None = None, host_tokens: int | None = None) -> dict:
     """At 0.8 of capacity: the best static configuration's hit rate against the perfect cache's
     (1 - floor / prompt tokens queried), and its prefill against the floor. The regime bites if
     the hit rate is >= 20 points below, or prefill >= 1.3x the floor. With ``footprints`` (seed ->
     the requests' mean KV footprint in tokens) and ``kv_tokens`` (the engines' device KV, all
-    replicas), also why: the live working set by Little's law (throughput x mean latency x
-    footprint) against the device KV."""
+    replicas), also why: the live working set by Little's law (throughput x a session's life x
+    footprint) against the device KV, and with ``host_tokens`` (the host tier, all replicas)
+    against both tiers. A session's life is its latency plus its users' think time (``think_s``:
+    seed -> the requests' mean), since a session paused for its user keeps its KV unless evicted."""
     vs = per_factor.get(PROOF_FACTOR, {}).get("dask")
     if not vs:
         return {"holds": None, "why": f"no plain-Dask run at {PROOF_FACTOR} of capacity"}
@@ -95,15 +98,22 @@ def kv_bound_proof(per_factor: dict, footprints: dict | None = None, kv_tokens: 
         gaps[s] = perfect - m["hit_rate"] if math.isfinite(perfect) else None
         ratios[s] = m.get("prefill_vs_floor")
         fp, thr, mean = (footprints or {}).get(s), stats.finite(m.get("throughput_rps")), stats.finite(m.get("mean_s"))
-        live[s] = thr * mean * fp / kv_tokens if fp and kv_tokens and thr and mean else None
+        life = mean + (think_s or {}).get(s, 0.0) if mean else None
+        live[s] = thr * life * fp if fp and thr and life else None
     g, r = stats.spread(gaps), stats.spread(ratios)
     holds = (g["median"] is not None and g["median"] >= 0.20) or (r["median"] is not None and r["median"] >= 1.3)
     out = {"holds": bool(holds), "hit_rate_gap_to_perfect": g, "prefill_vs_floor": r,
            "rule": "hit rate >= 20 points below a perfect cache's, or prefill >= 1.3x the floor"}
     if footprints and kv_tokens:
-        out["live_working_set_vs_device_kv"] = stats.spread(live)
+        out["live_working_set_vs_device_kv"] = stats.spread({s: x / kv_tokens if x else None for s, x in live.items()})
+        if host_tokens:
+            out["live_working_set_vs_device_and_host_kv"] = stats.spread(
+                {s: x / (kv_tokens + host_tokens) if x else None for s, x in live.items()})
+            out["host_kv_tokens"] = host_tokens
         out["footprint_tokens"] = stats.spread(dict(footprints))
         out["device_kv_tokens"] = kv_tokens
+        if think_s:
+            out["think_s"] = stats.spread(dict(think_s))
     return out
 
 
@@ -120,10 +130,12 @@ def check_same_resources(units: list[dict]) -> None:
 
 
 def summarize(units: list[dict], footprints: dict | None = None, kv_tokens: dict | None = None,
-              references: dict | None = None) -> dict:
+              references: dict | None = None, think_s: dict | None = None, host_tokens: dict | None = None) -> dict:
     """The summary (module docstring). ``footprints``: workflow -> scenario -> seed -> mean KV
     footprint of the requests (tokens); ``kv_tokens``: workflow -> device KV of all its engines
-    (tokens); with both, the KV-bound proof says how much of the device KV the live requests need.
+    (tokens); with both, the KV-bound proof says how much of the device KV the live requests need
+    (``think_s``: workflow -> scenario -> seed -> the requests' mean think time, in their lives;
+    ``host_tokens``: workflow -> the host tier of all its engines, tokens).
     ``references``: workflow -> scenario -> load factor -> seed -> the unit's zero-overhead
     reference (:func:`benchmarks.e2e.zero_overhead.unit_reference`)."""
     check_same_resources(units)
@@ -135,7 +147,8 @@ def summarize(units: list[dict], footprints: dict | None = None, kv_tokens: dict
             refs = ((references or {}).get(wf) or {}).get(sc) or {}
             entry = {f"x{f:g}": summarize_point(vs, smax, refs.get(f)) for f, vs in sorted(per_factor.items())}
             entry["kv_bound_proof"] = kv_bound_proof(per_factor, ((footprints or {}).get(wf) or {}).get(sc),
-                                                     (kv_tokens or {}).get(wf))
+                                                     (kv_tokens or {}).get(wf), ((think_s or {}).get(wf) or {}).get(sc),
+                                                     (host_tokens or {}).get(wf))
             out.setdefault(wf, {})[sc] = entry
     return out
 
@@ -176,7 +189,9 @@ def table(summary: dict, label: str = "EMULATED") -> str:
                          f"hit-rate gap {fmt((p.get('hit_rate_gap_to_perfect') or {}).get('median'), '.2f')}, "
                          f"prefill/floor {fmt((p.get('prefill_vs_floor') or {}).get('median'), '.2f')}, "
                          f"live working set / device KV "
-                         f"{fmt((p.get('live_working_set_vs_device_kv') or {}).get('median'), '.2f')}")
+                         f"{fmt((p.get('live_working_set_vs_device_kv') or {}).get('median'), '.2f')}, "
+                         f"/ device and host KV "
+                         f"{fmt((p.get('live_working_set_vs_device_and_host_kv') or {}).get('median'), '.2f')}")
     return "\n".join(lines)
 
 

@@ -158,8 +158,7 @@ class Engine:
 
 class _Handle:
     def __init__(self) -> None:
-        self.done, self.value, self.waiters = False, None, []
-        self.lock = threading.Lock()
+        self.done, self.value, self.waiters = False, None, []  # (one simulated thread at a time: no lock)
 
 
 class _Ctx:
@@ -187,10 +186,8 @@ class ReplayRuntime:
         clock = self.replay.clock
 
         def body() -> None:
-            value = fn(_Ctx(self), *args)
-            with h.lock:
-                h.done, h.value, waiters = True, value, list(h.waiters)
-            for ev in waiters:
+            h.value, h.done = fn(_Ctx(self), *args), True
+            for ev in h.waiters:
                 clock.wake(ev)
 
         clock.spawn(body)
@@ -198,12 +195,10 @@ class ReplayRuntime:
 
     def gather(self, handles: list) -> list:
         for h in handles:
-            ev = threading.Event()
-            with h.lock:
-                if h.done:
-                    continue
+            if not h.done:
+                ev = threading.Event()
                 h.waiters.append(ev)
-            self.replay.clock.block(ev)
+                self.replay.clock.block(ev)
         return [h.value for h in handles]
 
     def think(self, seconds: float) -> None:
@@ -218,11 +213,12 @@ class Replay:
     def __init__(self, setup: Any, routing: str = "session_sticky"):
         from benchmarks.e2e import profile
         from benchmarks.e2e.variants.common import Router, replica_groups
+        from dask_agents.worker_plugin.emulated_kv import H100_KV_BLOCKS
         from dask_agents.worker_plugin.tokenizer import ByteTokenizer
 
         self.clock = VirtualClock()
         p = profile.params(setup.engine)
-        capacity = p.kv_blocks or profile.params({}).kv_blocks
+        capacity = p.kv_blocks or H100_KV_BLOCKS  # (what the engine host takes when no KV size is given)
         self.engines = [Engine(self.clock, p, capacity) for _ in setup.replica_models()]
         self.groups = replica_groups(setup)
         self.routers = {m: Router(len(g), routing) for m, g in self.groups.items()}
