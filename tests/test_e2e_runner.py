@@ -47,7 +47,10 @@ def test_reported_numbers_never_come_from_a_sweep_run(monkeypatch):
               "probe_rps": FULL["probe_rps"]["swe"],
               "capacity_ladder": [0.1, 0.2], "caps": [4], "ttls": [5.0], "peer_routings": ["session_sticky"]}
     res = runner.choose(wf, TINY, preset, lambda ch: factory_for(TINY, ch), lambda s: None)
-    assert {p for p, _ in calls} == {"sweep"} and res["chosen"]["capacity_rps"] == 0.2
+    # every load sustained: the ladder grew as far as it may, and the note says the capacity is a floor
+    top = 0.2 * runner.LADDER_STEP ** runner.LADDER_EXTRA
+    assert {p for p, _ in calls} == {"sweep"} and res["chosen"]["capacity_rps"] == pytest.approx(top)
+    assert "at least" in res["chosen"]["capacity_note"]
     calls.clear()
     plan = {"scenarios": ["stationary"], "factors": [0.8, 1.0], "seeds": [0, 1], "variants": ["dask", "dask-agents"],
             "capacity_rps": 0.2, "requests": 2, "deadline_s": 10}
@@ -59,6 +62,26 @@ def test_reported_numbers_never_come_from_a_sweep_run(monkeypatch):
             assert all(x < 1000 for x in v["mean_s"]["per_seed"].values())
     # a sweep gives a hopeless configuration up sooner than a measurement gives up a request
     assert deadlines == {("sweep", FULL["sweep_deadline_s"]), ("measure", 10)}
+
+
+def test_the_capacity_ladder_grows_past_a_sustained_top_and_stops_at_the_first_load_not_sustained(monkeypatch):
+    """A ladder whose top is sustained says nothing of the capacity but a floor: it grows by
+    LADDER_STEP until a load is not sustained, and the capacity is the last one that was."""
+    rates: list[float] = []
+
+    def fake_point(make, wf, specs, offsets, rate, setup, ideal_of, deadline_s):
+        rates.append(rate)
+        return fake_metrics(1.0, sustained=rate <= 0.3)
+
+    monkeypatch.setattr(runner, "run_point", fake_point)
+    monkeypatch.setattr(runner, "ideals", lambda wf, specs, setup: {s.id: (1.0, 10) for s in specs})
+    preset = {**FULL, "requests": 2, "scenarios": ["stationary"], "static_sweep": FULL["static_sweep"][:1],
+              "probe_rps": 0.1, "capacity_ladder": [0.1, 0.2], "caps": [4], "ttls": [5.0],
+              "peer_routings": ["session_sticky"], "variants": ["dask"]}
+    res = runner.choose(workflow("swe"), TINY, preset, lambda ch: factory_for(TINY, ch), lambda s: None)
+    ladder = [r["rate_rps"] for r in res["sweeps"]["capacity"]]
+    assert ladder == [0.1, 0.2, 0.25, 0.3125]  # 0.3125 is the first load not sustained
+    assert res["chosen"]["capacity_rps"] == 0.25 and "highest ladder load" in res["chosen"]["capacity_note"]
 
 
 def test_overhead_parts_add_up_to_the_critical_paths_overhead():

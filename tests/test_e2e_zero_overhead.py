@@ -154,6 +154,9 @@ def test_the_summary_carries_the_reference_and_each_variants_mean_against_it():
     got = e["variants"]["dask-agents"]["mean_vs_zero_overhead"]["per_seed"]
     assert got == {s: pytest.approx((30.0 + int(s)) / r["mean_s"]) for s, r in per_seed.items()}
     assert "zero-overhead mean" in report.table(report.summarize(units, references=refs))
+    # (best - reference) / (best - ideal): what taking every framework's overhead away would close
+    assert e["best_baseline"] == "dask" and e["zero_overhead_gap_closed_mean"]["per_seed"] == {
+        s: pytest.approx((40.0 + int(s) - r["mean_s"]) / (40.0 + int(s) - 1.0)) for s, r in per_seed.items()}
     # a real engine's run has no cost model to replay
     assert references(units, 4, {"finance": {**TINY.describe(), "entry": {"engine": "vllm"}}}) == {}
 

@@ -8,8 +8,11 @@ share, ``best_baseline`` (the baseline with the lowest median mean), per variant
 ``mean_speedup_vs_<variant>`` (dask-agents against every other variant, paired per seed), and
 per scenario the KV-bound proof at 0.8 of capacity. With the zero-overhead references of the
 units (:mod:`benchmarks.e2e.zero_overhead`: the same requests on the same engines in virtual
-time, no framework at all), also ``zero_overhead_mean_s``/``zero_overhead_p99_s`` and per variant
-``mean_vs_zero_overhead``: what of a variant's distance from the ideal bound is the load itself.
+time, no framework at all), also ``zero_overhead_mean_s``/``zero_overhead_p99_s``, per variant
+``mean_vs_zero_overhead`` (what of a variant's distance from the ideal bound is the load itself)
+and ``zero_overhead_gap_closed_mean`` (the share of the best baseline's gap to the ideal that
+taking every framework's overhead away closes: what is left beyond it, only the engines' own
+scheduling could win).
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ def summarize_point(vs: dict, sustained_max: dict, refs: dict | None = None) -> 
                                   for v in vs}
         out["gap_closed_p99"] = {v: stats.paired(vs[v], vs[best], stats.gap_closed("p99_s", "ideal_p99_s"))
                                  for v in vs}
+        if refs:  # the share of the gap that taking every framework's overhead away would close
+            out["zero_overhead_gap_closed_mean"] = stats.paired(refs, vs[best], stats.gap_closed("mean_s", "ideal_mean_s"))
     static = sustained_max.get("dask", {})
     out["sustained_load_ratio_vs_best_static"] = {
         v: stats.spread({s: (x / static[s] if static.get(s) else None) for s, x in sustained_max.get(v, {}).items()})
