@@ -135,7 +135,7 @@ def test_a_failure_in_the_replay_is_raised_not_hidden():
         clock.run()
 
 
-def test_the_summary_carries_the_reference_and_each_variants_mean_against_it():
+def test_the_summary_carries_the_reference_and_each_variants_mean_against_it(tmp_path):
     """Merge's references: one per unit (workflow, scenario, load, seed), recomputed from the
     units' seeds and rates; the summary pairs each variant's mean with its seed's reference."""
     from tests.test_e2e_runner import TINY, fake_metrics
@@ -154,6 +154,7 @@ def test_the_summary_carries_the_reference_and_each_variants_mean_against_it():
     got = e["variants"]["dask-agents"]["mean_vs_zero_overhead"]["per_seed"]
     assert got == {s: pytest.approx((30.0 + int(s)) / r["mean_s"]) for s, r in per_seed.items()}
     assert "zero-overhead mean" in report.table(report.summarize(units, references=refs))
+    assert report.plot(report.summarize(units, references=refs), str(tmp_path / "e2e"))  # with its reference line
     # (best - reference) / (best - ideal): what taking every framework's overhead away would close
     assert e["best_baseline"] == "dask" and e["zero_overhead_gap_closed_mean"]["per_seed"] == {
         s: pytest.approx((40.0 + int(s) - r["mean_s"]) / (40.0 + int(s) - 1.0)) for s, r in per_seed.items()}

@@ -220,6 +220,9 @@ def plot(summary: dict, stem: str, label: str = "EMULATED") -> list[str]:
                     ax.plot([f for f, _ in fs], [y if y is not None else math.nan for y in ys], marker="o", label=v)
                 ideal = "ideal_mean_s" if key == "mean_s" else "ideal_p99_s"
                 ax.plot([f for f, _ in fs], [e[ideal]["median"] for _, e in fs], "k--", label="ideal bound")
+                zero = "zero_overhead_" + key
+                if all(zero in e for _, e in fs):
+                    ax.plot([f for f, _ in fs], [e[zero]["median"] for _, e in fs], "k:", label="zero overhead")
                 ax.set_xlabel("offered load (x capacity)")
                 ax.set_ylabel(f"{key[:-2]} latency (emulated s)")
                 ax.set_title(f"{wf} / {sc}: {key[:-2]} ({label})")

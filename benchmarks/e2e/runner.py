@@ -32,7 +32,7 @@ SWEEP_SEED = 1000
 LADDER_STEP, LADDER_EXTRA = 1.25, 6
 """A capacity ladder whose top load is sustained grows by this factor, at most this many times:
 the capacity is the highest load sustained below one that is not (the finance ladder's top, 0.8/s,
-was sustained once the emulator cached blocks as vLLM does, and so was 1.2x it)."""
+was sustained once the emulator cached blocks as vLLM does, and said nothing beyond it)."""
 BASELINES = ("dask", "dask-capped", "dask-ttl", "ray", "langgraph")
 PEERS = ("ray", "langgraph")
 
