@@ -121,7 +121,6 @@ class Engine:
         self.clock, self.sched = clock, EmulatedScheduler(params, capacity_blocks, True)
         self.stepping = False
         self.waiters: dict[str, threading.Event] = {}
-        self.idle_since = 0.0
         self.busy_s = 0.0
 
     def submit(self, ids: list[int], max_tokens: int, done: threading.Event) -> Any:
@@ -137,12 +136,11 @@ class Engine:
         return seq
 
     def _step(self) -> None:
-        idle = self.clock.now - self.idle_since
-        if idle > 0:
-            self.sched.advance(idle)  # idle time passes for transfers in flight
+        if self.clock.now > self.sched.now:  # idle time passes (for transfers in flight): one clock
+            self.sched.advance(self.clock.now - self.sched.now)
         cost, finished = self.sched.step()
         if not cost and not finished:  # nothing could run (a request too big for the KV stays queued)
-            self.stepping, self.idle_since = False, self.clock.now
+            self.stepping = False
             return
         self.busy_s += cost
         self.clock.at(self.clock.now + cost, lambda: self._end(finished))
@@ -153,7 +151,7 @@ class Engine:
         if self.sched.running or self.sched.waiting:
             self._step()
         else:
-            self.stepping, self.idle_since = False, self.clock.now
+            self.stepping = False
 
 
 class _Handle:
