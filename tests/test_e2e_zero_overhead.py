@@ -13,7 +13,7 @@ from benchmarks.e2e.ideal import ideal, llm_seconds, run_shared
 from benchmarks.e2e.program import LLMCall, Setup, ToolCall, call
 from benchmarks.e2e.runner import arrivals
 from benchmarks.e2e.workflows import finance
-from benchmarks.e2e.zero_overhead import Replay, VirtualClock, replay
+from benchmarks.e2e.zero_overhead import Replay, VirtualClock, oracle, replay
 from dask_agents.worker_plugin.emulated_kv import EmulationParams
 
 ENGINE = {"kv_blocks": 20000, "max_batch": 64, "max_num_batched_tokens": 512}
@@ -208,3 +208,75 @@ def test_the_reference_at_given_loads_and_engine_knobs_is_never_below_the_ideal(
     for bad in ("max_batch", "max_batch=eight"):  # a clear error, not a traceback
         with pytest.raises(SystemExit, match="--engine"):
             main(["reference", "--workflow", "finance", "--rates", "0.5", "--engine", bad])
+
+
+def test_the_oracles_priority_is_the_requests_ideal_work_left_its_pauses_left_out():
+    """``srpt``: a call ranks by its request's ideal time from the call's start to the end, the
+    user's pauses after it left out; the first call's is the whole ideal latency less the tool
+    before it, the last one's that call alone. ``sjf``: every call the whole latency. An unknown order is refused."""
+    wf = _Tiny()
+    spec = _Spec("r0", (_prompt(1, 1500), _prompt(2, 900)), tool_s=0.25, think_s=30.0)
+    whole = ideal(wf, spec, ENGINE, shared="")[0]
+    srpt = oracle(wf, [spec], ENGINE, "srpt")
+    model = LLMCall("r0", "asker", "", 1).model
+    assert srpt("r0", model, spec.prompts[0]) == (pytest.approx(whole - spec.tool_s, rel=1e-9),)  # its tool done
+    assert srpt("r0", model, spec.prompts[1]) == (pytest.approx(llm_seconds(EmulationParams(**ENGINE), 900, 0, 20),
+                                                                rel=1e-9),)
+    assert srpt.misses == 0
+    assert srpt("r0", model, "a prompt it never sent") == (pytest.approx(whole, rel=1e-9),) and srpt.misses == 1
+    assert oracle(wf, [spec], ENGINE, "sjf")("r0", model, spec.prompts[1]) == (pytest.approx(whole, rel=1e-9),)
+    assert oracle(wf, [spec], ENGINE, "fcfs") is None
+    with pytest.raises(ValueError, match="order"):
+        oracle(wf, [spec], ENGINE, "lifo")
+
+
+def test_an_oracles_order_lets_the_short_request_pass_the_long_one():
+    """One engine admitting one sequence at a time, a long request queued just before a short
+    one: first come first served makes the short one wait the long one's whole call; the
+    oracle's order serves the short one at its ideal and the mean drops, the work unchanged."""
+    wf = _Tiny()
+    setup = Setup(engine={**ENGINE, "max_batch": 1}, replicas=1, models=(("coder", 1),), time_scale=1.0,
+                  max_model_len=131072, tool_threads=8)
+    long, short = _Spec("long", (_prompt(5, 3000),)), _Spec("short", (_prompt(6, 200),))
+    p = EmulationParams(**setup.engine)
+    alone = {"long": llm_seconds(p, 3000, 0, 20), "short": llm_seconds(p, 200, 0, 20)}
+    fcfs = Replay(setup).run(wf, [long, short], [0.0, 0.0])
+    assert fcfs == [pytest.approx(alone["long"]), pytest.approx(alone["long"] + alone["short"])]
+    for order in ("sjf", "srpt"):
+        got = Replay(setup, priority=oracle(wf, [long, short], setup.engine, order)).run(wf, [long, short], [0.0, 0.0])
+        assert got == [pytest.approx(alone["short"] + alone["long"]), pytest.approx(alone["short"])], order
+
+
+def test_the_reference_phase_replays_each_queue_order_asked(tmp_path):
+    """``--order fcfs,srpt``: one row per order, labelled; an oracle's order is never below the
+    ideal; an unknown order is a clear error."""
+    import json
+
+    from benchmarks.e2e.cli import main
+
+    out = tmp_path / "orders.json"
+    assert main(["reference", "--workflow", "finance", "--rates", "0.5", "--seeds", "1", "--requests", "4",
+                 "--order", "fcfs,srpt", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["order"] for r in rows] == ["fcfs", "srpt"] and all(r["oracle_misses"] == 0 for r in rows)
+    assert rows[0]["ideal_mean_s"] == rows[1]["ideal_mean_s"] and all(r["zero_overhead_vs_ideal"] >= 1.0 for r in rows)
+    with pytest.raises(SystemExit, match="--order"):
+        main(["reference", "--workflow", "finance", "--rates", "0.5", "--order", "fcfs,lifo"])
+    # a file's units: per point, the best baseline's gap to the ideal closed by each order's replay
+    from tests.test_e2e_runner import TINY, fake_metrics
+
+    units = [{"workflow": "finance", "scenario": "bursty", "factor": 0.8, "seed": 2, "variant": v, "rate_rps": 1.0,
+              "metrics": {**fake_metrics(mean), "variant": {"setup": TINY.describe()}}}
+             for v, mean in (("ray", 20.0), ("dask-agents", 21.0))]
+    (tmp_path / "units.json").write_text(json.dumps({"units": units}))
+    assert main(["reference", str(tmp_path / "units.json"), "--requests", "4", "--order", "fcfs,srpt",
+                 "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert [(r["variant"], r["order"]) for r in got["rows"]] == [
+        ("ray", "fcfs"), ("ray", "srpt"), ("dask-agents", "fcfs"), ("dask-agents", "srpt")]
+    (point,) = got["points"]
+    assert point["best_baseline"] == "ray" and point["load"] == "x0.8"
+    for o in ("fcfs", "srpt"):
+        ref = got["references_by_order"][o]["finance"]["bursty"]["0.8"]["2"]["mean_s"]
+        ideal_mean = fake_metrics(20.0)["ideal_mean_s"]
+        assert point["zero_overhead_gap_closed_mean"][o]["median"] == pytest.approx((20.0 - ref) / (20.0 - ideal_mean))

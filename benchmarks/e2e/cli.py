@@ -6,7 +6,7 @@ choose run, ``--job K/N`` for a slice of the units: writes the units' results), 
 (joins choose and measure files of one plan: writes the summary, tables and plots),
 ``reference`` (the zero-overhead reference, :mod:`benchmarks.e2e.zero_overhead`: of the units in
 the files given, or with ``--rates`` at those loads; ``--engine KNOB=VALUE`` changes the
-engine). Every number is EMULATED; the time scale is printed with every run.
+engine; ``--order fcfs,srpt`` adds an oracle's queue order). Every number is EMULATED; the time scale is printed with every run.
 """
 
 from __future__ import annotations
@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", help="reference --rates: the scenario (default: the workflow's first)")
     ap.add_argument("--engine", action="append", default=[], metavar="KNOB=VALUE",
                     help="reference: an engine parameter changed (EmulationParams, e.g. max_batch=8)")
+    ap.add_argument("--order", default="fcfs",
+                    help="reference: the engines' queue orders, a comma list of fcfs, sjf, srpt (an oracle's)")
     ap.add_argument("--json", help="write the results here (and PNGs beside it)")
     a = ap.parse_args(argv)
     preset = dict(QUICK if a.quick else FULL)
@@ -229,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.phase == "merge":
         return merge(a.files, a.json)
     if a.phase == "reference" and a.rates:
-        return reference_at(preset, a.rates, a.scenario, a.engine, a.profile, a.json)
+        return reference_at(preset, a.rates, a.scenario, a.engine, a.profile, a.json, a.order)
     if a.phase == "reference":
-        return reference(a.files, a.json, preset["requests"], a.engine)
+        return reference(a.files, a.json, preset["requests"], a.engine, a.order)
     preset["variants"] = check_peers(preset["variants"], a.no_peers)
     log = lambda s: print(s, flush=True)  # noqa: E731
     mode = "quick" if a.quick else "full"
@@ -312,11 +314,13 @@ def setup_of(described: dict) -> Setup:
                  entry=described.get("entry"))
 
 
-def references(units: list[dict], requests: int, setups: dict, workflows: dict | None = None) -> dict:
+def references(units: list[dict], requests: int, setups: dict, workflows: dict | None = None,
+               order: str = "fcfs") -> dict:
     """``report.summarize``'s zero-overhead references: per workflow, scenario, load factor and
     seed, the unit's requests replayed on its engines in virtual time with no framework
     (:func:`benchmarks.e2e.zero_overhead.unit_reference`; deterministic, so computed here from
-    the units' seeds and rates). None for a real engine's run (no cost model to replay)."""
+    the units' seeds and rates), the engines' queues in ``order``. None for a real engine's run
+    (no cost model to replay)."""
     from benchmarks.e2e.zero_overhead import unit_reference
 
     out: dict = {}
@@ -325,7 +329,7 @@ def references(units: list[dict], requests: int, setups: dict, workflows: dict |
         if wf_name not in setups or setups[wf_name].get("entry"):
             continue
         wf = (workflows or {}).get(wf_name) or workflow(wf_name)
-        ref = unit_reference(wf, setup_of(setups[wf_name]), sc, rate, seed, requests)
+        ref = unit_reference(wf, setup_of(setups[wf_name]), sc, rate, seed, requests, order=order)
         out.setdefault(wf_name, {}).setdefault(sc, {}).setdefault(f, {})[str(seed)] = ref
     return out
 
@@ -351,14 +355,29 @@ def with_engine(setup: Setup, changed: dict) -> Setup:
                  entry=setup.entry)
 
 
-def reference(files: list[str], path: str | None, requests: int, knobs: list[str] | None = None) -> int:
+def queue_orders(orders: str) -> list[str]:
+    """``--order``'s comma list, checked (:data:`benchmarks.e2e.zero_overhead.ORDERS`)."""
+    from benchmarks.e2e.zero_overhead import ORDERS
+
+    got = [o for o in orders.split(",") if o]
+    bad = [o for o in got if o not in ORDERS]
+    if bad or not got:
+        raise SystemExit(f"--order takes a comma list of {', '.join(ORDERS)}; got {orders!r}")
+    return got
+
+
+def reference(files: list[str], path: str | None, requests: int, knobs: list[str] | None = None,
+              orders: str = "fcfs") -> int:
     """The zero-overhead reference of every unit in ``files`` (any JSON with ``units``, a
     diagnostic's too: each unit's setup is the one its variant recorded, with ``knobs``
-    (``KNOB=VALUE``) changed on its engine) and each point's mean against it; ``requests``: the
-    units' requests per point (the preset's unless given)."""
+    (``KNOB=VALUE``) changed on its engine) and each point's mean against it, once per queue
+    order in ``orders`` (the first one's in ``references``, every one's in
+    ``references_by_order``); ``requests``: the units' requests per point (the preset's unless
+    given)."""
     if not files:
         raise SystemExit("reference needs files with units")
     changed = engine_knobs(knobs)
+    order_list = queue_orders(orders)
     units = [u for f in files for u in json.load(open(f)).get("units", [])]
     setups = {}
     for u in units:
@@ -366,35 +385,63 @@ def reference(files: list[str], path: str | None, requests: int, knobs: list[str
         if setups.setdefault(u["workflow"], got) != got:
             raise SystemExit(f"reference: {u['workflow']} units ran on different setups")
     setups = {w: {**st, "engine": {**st["engine"], **changed}} for w, st in setups.items()}
-    refs = references(units, requests, setups)
+    by_order = {o: references(units, requests, setups, order=o) for o in order_list}
     rows = []
     for u in units:
-        r = refs.get(u["workflow"], {}).get(u["scenario"], {}).get(u["factor"], {}).get(str(u["seed"]))
-        if r is None:
-            continue
-        m = u["metrics"]
-        rows.append({k: u[k] for k in ("workflow", "scenario", "factor", "seed", "variant", "rate_rps")}
-                    | {"mean_s": m["mean_s"], "ideal_mean_s": m["ideal_mean_s"], "zero_overhead_mean_s": r["mean_s"],
-                       "zero_overhead_prefill_tokens": r["prefill_tokens"],
-                       "mean_vs_zero_overhead": m["mean_s"] / r["mean_s"],
-                       "zero_overhead_vs_ideal": r["mean_s"] / m["ideal_mean_s"]})
-        print(f"  {u['workflow']} {u['scenario']} x{u['factor']:g} seed {u['seed']} {u['variant']:28s} "
-              f"mean {m['mean_s']:7.2f} s  zero-overhead {r['mean_s']:7.2f} s ({rows[-1]['mean_vs_zero_overhead']:.3f}x)"
-              f"  ideal {m['ideal_mean_s']:7.2f} s ({rows[-1]['zero_overhead_vs_ideal']:.2f}x)")
+        for o, refs in by_order.items():
+            r = refs.get(u["workflow"], {}).get(u["scenario"], {}).get(u["factor"], {}).get(str(u["seed"]))
+            if r is None:
+                continue
+            m = u["metrics"]
+            rows.append({k: u[k] for k in ("workflow", "scenario", "factor", "seed", "variant", "rate_rps")}
+                        | {"order": o, "mean_s": m["mean_s"], "ideal_mean_s": m["ideal_mean_s"],
+                           "zero_overhead_mean_s": r["mean_s"], "zero_overhead_prefill_tokens": r["prefill_tokens"],
+                           "mean_vs_zero_overhead": m["mean_s"] / r["mean_s"],
+                           "zero_overhead_vs_ideal": r["mean_s"] / m["ideal_mean_s"]})
+            print(f"  {u['workflow']} {u['scenario']} x{u['factor']:g} seed {u['seed']} {u['variant']:28s} "
+                  f"mean {m['mean_s']:7.2f} s  zero-overhead ({o}) {r['mean_s']:7.2f} s "
+                  f"({rows[-1]['mean_vs_zero_overhead']:.3f}x)  ideal {m['ideal_mean_s']:7.2f} s "
+                  f"({rows[-1]['zero_overhead_vs_ideal']:.2f}x)")
+    points = gaps_by_order(units, by_order)
+    for (wf, sc, lk), p in points.items():
+        print(f"  {wf} {sc} {lk}: best baseline {p['best_baseline']}; share of its gap to the ideal closed by "
+              + ", ".join(f"zero overhead ({o}) {report.fmt(g['median'], '.2f')} [{report.fmt(g['min'], '.2f')}, "
+                          f"{report.fmt(g['max'], '.2f')}]" for o, g in p["zero_overhead_gap_closed_mean"].items()))
     if path:
         with open(path, "w") as f:
             json.dump(jsonable({"what": "zero-overhead references (benchmarks/e2e/zero_overhead.py) of the units of "
                                         + ", ".join(files), "engine_changed": changed, "requests": requests,
-                                "references": refs, "rows": rows}),
+                                "references": by_order[order_list[0]], "references_by_order": by_order,
+                                "points": [{"workflow": wf, "scenario": sc, "load": lk, **p}
+                                           for (wf, sc, lk), p in points.items()],
+                                "rows": rows}),
                       f, indent=1)
     return 0
 
 
+def gaps_by_order(units: list[dict], by_order: dict) -> dict:
+    """Per (workflow, scenario, load) of ``units`` with baselines: the best baseline's (the
+    summary's) and, per queue order, the share of its gap to the ideal that the zero-overhead
+    replay closes (``report.summarize``'s ``zero_overhead_gap_closed_mean``: median over seeds,
+    min, max)."""
+    out: dict = {}
+    for o, refs in by_order.items():
+        for wf, scs in report.summarize(units, references=refs).items():
+            for sc, loads in scs.items():
+                for lk, e in loads.items():
+                    if lk.startswith("x") and e.get("zero_overhead_gap_closed_mean"):
+                        p = out.setdefault((wf, sc, lk), {"best_baseline": e["best_baseline"],
+                                                          "zero_overhead_gap_closed_mean": {}})
+                        p["zero_overhead_gap_closed_mean"][o] = e["zero_overhead_gap_closed_mean"]
+    return out
+
+
 def reference_at(preset: dict, rates: str, scenario: str | None, knobs: list[str], engine_profile: str,
-                 path: str | None) -> int:
+                 path: str | None, orders: str = "fcfs") -> int:
     """The zero-overhead reference of each workflow at ``rates`` for every seed, on the run's
     engine with ``knobs`` (``KNOB=VALUE``, JSON values) changed, against the ideal bound of the
-    same requests on the run's own engine: what no framework beats by cutting overhead."""
+    same requests on the run's own engine: what no framework beats by cutting overhead; once per
+    queue order in ``orders`` (an oracle's, :mod:`benchmarks.e2e.zero_overhead`)."""
     import statistics
 
     from benchmarks.e2e import stats
@@ -402,6 +449,7 @@ def reference_at(preset: dict, rates: str, scenario: str | None, knobs: list[str
     from benchmarks.e2e.zero_overhead import replay
 
     changed = engine_knobs(knobs)
+    order_list = queue_orders(orders)
     rows = []
     for name in preset["workflows"]:
         wf = workflow(name)
@@ -415,12 +463,14 @@ def reference_at(preset: dict, rates: str, scenario: str | None, knobs: list[str
                 ideal_of = ideals(wf, specs, base)
                 w = stats.window([{"arrival": t, "ideal": ideal_of[s.id][0]} for t, s in zip(offsets, specs)])
                 ideal_mean = statistics.fmean(r["ideal"] for r in w)
-                ref = replay(wf, specs, offsets, setup)
-                rows.append({"workflow": name, "scenario": sc, "rate_rps": rate, "seed": seed, "ideal_mean_s": ideal_mean,
-                             "zero_overhead_mean_s": ref["mean_s"], "zero_overhead_p99_s": ref["p99_s"],
-                             "zero_overhead_vs_ideal": ref["mean_s"] / ideal_mean})
-                print(f"  {name} {sc} {rate:g}/s seed {seed}: zero-overhead mean {ref['mean_s']:.2f} s, ideal "
-                      f"{ideal_mean:.2f} s ({ref['mean_s'] / ideal_mean:.3f}x)", flush=True)
+                for o in order_list:
+                    ref = replay(wf, specs, offsets, setup, order=o)
+                    rows.append({"workflow": name, "scenario": sc, "rate_rps": rate, "seed": seed, "order": o,
+                                 "ideal_mean_s": ideal_mean, "zero_overhead_mean_s": ref["mean_s"],
+                                 "zero_overhead_p99_s": ref["p99_s"], "zero_overhead_vs_ideal": ref["mean_s"] / ideal_mean,
+                                 "oracle_misses": ref["oracle_misses"]})
+                    print(f"  {name} {sc} {rate:g}/s seed {seed} ({o}): zero-overhead mean {ref['mean_s']:.2f} s, "
+                          f"ideal {ideal_mean:.2f} s ({ref['mean_s'] / ideal_mean:.3f}x)", flush=True)
     if path:
         with open(path, "w") as f:
             json.dump(jsonable({"what": "zero-overhead references at given loads (benchmarks/e2e/zero_overhead.py)",

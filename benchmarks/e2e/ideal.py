@@ -89,6 +89,7 @@ class IdealRuntime:
         self.think_s = 0.0
         self.prefill_tokens = 0  # what a perfect cache prefills: the floor
         self.sent: list[tuple[float, int, str, str]] = []  # (start, call order, model, prompt)
+        self.thinks: list[tuple[float, float]] = []  # (start, seconds) of each user's pause
         self.earlier = earlier or []
 
     def record(self, model: str, prompt: str, at: float) -> None:
@@ -110,6 +111,7 @@ class IdealRuntime:
         return [v for v, _ in handles]
 
     def think(self, seconds: float) -> None:
+        self.thinks.append((self.now, seconds))
         self.now += seconds
         self.think_s += seconds
 
@@ -119,9 +121,16 @@ def ideal(workflow: Any, spec: Any, params: Any, shared: str | None = None) -> t
     a perfect cache prefills for it (the floor); checks the program's outcome on the way.
     ``shared``: what every session's prompts begin with (default the workflow's
     ``shared_prefix``)."""
+    rt = ideal_run(workflow, spec, params, shared)
+    return rt.now - rt.think_s, rt.prefill_tokens
+
+
+def ideal_run(workflow: Any, spec: Any, params: Any, shared: str | None = None) -> IdealRuntime:
+    """The :class:`IdealRuntime` of the request's last pass (:func:`ideal`): its calls' start
+    times (``sent``), its pauses (``thinks``), its end (``now``)."""
     shared = getattr(workflow, "shared_prefix", "") if shared is None else shared
     earlier: list = []
-    result = None
+    result = rt = None
     for _ in range(4):  # passes until a sibling's prompts are seen where they started first
         rt = IdealRuntime(getattr(spec, "id", "ideal"), params, shared, block_size=profile.params(params).block_size,
                           earlier=earlier)
@@ -130,7 +139,7 @@ def ideal(workflow: Any, spec: Any, params: Any, shared: str | None = None) -> t
         if out == result:
             break
         result, earlier = out, rt.sent
-    return result
+    return rt
 
 
 def run_shared(workflow: Any, specs: list) -> str:

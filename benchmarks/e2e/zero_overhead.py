@@ -18,6 +18,15 @@ sessions differently may do better on some requests. What it shows is how much o
 distance from the ideal bound is the load itself, which overhead cannot explain and which no
 cut of overhead can recover.
 
+How much of that load a scheduler could win by order is estimated by the same replay with an
+oracle's priorities on the engines' queues (``order``; the engines admit and preempt by
+priority, as vLLM's priority policy does): ``"sjf"``, the request whose whole ideal latency is
+shortest first; ``"srpt"``, the request whose ideal remaining work (from this call's start on
+its ideal path, its pauses left out) is least first. The oracle knows every request's future,
+which no scheduler does; SRPT is the mean-optimal order on one server, a strong estimate (not a
+proof) on engines that batch. Where the engines' queues are empty (every call admitted at
+once), no order changes anything: the replay shows whether they are.
+
 The replay: every simulated activity (a request's program, each agent it starts) is a thread
 that blocks on virtual waits (:class:`VirtualClock`); time moves to the next event only when
 every thread is blocked, so the result is deterministic and independent of the machine.
@@ -35,6 +44,8 @@ from collections import deque
 from typing import Any, Callable
 
 from benchmarks.e2e.program import LLMCall, LLMOut, Recorder, ToolCall
+
+ORDERS = ("fcfs", "sjf", "srpt")
 
 
 class VirtualClock:
@@ -123,11 +134,11 @@ class Engine:
         self.waiters: dict[str, threading.Event] = {}
         self.busy_s = 0.0
 
-    def submit(self, ids: list[int], max_tokens: int, done: threading.Event) -> Any:
+    def submit(self, ids: list[int], max_tokens: int, done: threading.Event, priority: tuple = ()) -> Any:
         """Queue a request (from a simulated thread); ``done`` is woken when it finishes."""
         from dask_agents.worker_plugin.emulated_kv import Sequence
 
-        seq = Sequence(uuid.uuid4().hex, ids, max_tokens)
+        seq = Sequence(uuid.uuid4().hex, ids, max_tokens, priority=priority)
         self.waiters[seq.request_id] = done
         self.sched.add(seq)
         if not self.stepping:
@@ -205,10 +216,51 @@ class ReplayRuntime:
             self.replay.clock.sleep(seconds)
 
 
-class Replay:
-    """One unit's requests on zero-overhead agents and virtual-time engines (module docstring)."""
+class Oracle:
+    """An oracle's priority of a call (:meth:`__call__`: session, model, prompt -> the engine's
+    priority tuple, smaller first) for ``order`` (``"sjf"`` or ``"srpt"``, module docstring),
+    from each request's ideal path (:func:`benchmarks.e2e.ideal.ideal_run`, the same engine
+    parameters). A call its request's ideal path never made ranks by the request's whole
+    latency and is counted in ``misses`` (none in the shipped workflows: each replay reports it)."""
 
-    def __init__(self, setup: Any, routing: str = "session_sticky"):
+    def __init__(self, wf: Any, specs: list, engine: dict, order: str):
+        from benchmarks.e2e.ideal import ideal_run, run_shared
+
+        self.order, self.misses = order, 0
+        shared = run_shared(wf, specs)
+        self.whole: dict[str, float] = {}
+        self.left: dict[str, dict[tuple[str, str], float]] = {}
+        for spec in specs:
+            rt = ideal_run(wf, spec, engine, shared)
+            self.whole[spec.id] = rt.now - rt.think_s
+            left = self.left[spec.id] = {}
+            for start, _, model, prompt in rt.sent:
+                pauses = sum(s for at, s in rt.thinks if at >= start)
+                left.setdefault((model, prompt), rt.now - start - pauses)
+
+    def __call__(self, session: str, model: str, prompt: str) -> tuple:
+        if self.order == "sjf":
+            return (self.whole[session],)
+        left = self.left[session].get((model, prompt))
+        if left is None:
+            self.misses += 1
+            left = self.whole[session]
+        return (left,)
+
+
+def oracle(wf: Any, specs: list, engine: dict, order: str) -> Oracle | None:
+    """The engines' queue order ``order`` (:data:`ORDERS`) for these requests: an
+    :class:`Oracle`, or None for first come first served."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    return None if order == "fcfs" else Oracle(wf, specs, engine, order)
+
+
+class Replay:
+    """One unit's requests on zero-overhead agents and virtual-time engines (module docstring);
+    ``priority``: each call's place in its engine's queue (:func:`oracle`; FCFS without)."""
+
+    def __init__(self, setup: Any, routing: str = "session_sticky", priority: Oracle | None = None):
         from benchmarks.e2e import profile
         from benchmarks.e2e.variants.common import Router, replica_groups
         from dask_agents.worker_plugin.emulated_kv import H100_KV_BLOCKS
@@ -221,6 +273,7 @@ class Replay:
         self.groups = replica_groups(setup)
         self.routers = {m: Router(len(g), routing) for m, g in self.groups.items()}
         self.tokenizer = ByteTokenizer()
+        self.priority = priority
         self.hits = self.queried = 0
 
     def llm(self, session: str, call: LLMCall) -> LLMOut:
@@ -229,7 +282,8 @@ class Replay:
         try:
             done = threading.Event()
             ids = self.tokenizer.encode(call.prompt)
-            seq = self.engines[self.groups[call.model][i]].submit(ids, call.max_tokens, done)
+            prio = self.priority(session, call.model, call.prompt) if self.priority else ()
+            seq = self.engines[self.groups[call.model][i]].submit(ids, call.max_tokens, done, prio)
             self.clock.block(done)
         finally:
             router.done(i)
@@ -255,27 +309,30 @@ class Replay:
         return out
 
 
-def replay(wf: Any, specs: list, offsets: list[float], setup: Any, routing: str = "session_sticky") -> dict:
+def replay(wf: Any, specs: list, offsets: list[float], setup: Any, routing: str = "session_sticky",
+           order: str = "fcfs") -> dict:
     """The zero-overhead reference of one unit, over the runner's measured window
     (:func:`benchmarks.e2e.stats.window`): mean, P50 and P99 latency (emulated s), every
     request's latency, the prefix hit rate, the prefill tokens computed and each engine's busy
-    seconds."""
+    seconds; ``order``: the engines' queue order (:data:`ORDERS`, module docstring)."""
     from benchmarks.e2e import stats
 
-    r = Replay(setup, routing)
+    prio = oracle(wf, specs, setup.engine, order)
+    r = Replay(setup, routing, prio)
     lat = r.run(wf, specs, offsets)
     w = [x["latency"] for x in stats.window([{"arrival": a, "latency": x} for a, x in zip(offsets, lat)])]
     return {"mean_s": statistics.fmean(w), "p50_s": stats.percentile(w, 50), "p99_s": stats.percentile(w, 99),
             "latencies_s": [round(x, 4) for x in lat], "hit_rate": r.hits / r.queried if r.queried else None,
             "prefill_tokens": sum(e.sched.counters["prefill_tokens"] for e in r.engines),
-            "engine_busy_s": [round(e.busy_s, 3) for e in r.engines], "routing": routing}
+            "engine_busy_s": [round(e.busy_s, 3) for e in r.engines], "routing": routing, "order": order,
+            "oracle_misses": prio.misses if prio else 0}
 
 
 def unit_reference(wf: Any, setup: Any, scenario: str, rate_rps: float, seed: int, requests: int,
-                   routing: str = "session_sticky") -> dict:
+                   routing: str = "session_sticky", order: str = "fcfs") -> dict:
     """:func:`replay` of the measure phase's unit (the same requests and arrivals as
     :func:`benchmarks.e2e.runner.measure` makes for it)."""
     from benchmarks.e2e.runner import arrivals
 
     specs = wf.make_specs(requests, seed, scenario)
-    return replay(wf, specs, arrivals(wf, scenario, len(specs), rate_rps, seed), setup, routing)
+    return replay(wf, specs, arrivals(wf, scenario, len(specs), rate_rps, seed), setup, routing, order)
