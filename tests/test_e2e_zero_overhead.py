@@ -280,3 +280,21 @@ def test_the_reference_phase_replays_each_queue_order_asked(tmp_path):
         ref = got["references_by_order"][o]["finance"]["bursty"]["0.8"]["2"]["mean_s"]
         ideal_mean = fake_metrics(20.0)["ideal_mean_s"]
         assert point["zero_overhead_gap_closed_mean"][o]["median"] == pytest.approx((20.0 - ref) / (20.0 - ideal_mean))
+
+
+def test_the_reference_at_a_load_says_whether_it_is_sustained_without_any_framework(tmp_path):
+    """``zero_overhead_sustained``: the runner's test on the replay's latencies. Requests far
+    apart are sustained; all arriving within a second on two engines that run one call at a
+    time are not (latency grows along the arrivals), so a capacity goal above that load is
+    beyond every scheduler."""
+    import json
+
+    from benchmarks.e2e.cli import main
+
+    out = tmp_path / "sust.json"
+    assert main(["reference", "--workflow", "finance", "--rates", "0.02,20", "--seeds", "1", "--requests", "12",
+                 "--engine", "max_batch=1", "--json", str(out)]) == 0
+    rows = {r["rate_rps"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows[0.02]["zero_overhead_sustained"] is True
+    assert rows[20.0]["zero_overhead_sustained"] is False
+    assert rows[20.0]["zero_overhead_vs_ideal"] > rows[0.02]["zero_overhead_vs_ideal"]
