@@ -213,7 +213,8 @@ def test_the_reference_at_given_loads_and_engine_knobs_is_never_below_the_ideal(
 def test_the_oracles_priority_is_the_requests_ideal_work_left_its_pauses_left_out():
     """``srpt``: a call ranks by its request's ideal time from the call's start to the end, the
     user's pauses after it left out; the first call's is the whole ideal latency less the tool
-    before it, the last one's that call alone. ``sjf``: every call the whole latency. An unknown order is refused."""
+    before it, the last one's that call alone. ``sjf``: every call the whole latency. An unknown
+    order is refused."""
     wf = _Tiny()
     spec = _Spec("r0", (_prompt(1, 1500), _prompt(2, 900)), tool_s=0.25, think_s=30.0)
     whole = ideal(wf, spec, ENGINE, shared="")[0]

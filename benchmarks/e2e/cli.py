@@ -6,7 +6,8 @@ choose run, ``--job K/N`` for a slice of the units: writes the units' results), 
 (joins choose and measure files of one plan: writes the summary, tables and plots),
 ``reference`` (the zero-overhead reference, :mod:`benchmarks.e2e.zero_overhead`: of the units in
 the files given, or with ``--rates`` at those loads; ``--engine KNOB=VALUE`` changes the
-engine; ``--order fcfs,srpt`` adds an oracle's queue order). Every number is EMULATED; the time scale is printed with every run.
+engine; ``--order fcfs,srpt`` adds an oracle's queue order). Every number is EMULATED; the time
+scale is printed with every run.
 """
 
 from __future__ import annotations
@@ -473,7 +474,8 @@ def reference_at(preset: dict, rates: str, scenario: str | None, knobs: list[str
                          for t, x, s in zip(offsets, ref["latencies_s"], specs)], rate, {}, 0)["sustained"]
                     rows.append({"workflow": name, "scenario": sc, "rate_rps": rate, "seed": seed, "order": o,
                                  "ideal_mean_s": ideal_mean, "zero_overhead_mean_s": ref["mean_s"],
-                                 "zero_overhead_p99_s": ref["p99_s"], "zero_overhead_vs_ideal": ref["mean_s"] / ideal_mean,
+                                 "zero_overhead_p99_s": ref["p99_s"],
+                                 "zero_overhead_vs_ideal": ref["mean_s"] / ideal_mean,
                                  "zero_overhead_sustained": sustained, "oracle_misses": ref["oracle_misses"]})
                     print(f"  {name} {sc} {rate:g}/s seed {seed} ({o}): zero-overhead mean {ref['mean_s']:.2f} s, "
                           f"ideal {ideal_mean:.2f} s ({ref['mean_s'] / ideal_mean:.3f}x), sustained {sustained}",
