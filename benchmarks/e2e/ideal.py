@@ -110,6 +110,11 @@ class IdealRuntime:
         self.now = max([self.now] + [t for _, t in handles])
         return [v for v, _ in handles]
 
+    @property
+    def latency(self) -> float:
+        """The request's latency so far: its clock less its users' pauses."""
+        return self.now - self.think_s
+
     def think(self, seconds: float) -> None:
         self.thinks.append((self.now, seconds))
         self.now += seconds
@@ -122,7 +127,7 @@ def ideal(workflow: Any, spec: Any, params: Any, shared: str | None = None) -> t
     ``shared``: what every session's prompts begin with (default the workflow's
     ``shared_prefix``)."""
     rt = ideal_run(workflow, spec, params, shared)
-    return rt.now - rt.think_s, rt.prefill_tokens
+    return rt.latency, rt.prefill_tokens
 
 
 def ideal_run(workflow: Any, spec: Any, params: Any, shared: str | None = None) -> IdealRuntime:
@@ -135,7 +140,7 @@ def ideal_run(workflow: Any, spec: Any, params: Any, shared: str | None = None) 
         rt = IdealRuntime(getattr(spec, "id", "ideal"), params, shared, block_size=profile.params(params).block_size,
                           earlier=earlier)
         workflow.check(spec, workflow.program(rt, spec))
-        out = (rt.now - rt.think_s, rt.prefill_tokens)
+        out = (rt.latency, rt.prefill_tokens)
         if out == result:
             break
         result, earlier = out, rt.sent

@@ -232,7 +232,7 @@ class Oracle:
         self.left: dict[str, dict[tuple[str, str], float]] = {}
         for spec in specs:
             rt = ideal_run(wf, spec, engine, shared)
-            self.whole[spec.id] = rt.now - rt.think_s
+            self.whole[spec.id] = rt.latency
             left = self.left[spec.id] = {}
             for start, _, model, prompt in rt.sent:
                 pauses = sum(s for at, s in rt.thinks if at >= start)
