@@ -4,6 +4,7 @@ unbounded KV memory (real vLLM CPU engine), so the reduction bounds the benchmar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from benchmarks import engine_kv as ek
 
@@ -33,3 +34,30 @@ def test_the_floor_is_what_a_real_engine_recomputes_with_room_for_everything():
         ek.SYSTEM = ()
     assert not out.errors and out.calls == 3
     assert out.recomputed_tokens == ek.recompute_floor(_plan(128), 128)
+
+
+def test_the_live_working_set_by_hand():
+    # s0: 200-token task under a 128-token system prompt; steps at t=0 (328 + 8 = 336 tokens: 3
+    # blocks, 2 its own) and t=1 after a 1 s pause (336 + 100 + 16 = 452: 4 blocks, 3 its own),
+    # ends at t=1; s1 starts at t=0.5 with the same steps: 2 own blocks, then 3 at 1.5, ends at 1.5
+    plan = [ek.Script("s0", 0.0, tuple(range(10, 210)), (
+        ek.Step("planner", 8, "file_io", 1.0, tuple(range(3, 103))), ek.Step("tester", 16, None, 0.0, ()))),
+        ek.Script("s1", 0.5, tuple(range(20, 220)), (
+            ek.Step("planner", 8, "file_io", 1.0, tuple(range(3, 103))), ek.Step("tester", 16, None, 0.0, ())))]
+    got = ek.context_blocks(plan, 128)
+    # live: [0, .5) 2 own; [.5, 1) 4; at 1 s0 grows to 3 and ends; [1, 1.5) 2; ends at 1.5; + 1 shared
+    assert got["live_peak"] == 4 + 1
+    assert got["live_mean"] == (2 * 0.5 + 4 * 0.5 + 2 * 0.5) / 1.5 + 1
+    assert got["total"] == 3 + 3 + 1
+
+
+def test_arrivals_keep_the_sessions_and_spread_them_by_the_mean_length():
+    plan = ek.scripts(40, (5, 8), (768, 1280), (192, 384), 1.0, 3, 0.0, 512, 4096)
+    timed = ek.with_arrivals(plan, 10, 3)
+    assert [dataclasses.replace(s, start_s=0.0) for s in timed] == plan  # only the start times change
+    starts = [s.start_s for s in timed]
+    assert starts == sorted(starts) and starts[0] == 0.0
+    mean_len = sum(sum(st.pause_s for st in s.steps) for s in plan) / len(plan)
+    gap = starts[-1] / (len(starts) - 1)
+    assert 0.5 * mean_len / 10 < gap < 2 * mean_len / 10  # about 10 live at once
+    assert ek.with_arrivals(plan, 10, 3) == timed  # a pure function of the seed

@@ -30,7 +30,7 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Iterable, Literal
 
 from dask_agents.kv.runtime import vllm_compat as vc
 
@@ -169,6 +169,12 @@ class EngineKV:
         self._host: "OrderedDict[bytes, tuple[list, int]]" = OrderedDict()  # hash -> (tensors, num_tokens), LRU
         self._disk: "OrderedDict[bytes, int]" = OrderedDict()  # hash -> num_tokens, LRU
         self._pins: dict[str, _Pin] = {}
+        # Which host blocks make room when the host tier is full: ``host_victims(n)`` yields
+        # block hashes, the best victims first (the KV manager asks its policy, as the
+        # simulator does for every tier). None, or once it runs out: least recently stored
+        # first. Without it a bounded host tier drops the session about to resume as readily
+        # as one that finished or will idle for minutes.
+        self.host_victims: Callable[[int], Iterable[bytes]] | None = None
         # bytes per tier as of the last maintain(): other threads read this, not the live state
         self.snapshot: dict[str, int] = {"device": 0, "host": 0, "disk": 0}
         self._snapshot_at = 0.0
@@ -235,6 +241,11 @@ class EngineKV:
     def tier_blocks(self) -> dict[str, int]:
         """Blocks held in the host and disk tiers."""
         return {"host": len(self._host), "disk": len(self._disk)}
+
+    def host_blocks(self) -> list[bytes]:
+        """The host tier's block hashes, least recently stored first (a copy: safe to hold
+        while blocks move)."""
+        return list(self._host)
 
     def in_lower_tier(self, block_hash: bytes) -> str | None:
         """"host" or "disk" if a copy of ``block_hash`` sits there, else None."""
@@ -340,6 +351,9 @@ class EngineKV:
         if not hashes:
             return 0
         t0 = time.perf_counter()
+        if tier == "host" and self.host_victims is not None:
+            self._make_host_room(sum(1 for h in hashes if (b := vc.lookup(self.parts, h)) is not None
+                                     and vc.ref_count(b) == 0 and h not in self._host))
         moved = []
         for h in hashes:
             b = vc.lookup(self.parts, h)
@@ -427,14 +441,35 @@ class EngineKV:
 
     # -- tiers --------------------------------------------------------------------------------------
 
+    def _host_cap(self) -> int:
+        return self.tiers.host_bytes // max(self.bytes_per_block, 1)
+
+    def _spill(self, h: bytes, data: list, ntok: int) -> None:
+        """A block leaves the host tier: to disk if there is one with room, else it is lost."""
+        if self.tiers.disk_bytes and self._put_disk(h, data, ntok):
+            self.stats.spilled_bytes += self.bytes_per_block
+        else:
+            self.stats.dropped_blocks += 1
+
+    def _make_host_room(self, n: int) -> None:
+        """Room in the host tier for ``n`` blocks about to come, taken in ``host_victims``' order
+        (what it does not cover, ``_put_host`` takes least recently stored first)."""
+        over = len(self._host) + n - self._host_cap()
+        if over <= 0:
+            return
+        for h in self.host_victims(over):
+            got = self._host.pop(h, None)
+            if got is not None:
+                self._spill(h, *got)
+                over -= 1
+                if over <= 0:
+                    break
+
     def _put_host(self, h: bytes, data: list, ntok: int) -> bool:
-        cap = self.tiers.host_bytes // max(self.bytes_per_block, 1)
+        cap = self._host_cap()
         while len(self._host) >= cap and self._host:
-            old, (odata, ontok) = self._host.popitem(last=False)  # LRU spills to disk, else is lost
-            if self.tiers.disk_bytes and self._put_disk(old, odata, ontok):
-                self.stats.spilled_bytes += self.bytes_per_block
-            else:
-                self.stats.dropped_blocks += 1
+            old, (odata, ontok) = self._host.popitem(last=False)  # least recently stored
+            self._spill(old, odata, ontok)
         if cap < 1:
             return False
         self._host[h] = (data, ntok)

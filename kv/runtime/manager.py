@@ -25,6 +25,10 @@ Enforcement (everything runs on the engine thread between steps, as ``dask_agent
   sessions' blocks go down a tier (tail first), until device use is at the target.
 - ``Prefetch`` -> blocks come back from host/disk into empty device room only (never by
   discarding another cached block). ``Drop`` -> invalidate.
+- A full host tier makes room in the policy's order of the host tier (``order(view, "host")``,
+  read as the simulator reads it; ``EngineKV.host_victims``): under a bounded host tier which
+  session's copy is lost matters as much as which leaves the device. LRU keeps the tier's own
+  order (least recently stored first).
 - Demand (:meth:`KVManager.prepare`, before every step): vLLM takes cached blocks in LRU order
   when a request needs room, and drops them. So the manager works out the blocks the next step
   will allocate (running requests' next prefill chunk or decoded token, then the waiting
@@ -71,7 +75,7 @@ from dask_agents.kv.runtime import vllm_compat as vc
 from dask_agents.kv.runtime.aeg import AgentGraph, LatencyModel
 from dask_agents.kv.runtime.blocks import ACCELERATOR, DISK, HOST, CostModel, Tier, Tiers, common_prefix
 from dask_agents.kv.runtime.engine_kv import EngineKV, KVDirectiveError
-from dask_agents.kv.runtime.policies import WALRU, Policy, get_policy
+from dask_agents.kv.runtime.policies import LRU, WALRU, Policy, get_policy
 from dask_agents.kv.runtime.sizing import KVGeometry
 from dask_agents.kv.runtime.tool_latency import scaled_prior
 from dask_agents.kv.runtime.view import (
@@ -120,6 +124,7 @@ class ManagerStats:
     room_seconds: float = 0.0  # time spent in prepare() (room for the next step, restores)
     room_blocks: int = 0  # blocks freed in the policy's order for the next step
     room_looks: int = 0  # times room was made (each ranks the free queue once)
+    host_looks: int = 0  # times a full host tier made room in the policy's order
     pauses_observed: int = 0
     pins: int = 0  # pins taken for TTL-protected sessions
     errors: int = 0  # directives the engine refused (logged)
@@ -191,6 +196,8 @@ class KVManager:
         # Until this engine has timed its own copies, transfer times use the configured bandwidths.
         configured = Tiers.from_config()
         self._bandwidth = {HOST: configured.host.bandwidth, DISK: configured.disk.bandwidth}
+        if hasattr(kv, "host_victims"):  # a full host tier makes room in the policy's order
+            kv.host_victims = self._host_victims
 
     # -- configuration ------------------------------------------------------------------------------
 
@@ -442,17 +449,50 @@ class KVManager:
         s.peak_device_blocks = max(s.peak_device_blocks, used)
         s.peak_host_blocks = max(s.peak_host_blocks, lower["host"])
 
-        def lru(tier: str) -> Iterator[int]:  # a walk of vLLM's free queue, only if a policy asks
-            return (b.block_id for b in self.vc.cached_free_blocks(parts)) if tier == ACCELERATOR else iter(())
+        host_blocks = getattr(kv, "host_blocks", None)  # (the host tier's blocks go by hash)
 
-        def stale(tier: str) -> Iterator[int]:
-            return (b.block_id for _, b in self._stale_blocks()) if tier == ACCELERATOR else iter(())
+        def lru(tier: str) -> Iterator[Any]:  # a walk of vLLM's free queue, only if a policy asks
+            if tier == ACCELERATOR:
+                return (b.block_id for b in self.vc.cached_free_blocks(parts))
+            return iter(host_blocks()) if tier == HOST and host_blocks is not None else iter(())
+
+        def stale(tier: str) -> Iterator[Any]:
+            if tier == ACCELERATOR:
+                return (b.block_id for _, b in self._stale_blocks())
+            if tier == HOST and host_blocks is not None:
+                return (h for h in host_blocks() if self._is_stale(h))
+            return iter(())
 
         return KVView(now, self._lower(), CostModel(self._geometry),
                       {ACCELERATOR: self._capacity, HOST: kv.tiers.host_bytes // bpb,
                        DISK: kv.tiers.disk_bytes // bpb},
                       {ACCELERATOR: used, HOST: lower["host"], DISK: lower["disk"]},
                       MappingProxyType(sessions), self.graph.view(), self.arrivals, lru, stale)
+
+    def _host_victims(self, n: int) -> Iterator[bytes]:
+        """Host blocks to drop so that ``n`` blocks can come (``EngineKV.host_victims``), in the
+        policy's order of the host tier, read as the simulator reads it: blocks it lists (stale
+        ones), then each session's host blocks tail first, a block several live sessions own
+        at the turn of the last of them. Nothing under LRU: the tier's own order is LRU."""
+        if isinstance(self.policy, LRU):
+            return
+        kv = self.kv
+        t0 = time.perf_counter()
+        came: set[str] = set()
+        try:
+            for item in self.policy.order(self.view(), HOST):
+                if not isinstance(item, str):
+                    yield item
+                    continue
+                came.add(item)
+                if not kv.knows(item):
+                    continue
+                for h in reversed(kv.blocks_of(item)):
+                    if kv.in_lower_tier(h) == HOST and all(o in came or not self._live(o) for o in kv.owners(h)):
+                        yield h
+        finally:
+            self.stats.host_looks += 1
+            self.stats.room_seconds += time.perf_counter() - t0
 
     def _is_stale(self, h: bytes | None) -> bool:
         """A cached block no live session owns (a finished session's, or no session's)."""
