@@ -129,7 +129,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "current": {"about": "sessions starting together, pauses x 0.05, 5 MiB device, 12 MiB host",
                 "quick": {**_SHAPE, "steps": (5, 7), "sessions": 8, "stagger": 0.05, "time_scale": 0.05,
                           "rounds": 3, "device": "5 MiB", "host": "12 MiB"},
-                "full": {**_SHAPE, "sessions": 12, "stagger": 0.05, "time_scale": 0.05, "rounds": 9,
+                "full": {**_SHAPE, "sessions": 12, "stagger": 0.05, "time_scale": 0.05, "rounds": 3,
                          "device": "5 MiB", "host": "12 MiB"},
                 "variants": ("prefix_caching", "lru_host", "wa_lru", "nalar", "ours"),
                 "goal": {"recompute_reduction_vs_lru_host": ">= 1.0 (ours <= LRU)",
