@@ -100,8 +100,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from dask_agents.stats import percentile  # noqa: E402
 
-POLICY = {"prefix_caching": "none", "unbounded": "none", "wa_lru": "wa_lru", "nalar": "nalar", "ours": "ours", "lru_host": "lru",
+POLICY = {"prefix_caching": "none", "unbounded": "none", "ours_lru_host_tier": "ours", "wa_lru": "wa_lru", "nalar": "nalar", "ours": "ours", "lru_host": "lru",
           "lmcache": "none", "offload_lru": "lru", "offload_ours": "ours"}
+# "ours_lru_host_tier": ours with its host tier making room least recently stored first (as before
+# the tier followed the policy's order): the ablation of EngineKV.host_victims.
 # "lmcache" (GPU: benchmarks/gpu_check.sh): vLLM's AsyncLLM with LMCache's CPU tier under it
 # (engine: vllm-async, kv-connector: lmcache); no hints reach it (LMCache is workflow-blind).
 # "offload_lru" / "offload_ours" (GPU only: vLLM refuses its OffloadingConnector on CPU): AsyncLLM
@@ -421,6 +423,8 @@ def run_variant(variant: str, plan: list[Script], args: argparse.Namespace) -> O
     counter = iter(range(10**9))
     try:
         hint = getattr(host, "kv_hint", lambda *a, **k: None)  # AsyncLLM (lmcache) takes none
+        if variant == "ours_lru_host_tier":
+            host.kv_call(lambda kv: setattr(kv, "host_victims", None)).result(60)
         # warm the kernels up (session-less: its blocks are nobody's and go first)
         host.submit("warmup", list(_tokens(random.Random(-1), 300)), host.sampling_params(4, 0.0, None),
                     None).result(300)

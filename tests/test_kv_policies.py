@@ -180,6 +180,12 @@ def test_prefetched_session_resumes_without_stall_in_a_replay():
     assert out["lru"].stall_s > 0 and out["lru"].bytes_prefetched == 0  # restored on demand
     for name in ("ours", "nalar"):
         assert out[name].bytes_prefetched > 0 and out[name].stall_s < out["lru"].stall_s, name
+    # The host link moves 100 blocks/s (4 blocks: 0.04 s). Ours starts the prefetch early enough
+    # that it is through when 'a' resumes: nothing is restored on demand, and the only stall left
+    # is 'b' waiting for 'a''s 3 blocks to be copied out to make room at 10.2 s.
+    host = tiers(5, 8, host_bw_blocks_per_s=100.0).host
+    assert out["ours"].bytes_restored == 0
+    assert out["ours"].stall_s == pytest.approx(COST.transfer_s(3, host))
 
 
 # -- Nalar's offload rule ----------------------------------------------------------------------
