@@ -25,7 +25,7 @@ Families (``--families``, default both):
              device KV and a 12 MiB host tier against 21 MiB of session KV.
 
 Every variant replays the *same* sessions (contents, tool kinds, latencies and output lengths
-are drawn from ``--seed`` before any variant runs) on a fresh engine with the same settings
+are drawn from each of ``--seeds`` before any variant runs) on a fresh engine with the same settings
 except its KV policy:
 
 ``unbounded``       vLLM's prefix cache with device KV for every session at once: the recompute

@@ -93,6 +93,8 @@ class KVView:
     sessions: Mapping[str, SessionView]
     graph: GraphView
     arrivals: int = 0  # steps that have arrived so far (the one being served included)
+    # Block identifiers per tier: the accelerator's block ids; a lower tier's may be whatever
+    # the enforcer keys it by (the KV manager's host tier: block hashes).
     lru: Callable[[str], Iterator[int]] = field(repr=False, default=lambda tier: iter(()))
     stale: Callable[[str], Iterator[int]] = field(repr=False, default=lambda tier: iter(()))
     # The tier a block is in (None: not cached), where the caller can say cheaply (the
