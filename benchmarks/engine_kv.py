@@ -661,6 +661,35 @@ def run_family(name: str, args: argparse.Namespace) -> tuple[dict, bool]:
     return payload, any(pooled[v].errors for v in variants)
 
 
+def sweep(args: argparse.Namespace, shares: list[float]) -> int:
+    """SIMULATED only: for each family, share and seed, the simulator's lower bound, offline
+    schedule, LRU and ours over the floor with device and host tiers at that share of the live
+    working set's peak (where a goal stated against the floor is within a clairvoyant
+    schedule's reach, before any engine runs)."""
+    import dask_agents  # noqa: F401  (agents.* defaults)
+
+    out: dict[str, Any] = {}
+    for name in args.families:
+        if "concurrency" not in FAMILIES[name]["full"]:
+            continue  # fixed sizes: nothing to sweep
+        for share in shares:
+            for seed in args.seeds:
+                a = argparse.Namespace(**{**vars(args), "device": share, "host": share})
+                plan, fa, config = family_setup(name, a, seed)
+                ref = simulated_reference(plan, fa, args.sweep_call_s)["recomputed_over_floor"]
+                out.setdefault(name, []).append({"share": share, "seed": seed, "device_kv": config["device_kv"],
+                                                 "time_scale": fa.time_scale, **ref})
+                print(f"  {name} share {share} seed {seed} ({config['device_kv']} each): "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in ref.items()), flush=True)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"label": "SIMULATED (kv.offline simulator; no engine ran)", "call_s": args.sweep_call_s,
+                       "sweep": out}, f, indent=2)
+        print(f"  wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print each family's configuration and table; write JSON if asked."""
     global SYSTEM
@@ -682,8 +711,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", help="workload seeds, each run --rounds times "
                    "(default: 0 1 2; 0 with --quick)")
     p.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up run")
+    p.add_argument("--sweep", metavar="SHARES", help="no engine: the SIMULATED reference (simulated_reference) at "
+                   "device and host tiers of each of these shares of the live peak, e.g. 0.3,0.4,0.5")
+    p.add_argument("--sweep-call-s", type=float, default=0.05, help="LLM call length the --sweep replays assume")
     args = p.parse_args(argv)
     args.seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
+    if args.sweep:
+        return sweep(args, [float(x) for x in args.sweep.split(",")])
 
     import dask_agents  # noqa: F401  (agents.* defaults)
 

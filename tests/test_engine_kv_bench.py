@@ -61,3 +61,16 @@ def test_arrivals_keep_the_sessions_and_spread_them_by_the_mean_length():
     gap = starts[-1] / (len(starts) - 1)
     assert 0.5 * mean_len / 10 < gap < 2 * mean_len / 10  # about 10 live at once
     assert ek.with_arrivals(plan, 10, 3) == timed  # a pure function of the seed
+
+
+def test_the_simulated_sweep_orders_bound_schedule_and_lru(tmp_path):
+    path = tmp_path / "sweep.json"
+    assert ek.main(["--quick", "--families", "excess", "current", "--seeds", "0", "--sweep", "0.3,0.6",
+                    "--json", str(path)]) == 0
+    rows = __import__("json").loads(path.read_text())["sweep"]
+    assert list(rows) == ["excess"]  # the current family has fixed sizes: nothing to sweep
+    assert [r["share"] for r in rows["excess"]] == [0.3, 0.6]
+    for r in rows["excess"]:
+        assert 1.0 - 1e-9 <= r["lower_bound"] <= r["offline"] + 1e-9 and r["offline"] <= r["lru"] + 1e-9
+    small, big = rows["excess"]
+    assert big["lru"] <= small["lru"]  # more memory, less recomputed
