@@ -503,6 +503,29 @@ def _ratio(d: dict, k: str) -> str:
     return f"{d[k]:.2f}x [{sp.get('min', d[k]):.2f}, {sp.get('max', d[k]):.2f}]"
 
 
+def tier_size(value: Any) -> float | str:
+    """A tier size as given: a share of the live working set's peak (``0.3``, ``30%``: a float
+    in (0, 1]) or a byte size (``5 MiB``). ValueError for anything else."""
+    from dask.utils import parse_bytes
+
+    if isinstance(value, float):
+        share = value
+    else:
+        text = str(value).strip()
+        try:
+            share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            try:
+                parse_bytes(text)
+            except ValueError:
+                raise ValueError(f"tier size {value!r}: give a share of the live peak (0.3, 30%) "
+                                 "or bytes (5 MiB)") from None
+            return text
+    if not 0 < share <= 1:
+        raise ValueError(f"tier size {value!r}: a share of the live peak must be in (0, 1] (bytes need a unit)")
+    return share
+
+
 def family_setup(name: str, args: argparse.Namespace, seed: int) -> tuple[list[Script], argparse.Namespace, dict]:
     """The family's sessions drawn from ``seed`` and its settings (``args`` with the family's
     defaults filled in; tier sizes given as shares are of this seed's live working set)."""
@@ -510,7 +533,7 @@ def family_setup(name: str, args: argparse.Namespace, seed: int) -> tuple[list[S
     size = dict(fam["quick" if args.quick else "full"])
     for k in ("sessions", "rounds", "time_scale", "device", "host"):
         if getattr(args, k) is not None:
-            size[k] = getattr(args, k)
+            size[k] = tier_size(getattr(args, k)) if k in ("device", "host") else getattr(args, k)
     a = argparse.Namespace(**{**vars(args), **size})
     plan = scripts(size["sessions"], size["steps"], size["task"], size["tool_out"], size["time_scale"], seed,
                    size.get("stagger", 0.0), args.system_tokens, args.max_model_len)
@@ -700,8 +723,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="workload families to run (default: all)")
     p.add_argument("--sessions", type=int, help="sessions (default: the family's)")
     p.add_argument("--rounds", type=int, help="rounds over all variants (rotated order), pooled")
-    p.add_argument("--device", help="device KV memory, 128 KiB a block (default: the family's)")
-    p.add_argument("--host", help="host-memory tier of the managed variants (default: the family's)")
+    p.add_argument("--device", help="device KV memory: bytes (5 MiB; 128 KiB a block) or a share of the live "
+                   "working set's peak (0.3, 30%%) (default: the family's)")
+    p.add_argument("--host", help="host-memory tier of the managed variants, as --device (default: the family's)")
     p.add_argument("--system-tokens", type=int, default=512, help="shared system prompt length")
     p.add_argument("--time-scale", type=float, help="tool latencies x this (the priors are real seconds; "
                    "default: the family's)")

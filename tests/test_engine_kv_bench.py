@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import pytest
+
 from benchmarks import engine_kv as ek
 
 
@@ -74,3 +76,11 @@ def test_the_simulated_sweep_orders_bound_schedule_and_lru(tmp_path):
         assert 1.0 - 1e-9 <= r["lower_bound"] <= r["offline"] + 1e-9 and r["offline"] <= r["lru"] + 1e-9
     small, big = rows["excess"]
     assert big["lru"] <= small["lru"]  # more memory, less recomputed
+
+
+def test_tier_sizes_are_shares_or_bytes_and_nothing_else():
+    assert ek.tier_size("0.5") == 0.5 and ek.tier_size("30%") == 0.3 and ek.tier_size(0.4) == 0.4
+    assert ek.tier_size("5 MiB") == "5 MiB"
+    for bad in ("2", "0", "150%", "lots"):
+        with pytest.raises(ValueError, match="tier size"):
+            ek.tier_size(bad)
