@@ -333,7 +333,6 @@ class Outcome:
     kv: dict[str, Any] = field(default_factory=dict)
     manager: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
-    log: list[tuple[str, int, int, int]] = field(default_factory=list)  # (session, step, prompt, cached) a call
 
     @property
     def recomputed_tokens(self) -> int:
@@ -446,7 +445,6 @@ def run_variant(variant: str, plan: list[Script], args: argparse.Namespace) -> O
                         out.prompt_tokens += len(history)
                         out.cached_tokens += int(res.num_cached_tokens or 0)
                         out.call_s.append(dt)
-                        out.log.append((sc.id, j, len(history), int(res.num_cached_tokens or 0)))
                     history += list(res.outputs[0].token_ids)
                     if st.tool is None:
                         hint(sc.id, "finished", node=st.node)
