@@ -54,9 +54,7 @@ def _exact_ours(trace):
     from dask_agents.kv.runtime.policies import Ours
     from dask_agents.kv.runtime.view import PAUSED
 
-    arrivals: dict[str, list[float]] = {}
-    for st in trace.steps:
-        arrivals.setdefault(st.session, []).append(st.at)
+    arrivals = {sid: [st.at for st in steps] for sid, steps in trace.sessions().items()}
 
     class Exact(Ours):
         name = "ours_exact"
@@ -77,11 +75,8 @@ def with_last_gap(trace):
     previous pause (known online when the step arrives)."""
     from dask_agents.kv.offline.traces import Trace
 
-    by: dict[str, list] = {}
-    for st in trace.steps:
-        by.setdefault(st.session, []).append(st)
     steps = []
-    for ss in by.values():
+    for ss in trace.sessions().values():
         prev = None
         for x, y in zip(ss, ss[1:] + [None]):
             node = x.node if prev is None else f"{x.node}|{int(math.log2(max(prev, 1.0)))}"
@@ -102,10 +97,7 @@ def replay(trace, variant: str, acc: int, cost, params, tick: float, min_samples
     policy = _exact_ours(trace)(params) if variant == "exact" else Ours(params)
     sim = Simulator(with_last_gap(trace) if variant == "last_gap" else trace, tiers, policy, cost, tick, min_samples)
     if variant == "pretrained":
-        by: dict[str, list] = {}
-        for st in trace.steps:
-            by.setdefault(st.session, []).append(st)
-        for ss in by.values():
+        for ss in trace.sessions().values():
             for x, y in zip(ss, ss[1:]):
                 sim.graph.observe_pause(x.node, AgentGraph.key(x.node, x.tool), y.at - x.end)
                 sim.graph.observe_transition(x.node, y.node, 1.0)
